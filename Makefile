@@ -1,0 +1,29 @@
+# kvmesh: `make demo` runs a local fleet, `make test` runs the suite. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTOS := $(wildcard proto/kvmesh/v1/*.proto)
+
+.PHONY: demo test test-fast proto setup clean
+
+$(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_venv.sh
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Regenerate the gRPC code from proto/ (a test fails when it is stale).
+proto: setup
+	$(PY) -m kvmesh.protogen
+
+demo: setup
+	$(VENV)/bin/kvmesh demo
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,53 @@
+-- Sets (op 's') or clears (op 'r') tier bits of one node slot on runs of blocks,
+-- in order, so one batch of events is one call.
+-- KEYS: namespace block hash
+-- ARGV: slot, hash_len, then per run: op, tier_mask, concatenated hashes
+-- Returns the number of block entries changed.
+local slot = tonumber(ARGV[1])
+local hl = tonumber(ARGV[2])
+local changed = 0
+for r = 3, #ARGV, 3 do
+  local op = ARGV[r]
+  local mask = tonumber(ARGV[r + 1])
+  local blob = ARGV[r + 2]
+  for i = 1, #blob, hl do
+    local h = string.sub(blob, i, i + hl - 1)
+    local v = redis.call('HGET', KEYS[1], h)
+    local out = {}
+    local found = false
+    local dirty = false
+    if v then
+      for j = 1, #v, 2 do
+        local hi, lo = string.byte(v, j, j + 1)
+        local e = hi * 256 + lo
+        local s = math.floor(e / 8)
+        local m = e % 8
+        if s == slot then
+          found = true
+          local nm
+          if op == 's' then nm = bit.bor(m, mask) else nm = bit.band(m, 7 - mask) end
+          if nm ~= m then dirty = true end
+          m = nm
+        end
+        if m ~= 0 then
+          local ne = s * 8 + m
+          out[#out + 1] = string.char(math.floor(ne / 256), ne % 256)
+        end
+      end
+    end
+    if op == 's' and not found then
+      local ne = slot * 8 + mask
+      out[#out + 1] = string.char(math.floor(ne / 256), ne % 256)
+      dirty = true
+    end
+    if dirty then
+      changed = changed + 1
+      if #out == 0 then
+        redis.call('HDEL', KEYS[1], h)
+      else
+        redis.call('HSET', KEYS[1], h, table.concat(out))
+      end
+    end
+  end
+end
+return changed

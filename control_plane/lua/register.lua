@@ -1,0 +1,16 @@
+-- Registers a node: new incarnation, new slot, fresh lease, seq restarts at 1.
+-- KEYS: node hash, slots hash, dead set, slot cursor, nodes set
+-- ARGV: node_id, address, pool, labels_json, lease_ms, max_slots
+-- Returns {incarnation, slot} or {incarnation, -1} when no slot is free.
+local now = now_ms()
+local inc = redis.call('HINCRBY', KEYS[1], 'incarnation', 1)
+local lease_until = now + tonumber(ARGV[5])
+local s = rotate_slot(KEYS[1], KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[6]))
+redis.call('HSET', KEYS[1], 'node_id', ARGV[1], 'address', ARGV[2], 'pool', ARGV[3], 'labels', ARGV[4],
+           'lease_until', lease_until, 'last_seq', 0, 'registered_ms', now)
+redis.call('SADD', KEYS[5], ARGV[1])
+if s == nil then
+  return {inc, -1}
+end
+redis.call('HSET', KEYS[2], s, slot_record(ARGV[1], inc, lease_until, ARGV[2]))
+return {inc, s}

@@ -1,0 +1,6 @@
+-- Releases a lock only if this holder still owns it.
+-- KEYS: lock     ARGV: holder id
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0

@@ -1,0 +1,288 @@
+"""The block map on Redis (one server or a Redis Cluster).
+
+Layout (docs/redis-schema.md): each live node incarnation owns a small integer
+*slot*; a namespace's block map is one Redis hash ``block hash -> entries``
+where an entry is 2 bytes, ``slot * 8 + tier bits``. Fencing a node is O(1):
+its slot leaves the live-slot table (lookups ignore slots not in it or whose
+lease expired) and a background sweep later frees the stale entries before the
+slot is reused. Every check-then-modify runs as one Lua script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from importlib import resources
+
+import redis.exceptions
+
+from kvmesh import errors
+from kvmesh.namespace import Namespace
+from kvmesh.redis_client import connect
+from redis.asyncio.cluster import RedisCluster
+
+from control_plane.block_map import BlockMap
+from control_plane.keys import Keys
+from control_plane.model import (
+    ALL_TIERS, Ack, AckStatus, Cleared, EventBatch, Medium, NodeInfo, NodePrefix, NodeStatus,
+    PrefixMatch, Registration, Removed, Stored,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 8192  # entries are 2 bytes: 13 bits of slot, 3 of tiers
+SWEEP_CHUNK = 1000
+GC_LOCK_MS = 30_000
+_SCRIPTS = ("register", "heartbeat", "deregister", "begin_batch", "end_batch", "apply", "rotate",
+            "lookup", "sweep", "reap", "unlock")
+_NEEDS_PRELUDE = {"register", "heartbeat", "deregister", "begin_batch", "rotate", "reap"}
+
+
+def _load_scripts() -> dict[str, str]:
+    lua = resources.files("control_plane") / "lua"
+    prelude = (lua / "prelude.lua").read_text()
+    out = {}
+    for name in _SCRIPTS:
+        body = (lua / f"{name}.lua").read_text()
+        out[name] = prelude + "\n" + body if name in _NEEDS_PRELUDE else body
+    return out
+
+
+def _s(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisBlockMap(BlockMap):
+    def __init__(self, url: str, *, lease_ms: int = 10_000, key_prefix: str = "kvm",
+                 username: str | None = None, password: str | None = None) -> None:
+        self._redis = connect(url, username=username, password=password)
+        self._keys = Keys(key_prefix)
+        self._lease_ms = lease_ms
+        self._sources = _load_scripts()
+        self._sha: dict[str, str] = {}
+        self._known_ns: set[tuple[str, str]] = set()
+        self._replica_id = uuid.uuid4().hex
+        self._cluster = isinstance(self._redis, RedisCluster)
+
+    # -- scripts ---------------------------------------------------------------
+
+    async def _load(self) -> None:
+        for name, src in self._sources.items():
+            self._sha[name] = await self._redis.script_load(src)
+
+    async def _eval(self, name: str, keys: list[str], args: list) -> object:
+        if not self._sha:
+            await self._load()
+        try:
+            return await self._redis.evalsha(self._sha[name], len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:  # the server restarted or was flushed
+            await self._load()
+            return await self._redis.evalsha(self._sha[name], len(keys), *keys, *args)
+
+    async def _run_in_order(self, calls: list[tuple[str, list[str], list]]) -> list:
+        """Runs script calls in order: one pipelined round trip on a single server;
+        one call after another on a cluster (its pipelines refuse scripts)."""
+        if not self._sha:
+            await self._load()
+        if self._cluster:
+            return [await self._eval(name, keys, args) for name, keys, args in calls]
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=False)
+            for name, keys, args in calls:
+                pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+            try:
+                return await pipe.execute()
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                await self._load()
+        raise AssertionError("unreachable")
+
+    # -- registry --------------------------------------------------------------
+
+    def _reg_keys(self, node_id: str) -> list[str]:
+        k = self._keys
+        return [k.node(node_id), k.slots, k.dead_slots, k.slot_cursor]
+
+    async def register_node(self, node: NodeInfo) -> Registration:
+        k = self._keys
+        inc, slot = await self._eval(
+            "register", [*self._reg_keys(node.node_id), k.nodes],
+            [node.node_id, node.data_plane_address, node.pool, json.dumps(node.labels, sort_keys=True),
+             self._lease_ms, MAX_SLOTS],
+        )
+        if int(slot) < 0:
+            raise errors.ResourceExhausted(f"no free node slot: {MAX_SLOTS} node incarnations are live or unswept")
+        return Registration(incarnation=int(inc), lease_ms=self._lease_ms)
+
+    @staticmethod
+    def _raise_for(reply: list, node_id: str) -> None:
+        status = _s(reply[0])
+        if status == "unknown":
+            raise errors.NotFound(f"unknown node {node_id!r}: register it first")
+        if status == "stale":
+            raise errors.FailedPrecondition(
+                f"stale incarnation for node {node_id!r}: current is {_s(reply[1])}; register again and resync"
+            )
+        if status == "expired":
+            raise errors.FailedPrecondition(f"lease of node {node_id!r} expired; register again and resync")
+        if status == "noslot":
+            raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
+
+    async def heartbeat(self, node_id: str, incarnation: int) -> int:
+        k = self._keys
+        reply = await self._eval("heartbeat", [k.node(node_id), k.slots], [incarnation, self._lease_ms])
+        self._raise_for(reply, node_id)
+        return self._lease_ms
+
+    async def deregister_node(self, node_id: str, incarnation: int) -> None:
+        k = self._keys
+        reply = await self._eval("deregister", [k.node(node_id), k.slots, k.dead_slots, k.nodes],
+                                 [node_id, incarnation])
+        self._raise_for(reply, node_id)
+
+    async def list_nodes(self) -> list[NodeStatus]:
+        ids = sorted(_s(m) for m in await self._redis.smembers(self._keys.nodes))
+        now_ms = await self._now_ms()
+        out = []
+        for node_id in ids:
+            h = {_s(a): _s(b) for a, b in (await self._redis.hgetall(self._keys.node(node_id))).items()}
+            lease = int(h.get("lease_until", "0") or 0)
+            out.append(NodeStatus(
+                node=NodeInfo(node_id, h.get("address", ""), h.get("pool", ""), json.loads(h.get("labels") or "{}")),
+                incarnation=int(h.get("incarnation", 0)),
+                live=bool(h.get("slot")) and lease >= now_ms,
+                last_seq=int(h.get("last_seq", 0)),
+                lease_expires_unix_ms=lease,
+            ))
+        return out
+
+    async def _now_ms(self) -> int:
+        sec, usec = await self._redis.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    # -- events ------------------------------------------------------------------
+
+    async def _remember_namespace(self, node_id: str, ns_key: str) -> None:
+        if (node_id, ns_key) in self._known_ns:
+            return
+        await self._redis.sadd(self._keys.namespaces, ns_key)
+        await self._redis.sadd(self._keys.node_namespaces(node_id), ns_key)
+        self._known_ns.add((node_id, ns_key))
+
+    async def apply_batch(self, batch: EventBatch) -> Ack:
+        k = self._keys
+        reply = await self._eval(
+            "begin_batch", self._reg_keys(batch.node_id),
+            [batch.incarnation, batch.seq, 1 if batch.reset else 0, MAX_SLOTS],
+        )
+        status = _s(reply[0])
+        if status == "duplicate":
+            return Ack(batch.seq, AckStatus.DUPLICATE)
+        if status == "gap":
+            return Ack(batch.seq, AckStatus.RESYNC_REQUIRED, expected_seq=int(reply[1]))
+        if status != "apply":
+            self._raise_for(reply, batch.node_id)
+        slot = int(reply[1])
+        ns_key = k.blocks(batch.namespace)
+        await self._remember_namespace(batch.node_id, ns_key)
+        hash_len = batch.namespace.cache_config.hash_algo.digest_size
+        runs: list = []
+        for event in batch.events:
+            if isinstance(event, Cleared):
+                if runs:
+                    await self._eval("apply", [ns_key], [slot, hash_len, *runs])
+                    runs = []
+                slot = await self._clear(batch.node_id, slot, event.medium)
+                continue
+            op = "s" if isinstance(event, Stored) else "r"
+            mask = event.medium.bit if event.medium is not None else ALL_TIERS
+            runs += [op, mask, b"".join(event.block_hashes)]
+        calls = [("apply", [ns_key], [slot, hash_len, *runs])] if runs else []
+        calls.append(("end_batch", [k.node(batch.node_id)], [batch.incarnation, batch.seq]))
+        await self._run_in_order(calls)
+        return Ack(batch.seq, AckStatus.APPLIED, blocks_applied=batch.block_count)
+
+    async def _clear(self, node_id: str, slot: int, medium: Medium | None) -> int:
+        """AllBlocksCleared: every tier fences by rotating the slot; one tier is swept."""
+        if medium is None:
+            new_slot = int(await self._eval("rotate", self._reg_keys(node_id), [MAX_SLOTS]))
+            if new_slot < 0:
+                raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
+            return new_slot
+        async for ns_key in self._redis.sscan_iter(self._keys.node_namespaces(node_id)):
+            await self._sweep(_s(ns_key), {slot: medium.bit})
+        return slot
+
+    async def _sweep(self, ns_key: str, clear: dict[int, int]) -> None:
+        args: list = []
+        for s, mask in clear.items():
+            args += [s, mask]
+        cursor = "0"
+        while True:
+            cursor = _s(await self._eval("sweep", [ns_key], [cursor, SWEEP_CHUNK, *args]))
+            if cursor == "0":
+                return
+
+    # -- lookup ------------------------------------------------------------------
+
+    async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
+        if not block_hashes:
+            return PrefixMatch(0, [], [])
+        if not self._sha:
+            await self._load()
+        lookup_args = (self._sha["lookup"], 1, self._keys.blocks(ns), ns.cache_config.hash_algo.digest_size,
+                       b"".join(block_hashes), tiers)
+        try:
+            if self._cluster:  # different slots: three concurrent commands
+                slots, (sec, usec), found = await asyncio.gather(
+                    self._redis.hgetall(self._keys.slots), self._redis.time(), self._redis.evalsha(*lookup_args))
+            else:
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.hgetall(self._keys.slots)
+                pipe.time()
+                pipe.evalsha(*lookup_args)
+                slots, (sec, usec), found = await pipe.execute()
+        except redis.exceptions.NoScriptError:
+            await self._load()
+            return await self.lookup_prefix(ns, block_hashes, tiers)
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        live: dict[int, tuple[str, str]] = {}
+        for slot, record in slots.items():
+            node_id, _inc, lease_until, address = _s(record).split("\t", 3)
+            if int(lease_until) >= now_ms:
+                live[int(slot)] = (node_id, address)
+        holders = []
+        for i in range(1, len(found), 5):
+            slot, any_count, gpu, cpu, disk = (int(x) for x in found[i:i + 5])
+            if slot in live and any_count > 0:
+                node_id, address = live[slot]
+                holders.append(NodePrefix(node_id, address, any_count,
+                                          {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk}))
+        holders.sort(key=lambda h: (-h.leading_blocks, h.node_id))
+        return PrefixMatch(len(block_hashes), holders, block_hashes)
+
+    # -- garbage -----------------------------------------------------------------
+
+    async def collect_garbage(self) -> int:
+        k = self._keys
+        if not await self._redis.set(k.gc_lock, self._replica_id, nx=True, px=GC_LOCK_MS):
+            return 0  # another replica is collecting; it owns slot reuse until it is done
+        try:
+            await self._eval("reap", [k.slots, k.dead_slots], [k.node_prefix])
+            dead = [int(_s(s)) for s in await self._redis.smembers(k.dead_slots)]
+            if not dead:
+                return 0
+            clear = {s: ALL_TIERS for s in dead}
+            async for ns_key in self._redis.sscan_iter(k.namespaces):
+                await self._sweep(_s(ns_key), clear)
+                await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
+            await self._redis.srem(k.dead_slots, *dead)
+            return len(dead)
+        finally:
+            await self._eval("unlock", [k.gc_lock], [self._replica_id])
+
+    async def close(self) -> None:
+        await self._redis.aclose()

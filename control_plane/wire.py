@@ -1,0 +1,123 @@
+"""Proto <-> domain conversions for the control plane (the servicer's first and last step)."""
+
+from __future__ import annotations
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.hashing import Extras
+from kvmesh.namespace import Namespace
+from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
+
+from control_plane.model import (
+    Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodeStatus, PrefixMatch, Removed, Stored,
+)
+
+_ACK_TO_PB = {
+    AckStatus.APPLIED: pb.ACK_STATUS_APPLIED,
+    AckStatus.DUPLICATE: pb.ACK_STATUS_DUPLICATE,
+    AckStatus.RESYNC_REQUIRED: pb.ACK_STATUS_RESYNC_REQUIRED,
+}
+_ACK_FROM_PB = {v: k for k, v in _ACK_TO_PB.items()}
+
+
+def medium_or_none(value: int, what: str) -> Medium | None:
+    if value == common_pb2.MEDIUM_UNSPECIFIED:
+        return None
+    try:
+        return Medium(value)
+    except ValueError:
+        raise InvalidArgument(f"{what}: unknown medium {value}") from None
+
+
+def medium(value: int, what: str) -> Medium:
+    m = medium_or_none(value, what)
+    if m is None:
+        raise InvalidArgument(f"{what}: medium must be GPU, CPU or DISK")
+    return m
+
+
+def extras(msg: common_pb2.HashExtras) -> Extras:
+    return Extras(lora_name=msg.lora_name, lora_path=msg.lora_path, cache_salt=msg.cache_salt)
+
+
+def namespace(msg: common_pb2.Namespace, present: bool) -> Namespace:
+    if not present:
+        raise InvalidArgument("namespace is required")
+    return Namespace.from_proto(msg)
+
+
+def node_info(msg: pb.NodeInfo) -> NodeInfo:
+    return NodeInfo(msg.node_id, msg.data_plane_address, msg.pool, dict(msg.labels))
+
+
+def node_info_to_pb(node: NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(node_id=node.node_id, data_plane_address=node.data_plane_address,
+                       pool=node.pool, labels=node.labels)
+
+
+def node_status_to_pb(status: NodeStatus) -> pb.NodeStatus:
+    return pb.NodeStatus(node=node_info_to_pb(status.node), incarnation=status.incarnation, live=status.live,
+                         last_seq=status.last_seq, lease_expires_unix_ms=status.lease_expires_unix_ms)
+
+
+def _event(msg: pb.KvEvent, i: int) -> Event:
+    kind = msg.WhichOneof("event")
+    if kind == "stored":
+        s = msg.stored
+        return Stored(tuple(s.block_hashes), medium(s.medium, f"event {i}"), s.block_size,
+                      s.parent_block_hash, tuple(s.token_ids))
+    if kind == "removed":
+        return Removed(tuple(msg.removed.block_hashes), medium_or_none(msg.removed.medium, f"event {i}"))
+    if kind == "cleared":
+        return Cleared(medium_or_none(msg.cleared.medium, f"event {i}"))
+    raise InvalidArgument(f"event {i} is empty: set stored, removed or cleared")
+
+
+def event_batch(msg: pb.EventBatch) -> EventBatch:
+    return EventBatch(
+        node_id=msg.node_id,
+        incarnation=msg.incarnation,
+        seq=msg.seq,
+        namespace=namespace(msg.namespace, msg.HasField("namespace")),
+        events=tuple(_event(e, i) for i, e in enumerate(msg.events)),
+        reset=msg.reset,
+    )
+
+
+def event_to_pb(event: Event) -> pb.KvEvent:
+    if isinstance(event, Stored):
+        return pb.KvEvent(stored=pb.BlockStored(
+            block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids, block_size=event.block_size, medium=int(event.medium)))
+    if isinstance(event, Removed):
+        return pb.KvEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes,
+                                                  medium=int(event.medium or 0)))
+    return pb.KvEvent(cleared=pb.AllBlocksCleared(medium=int(event.medium or 0)))
+
+
+def event_batch_to_pb(batch: EventBatch) -> pb.EventBatch:
+    return pb.EventBatch(node_id=batch.node_id, incarnation=batch.incarnation, seq=batch.seq,
+                         namespace=batch.namespace.to_proto(), reset=batch.reset,
+                         events=[event_to_pb(e) for e in batch.events])
+
+
+def ack_to_pb(ack: Ack) -> pb.EventAck:
+    return pb.EventAck(seq=ack.seq, status=_ACK_TO_PB[ack.status], expected_seq=ack.expected_seq,
+                       blocks_applied=ack.blocks_applied)
+
+
+def ack(msg: pb.EventAck) -> Ack:
+    return Ack(msg.seq, _ACK_FROM_PB[msg.status], msg.expected_seq, msg.blocks_applied)
+
+
+def prefix_match_to_pb(match: PrefixMatch) -> pb.LookupPrefixResponse:
+    return pb.LookupPrefixResponse(
+        blocks_queried=match.blocks_queried,
+        block_hashes=match.block_hashes,
+        holders=[
+            pb.NodePrefix(
+                node_id=h.node_id, data_plane_address=h.data_plane_address, leading_blocks=h.leading_blocks,
+                tiers=[pb.TierPrefix(medium=int(m), leading_blocks=n) for m, n in h.per_tier.items() if n],
+            )
+            for h in match.holders
+        ],
+    )

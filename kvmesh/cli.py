@@ -1,0 +1,61 @@
+"""The ``kvmesh`` command: services, benchmarks, the demo and the admin tools.
+
+Each subcommand lives in its own module and is imported only when run, so
+``kvmesh control-plane`` never imports vLLM and ``kvmesh demo`` starts fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, function, help). The function takes argv (list[str]) and returns an exit code.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "control-plane": ("control_plane.server", "main", "run the control-plane gRPC service"),
+    "data-plane": ("data_plane.server", "main", "run one node's data-plane gRPC service"),
+    "vllm-events": ("control_plane.vllm_events", "main", "feed a stock vLLM's ZMQ KV events into the control plane"),
+    "demo": ("kvmesh.demo", "main", "start a local fleet on embedded defaults and run a scenario"),
+}
+
+BENCHMARKS: dict[str, tuple[str, str, str]] = {
+    "control-plane": ("control_plane.bench", "main", "block-map lookup latency, ingest rate, Redis bytes per block"),
+    "pull": ("data_plane.bench", "main", "NIXL peer pull throughput against memcpy"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvmesh COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<16} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["  bench NAME       run a benchmark (--json ends with one JSON object):"]
+    lines += [f"    {name:<14} {help_}" for name, (_, _, help_) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def _run(table: dict[str, tuple[str, str, str]], name: str, argv: list[str]) -> int:
+    if name not in table:
+        print(f"kvmesh: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = table[name]
+    try:
+        entry = getattr(importlib.import_module(module), func)
+    except ImportError as exc:
+        print(f"kvmesh {name}: not available in this install ({exc})", file=sys.stderr)
+        return 2
+    return int(entry(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "bench":
+        if len(argv) < 2:
+            print(_usage(), file=sys.stderr)
+            return 2
+        return _run(BENCHMARKS, argv[1], argv[2:])
+    return _run(COMMANDS, argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

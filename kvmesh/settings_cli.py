@@ -1,0 +1,34 @@
+"""Builds a service's command line from its typed settings class.
+
+Each field of a pydantic-settings class becomes ``--field-name`` with the
+field's description as help; flags override ``<PREFIX>_FIELD`` environment
+variables, which override defaults. Invalid values exit with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_ = f"{field.description or ''} (default: {field.default!r})"
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_)
+    args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    try:
+        return cls(**args)
+    except ValidationError as exc:
+        print(f"{prog}: invalid configuration:\n{exc}", file=sys.stderr)
+        raise SystemExit(2) from None

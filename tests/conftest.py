@@ -1,0 +1,30 @@
+"""Shared fixtures: real Redis servers (one standalone, one cluster) per test session."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvmesh.redis_server import RedisCluster, RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> RedisServer:
+    server = RedisServer(Path(tmp_path_factory.mktemp("redis"))).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory) -> RedisCluster:
+    cluster = RedisCluster(Path(tmp_path_factory.mktemp("redis-cluster"))).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A fresh key prefix per test: tests share servers but never keys."""
+    return f"t{uuid.uuid4().hex[:10]}"
