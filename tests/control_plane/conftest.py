@@ -24,3 +24,31 @@ async def block_map(store_url, key_prefix):
     bm = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
     yield bm
     await bm.close()
+
+
+@pytest.fixture
+def cp_config(redis_server, key_prefix):
+    from control_plane.config import ControlPlaneConfig
+
+    return ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix,
+                              lease_ms=60_000, max_batch_blocks=1000, max_lookup_blocks=2048)
+
+
+@pytest.fixture
+async def control_plane(cp_config):
+    """A real control-plane gRPC server on a free loopback port."""
+    from control_plane.server import serve
+
+    running = await serve(cp_config)
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def cp_stub(control_plane):
+    import grpc
+
+    from kvmesh.v1 import control_plane_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{control_plane.port}") as channel:
+        yield control_plane_pb2_grpc.ControlPlaneStub(channel)

@@ -1,0 +1,243 @@
+"""Publishes one node's tier changes to the control plane, in order, surviving outages.
+
+Used by every data plane (and usable by any node-side process). ``stored`` and
+``removed`` only enqueue, so the node never waits on the control plane; a
+background task sends numbered batches over ``StreamEvents`` and keeps each
+batch until it is acked.
+
+Failure policy
+- Control plane unreachable: retry every ``retry_s``; unacked batches are resent
+  with their original seq (the server treats replays as duplicates).
+- Sequence gap (RESYNC_REQUIRED), stale incarnation, expired lease, unknown
+  node: register a new incarnation (which fences everything the old one
+  published) and stream the node's full ``snapshot()``; queued events older
+  than the snapshot are dropped because the snapshot already reflects them.
+
+Threading model: ``stored``/``removed`` may be called from any thread; all
+network work runs on the event loop that called ``start``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import grpc
+
+from kvmesh.grpc_server import channel_options
+from kvmesh.namespace import Namespace
+from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
+
+from control_plane import wire
+from control_plane.model import NodeInfo, Removed, Stored, Medium
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EventPublisher", "NodeInfo"]
+
+Snapshot = Callable[[], Iterable[tuple[Namespace, int, list[bytes]]]]
+_RESYNC_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+@dataclass(frozen=True, slots=True)
+class _Change:
+    ns: Namespace
+    stored: bool
+    medium: int
+    block_hashes: tuple[bytes, ...]
+
+
+class _Resync(Exception):
+    """The control plane no longer trusts this incarnation's stream."""
+
+
+class EventPublisher:
+    def __init__(self, control_plane_address: str, node: NodeInfo, snapshot: Snapshot, *,
+                 max_batch_blocks: int = 4096, retry_s: float = 0.5,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self._address = control_plane_address
+        self._node = node.validate()
+        self._snapshot = snapshot
+        self._max_batch_blocks = max_batch_blocks
+        self._retry_s = retry_s
+        self._metadata = metadata
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Change] = collections.deque()
+        self._unacked: collections.deque[pb.EventBatch] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.ControlPlaneStub | None = None
+        self.incarnation = 0
+        self._seq = 0
+        self._lease_ms = 10_000
+        self._need_register = True
+
+    # -- producer side (any thread) ---------------------------------------------
+
+    def stored(self, ns: Namespace, block_hashes: list[bytes], medium: int) -> None:
+        self._put(_Change(ns, True, medium, tuple(block_hashes)))
+
+    def removed(self, ns: Namespace, block_hashes: list[bytes], medium: int) -> None:
+        self._put(_Change(ns, False, medium, tuple(block_hashes)))
+
+    def _put(self, change: _Change) -> None:
+        if not change.block_hashes:
+            return
+        with self._lock:
+            self._queue.append(change)
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake, self._idle = asyncio.Event(), asyncio.Event()
+        self._channel = grpc.aio.insecure_channel(self._address, options=channel_options())
+        self._stub = pb_grpc.ControlPlaneStub(self._channel)
+        self._tasks = [asyncio.create_task(self._run(), name="kvmesh-publisher"),
+                       asyncio.create_task(self._heartbeats(), name="kvmesh-heartbeat")]
+
+    async def flush(self, timeout: float) -> bool:
+        """Waits until every change enqueued so far is acked; False on timeout."""
+        assert self._idle is not None and self._wake is not None, "start() first"
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._queue or self._unacked or self._need_register:
+            self._idle.clear()
+            self._wake.set()
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._idle.wait(), min(remaining, 0.1))
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        if self._channel is not None:
+            await self._channel.close()
+
+    # -- background -------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        node = wire.node_info_to_pb(self._node)
+        reply = await self._stub.RegisterNode(pb.RegisterNodeRequest(node=node), metadata=self._metadata)
+        self.incarnation, self._lease_ms, self._seq = reply.incarnation, reply.lease_ms, reply.next_seq - 1
+        # The snapshot is the truth now: it supersedes unacked batches. Queued
+        # changes are kept and replayed after it: each is the latest for its block.
+        with self._lock:
+            self._unacked.clear()
+            snapshot = [_Change(ns, True, medium, tuple(hs)) for ns, medium, hs in self._snapshot() if hs]
+            self._queue.extendleft(reversed(snapshot))
+        self._need_register = False
+        log.info("node %s registered as incarnation %d; resyncing %d snapshot runs",
+                 self._node.node_id, self.incarnation, len(snapshot))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ms / 3000)
+            if self._need_register:
+                continue
+            try:
+                await self._stub.Heartbeat(
+                    pb.HeartbeatRequest(node_id=self._node.node_id, incarnation=self.incarnation),
+                    timeout=self._lease_ms / 3000, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _RESYNC_CODES:
+                    self._need_register = True
+                    self._wake.set()
+                else:
+                    log.warning("heartbeat failed: %s", exc.details())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self._need_register:
+                    await self._register()
+                await self._stream()
+            except _Resync:
+                self._need_register = True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _RESYNC_CODES:
+                    log.info("control plane asks for a resync: %s", exc.details())
+                    self._need_register = True
+                else:
+                    log.warning("control plane unreachable (%s); retrying in %.1fs", exc.code().name, self._retry_s)
+                    await asyncio.sleep(self._retry_s)
+
+    def _next_batch(self) -> pb.EventBatch | None:
+        """Coalesces queued changes of one namespace into one batch."""
+        with self._lock:
+            if not self._queue:
+                return None
+            ns = self._queue[0].ns
+            events, blocks = [], 0
+            while self._queue and self._queue[0].ns == ns and blocks < self._max_batch_blocks:
+                change = self._queue.popleft()
+                blocks += len(change.block_hashes)
+                if change.stored:
+                    events.append(Stored(change.block_hashes, Medium(change.medium), ns.cache_config.block_size))
+                else:
+                    events.append(Removed(change.block_hashes, Medium(change.medium) if change.medium else None))
+        self._seq += 1
+        return pb.EventBatch(node_id=self._node.node_id, incarnation=self.incarnation, seq=self._seq,
+                             namespace=ns.to_proto(), events=[wire.event_to_pb(e) for e in events])
+
+    async def _stream(self) -> None:
+        outbox: asyncio.Queue[pb.EventBatch] = asyncio.Queue()
+        for batch in self._unacked:  # resend what the last stream did not confirm
+            outbox.put_nowait(batch)
+
+        async def requests():
+            while True:
+                yield await outbox.get()
+
+        call = self._stub.StreamEvents(requests(), metadata=self._metadata)
+
+        async def feed():
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._need_register:
+                    call.cancel()
+                    return
+                while (batch := self._next_batch()) is not None:
+                    self._unacked.append(batch)
+                    outbox.put_nowait(batch)
+                if not self._unacked:
+                    self._idle.set()
+
+        feeder = asyncio.create_task(feed())
+        self._wake.set()
+        try:
+            async for ack in call:
+                if ack.status == pb.ACK_STATUS_RESYNC_REQUIRED:
+                    raise _Resync()
+                while self._unacked and self._unacked[0].seq <= ack.seq:
+                    self._unacked.popleft()
+                if not self._unacked and not self._queue:
+                    self._idle.set()
+        except asyncio.CancelledError:
+            if self._need_register:
+                return
+            raise
+        finally:
+            feeder.cancel()
+            call.cancel()
+        if not self._need_register:  # the server ended the stream: reconnect after a pause
+            await asyncio.sleep(self._retry_s)

@@ -1,0 +1,198 @@
+"""The ControlPlane gRPC service on a real server and a real Redis: the wire contract and bad inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvmesh.hashing import BlockHasher, Extras
+from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc
+
+from control_plane.server import serve
+
+
+def ns_pb(tenant="acme", block_size=32, **cache):
+    return common_pb2.Namespace(tenant=tenant, model="tiny-llama", weight_version="v1",
+                                cache_config=common_pb2.CacheConfig(block_size=block_size, **cache))
+
+
+def hashes(n, tag=""):
+    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+
+async def register(stub, node_id="node-1", address="127.0.0.1:7001"):
+    reply = await stub.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(node_id=node_id, data_plane_address=address)))
+    return reply.incarnation
+
+
+def stored_batch(node_id, inc, seq, hs, medium=common_pb2.MEDIUM_CPU, block_size=32, ns=None, **kw):
+    return pb.EventBatch(node_id=node_id, incarnation=inc, seq=seq, namespace=ns or ns_pb(), events=[
+        pb.KvEvent(stored=pb.BlockStored(block_hashes=hs, block_size=block_size, medium=medium))], **kw)
+
+
+async def expect_error(coro, code, text):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await coro
+    assert info.value.code() == code, info.value.details()
+    assert text in info.value.details()
+
+
+async def test_publish_then_lookup_by_hashes_and_by_tokens(cp_stub):
+    inc = await register(cp_stub)
+    tokens = list(range(1000, 1000 + 32 * 6))
+    hs = BlockHasher().block_hashes(tokens, 32, Extras())
+    ack = await cp_stub.PublishEvents(stored_batch("node-1", inc, 1, hs))
+    assert ack.status == pb.ACK_STATUS_APPLIED and ack.blocks_applied == 6
+    by_hash = await cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hs))
+    by_tokens = await cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), token_ids=tokens + [1, 2]))
+    assert by_hash.holders == by_tokens.holders
+    assert list(by_tokens.block_hashes) == hs
+    (holder,) = by_hash.holders
+    assert (holder.node_id, holder.data_plane_address, holder.leading_blocks) == ("node-1", "127.0.0.1:7001", 6)
+    assert [(t.medium, t.leading_blocks) for t in holder.tiers] == [(common_pb2.MEDIUM_CPU, 6)]
+    salted = await cp_stub.LookupPrefix(pb.LookupPrefixRequest(
+        namespace=ns_pb(), token_ids=tokens, extras=common_pb2.HashExtras(cache_salt="s")))
+    assert not salted.holders
+
+
+async def test_stream_events_acks_in_order_and_asks_for_resync_on_gap(cp_stub):
+    inc = await register(cp_stub)
+    batches = [stored_batch("node-1", inc, seq, hashes(4, str(seq))) for seq in (1, 2, 2, 5)]
+
+    async def requests():
+        for b in batches:
+            yield b
+
+    acks = [a async for a in cp_stub.StreamEvents(requests())]
+    assert [(a.seq, a.status) for a in acks] == [
+        (1, pb.ACK_STATUS_APPLIED), (2, pb.ACK_STATUS_APPLIED), (2, pb.ACK_STATUS_DUPLICATE),
+        (5, pb.ACK_STATUS_RESYNC_REQUIRED)]
+    assert acks[-1].expected_seq == 3
+    reset = stored_batch("node-1", inc, 5, hashes(2, "snap"), reset=True)
+    assert (await cp_stub.PublishEvents(reset)).status == pb.ACK_STATUS_APPLIED
+    gone = await cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(4, "1")))
+    assert not gone.holders
+
+
+@pytest.mark.parametrize("mutate, code, text", [
+    (lambda b: b.ClearField("namespace"), grpc.StatusCode.INVALID_ARGUMENT, "namespace is required"),
+    (lambda b: b.events[0].stored.__setattr__("block_size", 16), grpc.StatusCode.INVALID_ARGUMENT,
+     "does not match the namespace's block size 32"),
+    (lambda b: b.ClearField("events"), grpc.StatusCode.INVALID_ARGUMENT, "empty event batch"),
+    (lambda b: b.events[0].stored.block_hashes.extend(hashes(1000, "x")), grpc.StatusCode.INVALID_ARGUMENT,
+     "the limit is 1000"),
+    (lambda b: b.events[0].stored.block_hashes.append(b"short"), grpc.StatusCode.INVALID_ARGUMENT,
+     "sha256_cbor hashes are 32 bytes"),
+    (lambda b: b.events[0].stored.__setattr__("medium", 0), grpc.StatusCode.INVALID_ARGUMENT,
+     "medium must be GPU, CPU or DISK"),
+    (lambda b: b.events.add(), grpc.StatusCode.INVALID_ARGUMENT, "event 1 is empty"),
+    (lambda b: b.__setattr__("node_id", "ghost"), grpc.StatusCode.NOT_FOUND, "unknown node 'ghost'"),
+    (lambda b: b.__setattr__("node_id", "bad id!"), grpc.StatusCode.INVALID_ARGUMENT, "node_id 'bad id!'"),
+    (lambda b: b.__setattr__("incarnation", 99), grpc.StatusCode.FAILED_PRECONDITION, "stale incarnation"),
+    (lambda b: b.namespace.__setattr__("tenant", "Bad Tenant"), grpc.StatusCode.INVALID_ARGUMENT,
+     "not a valid tenant id"),
+    (lambda b: b.namespace.cache_config.__setattr__("block_size", 0), grpc.StatusCode.INVALID_ARGUMENT,
+     "block_size must be in 1..4096"),
+])
+async def test_bad_event_batches_are_rejected_with_a_clear_status(cp_stub, mutate, code, text):
+    inc = await register(cp_stub)
+    batch = stored_batch("node-1", inc, 1, hashes(2))
+    mutate(batch)
+    await expect_error(cp_stub.PublishEvents(batch), code, text)
+
+
+async def test_bad_lookups_are_rejected(cp_stub):
+    await expect_error(cp_stub.LookupPrefix(pb.LookupPrefixRequest(block_hashes=hashes(1))),
+                       grpc.StatusCode.INVALID_ARGUMENT, "namespace is required")
+    await expect_error(cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(3000))),
+                       grpc.StatusCode.INVALID_ARGUMENT, "the limit is 2048")
+    await expect_error(cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(1),
+                                                                   token_ids=[1] * 32)),
+                       grpc.StatusCode.INVALID_ARGUMENT, "not both")
+    await expect_error(cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), media=[7])),
+                       grpc.StatusCode.INVALID_ARGUMENT, "unknown medium 7")
+    await expect_error(cp_stub.LookupPrefix(pb.LookupPrefixRequest(
+        namespace=ns_pb(hash_algo=common_pb2.HASH_ALGO_XXHASH_CBOR), block_hashes=hashes(1))),
+        grpc.StatusCode.INVALID_ARGUMENT, "needs an explicit hash_seed")
+
+
+async def test_bad_registrations_and_heartbeats(cp_stub):
+    await expect_error(cp_stub.RegisterNode(pb.RegisterNodeRequest()), grpc.StatusCode.INVALID_ARGUMENT,
+                       "node is required")
+    await expect_error(cp_stub.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(
+        node_id="n", data_plane_address="nowhere"))), grpc.StatusCode.INVALID_ARGUMENT, "must be host:port")
+    await expect_error(cp_stub.Heartbeat(pb.HeartbeatRequest(node_id="ghost", incarnation=1)),
+                       grpc.StatusCode.NOT_FOUND, "unknown node")
+    inc = await register(cp_stub)
+    assert (await cp_stub.Heartbeat(pb.HeartbeatRequest(node_id="node-1", incarnation=inc))).lease_ms == 60_000
+    await register(cp_stub)
+    await expect_error(cp_stub.Heartbeat(pb.HeartbeatRequest(node_id="node-1", incarnation=inc)),
+                       grpc.StatusCode.FAILED_PRECONDITION, "stale incarnation")
+    nodes = (await cp_stub.ListNodes(pb.ListNodesRequest())).nodes
+    assert [(n.node.node_id, n.incarnation, n.live) for n in nodes] == [("node-1", inc + 1, True)]
+
+
+async def test_health_and_reflection(control_plane):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{control_plane.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.ControlPlane"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+        async def ask():
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        names = [s.name async for r in refl.ServerReflectionInfo(ask()) for s in r.list_services_response.service]
+        assert "kvmesh.v1.ControlPlane" in names
+
+
+async def test_two_replicas_answer_identically_and_a_restart_loses_nothing(cp_config, redis_server):
+    replicas = [await serve(cp_config), await serve(cp_config)]
+    try:
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
+        a, b = (control_plane_pb2_grpc.ControlPlaneStub(c) for c in channels)
+        inc = await register(a)
+        hs = hashes(5)
+        await a.PublishEvents(stored_batch("node-1", inc, 1, hs[:3]))
+        await b.PublishEvents(stored_batch("node-1", inc, 2, hs[3:]))  # the stream moves to the other replica
+        q = pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hs)
+        ra, rb = await a.LookupPrefix(q), await b.LookupPrefix(q)
+        assert ra == rb and ra.holders[0].leading_blocks == 5
+        for c in channels:
+            await c.close()
+        for r in replicas:
+            await r.stop()
+        redis_server.restart()  # AOF: the block map survives the store restarting too
+        replicas = [await serve(cp_config)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{replicas[0].port}") as c:
+            again = await control_plane_pb2_grpc.ControlPlaneStub(c).LookupPrefix(q)
+        assert again == ra
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
+async def test_redis_down_is_unavailable_not_a_hang(cp_config, tmp_path):
+    from kvmesh.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    config = cp_config.model_copy(update={"redis_url": server.url})
+    running = await serve(config)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+            await register(stub)
+            server.stop()
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await expect_error(stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(2)),
+                                                 timeout=10), grpc.StatusCode.UNAVAILABLE, "unavailable")
+            assert loop.time() - start < 5
+    finally:
+        await running.stop()
+        server.stop()
