@@ -69,10 +69,15 @@ class ControlPlane:
         if len(block_hashes) > self.config.max_lookup_blocks:
             raise InvalidArgument(f"{len(block_hashes)} block hashes; the limit is {self.config.max_lookup_blocks}")
         digest = cfg.hash_algo.digest_size
-        for i, h in enumerate(block_hashes):
-            if len(h) != digest:
-                raise InvalidArgument(f"block_hashes[{i}] has {len(h)} bytes; {cfg.hash_algo.value} hashes are {digest}")
-        return await self.block_map.lookup_prefix(ns, block_hashes, tiers)
+        if any(len(h) != digest for h in block_hashes):
+            i = next(i for i, h in enumerate(block_hashes) if len(h) != digest)
+            raise InvalidArgument(
+                f"block_hashes[{i}] has {len(block_hashes[i])} bytes; {cfg.hash_algo.value} hashes are {digest}"
+            )
+        match = await self.block_map.lookup_prefix(ns, block_hashes, tiers)
+        if token_ids:
+            match = PrefixMatch(match.blocks_queried, match.holders, block_hashes)
+        return match
 
     # -- background --------------------------------------------------------------
 

@@ -190,7 +190,7 @@ class NodePrefix:
 class PrefixMatch:
     blocks_queried: int
     holders: list[NodePrefix]
-    block_hashes: list[bytes]
+    block_hashes: list[bytes] = field(default_factory=list)  # set when the server hashed tokens
 
     @property
     def longest(self) -> int:

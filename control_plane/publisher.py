@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import threading
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
 from control_plane import wire
-from control_plane.model import NodeInfo, Removed, Stored, Medium
+from control_plane.model import Cleared, Medium, NodeInfo, Removed, Stored
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,18 @@ Snapshot = Callable[[], Iterable[tuple[Namespace, int, list[bytes]]]]
 _RESYNC_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
 
+class _Kind(enum.Enum):
+    STORED = 1
+    REMOVED = 2
+    CLEARED = 3
+
+
 @dataclass(frozen=True, slots=True)
 class _Change:
     ns: Namespace
-    stored: bool
+    kind: _Kind
     medium: int
-    block_hashes: tuple[bytes, ...]
+    block_hashes: tuple[bytes, ...] = ()
 
 
 class _Resync(Exception):
@@ -82,14 +89,19 @@ class EventPublisher:
     # -- producer side (any thread) ---------------------------------------------
 
     def stored(self, ns: Namespace, block_hashes: list[bytes], medium: int) -> None:
-        self._put(_Change(ns, True, medium, tuple(block_hashes)))
+        if block_hashes:
+            self._put(_Change(ns, _Kind.STORED, medium, tuple(block_hashes)))
 
     def removed(self, ns: Namespace, block_hashes: list[bytes], medium: int) -> None:
-        self._put(_Change(ns, False, medium, tuple(block_hashes)))
+        """``medium`` 0 (MEDIUM_UNSPECIFIED): every tier."""
+        if block_hashes:
+            self._put(_Change(ns, _Kind.REMOVED, medium, tuple(block_hashes)))
+
+    def cleared(self, ns: Namespace, medium: int = 0) -> None:
+        """The node dropped every block of ``medium`` (0: of every tier and namespace)."""
+        self._put(_Change(ns, _Kind.CLEARED, medium))
 
     def _put(self, change: _Change) -> None:
-        if not change.block_hashes:
-            return
         with self._lock:
             self._queue.append(change)
         if self._loop is not None and self._wake is not None:
@@ -142,7 +154,7 @@ class EventPublisher:
         # changes are kept and replayed after it: each is the latest for its block.
         with self._lock:
             self._unacked.clear()
-            snapshot = [_Change(ns, True, medium, tuple(hs)) for ns, medium, hs in self._snapshot() if hs]
+            snapshot = [_Change(ns, _Kind.STORED, medium, tuple(hs)) for ns, medium, hs in self._snapshot() if hs]
             self._queue.extendleft(reversed(snapshot))
         self._need_register = False
         log.info("node %s registered as incarnation %d; resyncing %d snapshot runs",
@@ -190,10 +202,13 @@ class EventPublisher:
             while self._queue and self._queue[0].ns == ns and blocks < self._max_batch_blocks:
                 change = self._queue.popleft()
                 blocks += len(change.block_hashes)
-                if change.stored:
-                    events.append(Stored(change.block_hashes, Medium(change.medium), ns.cache_config.block_size))
+                medium = Medium(change.medium) if change.medium else None
+                if change.kind is _Kind.STORED:
+                    events.append(Stored(change.block_hashes, medium, ns.cache_config.block_size))
+                elif change.kind is _Kind.REMOVED:
+                    events.append(Removed(change.block_hashes, medium))
                 else:
-                    events.append(Removed(change.block_hashes, Medium(change.medium) if change.medium else None))
+                    events.append(Cleared(medium))
         self._seq += 1
         return pb.EventBatch(node_id=self._node.node_id, incarnation=self.incarnation, seq=self._seq,
                              namespace=ns.to_proto(), events=[wire.event_to_pb(e) for e in events])

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import uuid
-from importlib import resources
+from pathlib import Path
 
 import redis.exceptions
 
@@ -41,7 +41,7 @@ _NEEDS_PRELUDE = {"register", "heartbeat", "deregister", "begin_batch", "rotate"
 
 
 def _load_scripts() -> dict[str, str]:
-    lua = resources.files("control_plane") / "lua"
+    lua = Path(__file__).with_name("lua")
     prelude = (lua / "prelude.lua").read_text()
     out = {}
     for name in _SCRIPTS:
@@ -231,24 +231,15 @@ class RedisBlockMap(BlockMap):
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
         if not block_hashes:
             return PrefixMatch(0, [], [])
-        if not self._sha:
-            await self._load()
-        lookup_args = (self._sha["lookup"], 1, self._keys.blocks(ns), ns.cache_config.hash_algo.digest_size,
-                       b"".join(block_hashes), tiers)
-        try:
-            if self._cluster:  # different slots: three concurrent commands
-                slots, (sec, usec), found = await asyncio.gather(
-                    self._redis.hgetall(self._keys.slots), self._redis.time(), self._redis.evalsha(*lookup_args))
-            else:
-                pipe = self._redis.pipeline(transaction=False)
-                pipe.hgetall(self._keys.slots)
-                pipe.time()
-                pipe.evalsha(*lookup_args)
-                slots, (sec, usec), found = await pipe.execute()
-        except redis.exceptions.NoScriptError:
-            await self._load()
-            return await self.lookup_prefix(ns, block_hashes, tiers)
-        now_ms = int(sec) * 1000 + int(usec) // 1000
+        blocks_key = self._keys.blocks(ns)
+        args = [ns.cache_config.hash_algo.digest_size, b"".join(block_hashes), tiers]
+        if self._cluster:  # the live-slot table is in another slot: fetch it concurrently
+            (found,), slots, (sec, usec) = await asyncio.gather(
+                self._eval("lookup", [blocks_key], args), self._redis.hgetall(self._keys.slots), self._redis.time())
+            now_ms = int(sec) * 1000 + int(usec) // 1000
+        else:  # one round trip: the script returns the live-slot table and the time too
+            found, flat, now_ms = await self._eval("lookup", [blocks_key, self._keys.slots], args)
+            slots = dict(zip(flat[::2], flat[1::2]))
         live: dict[int, tuple[str, str]] = {}
         for slot, record in slots.items():
             node_id, _inc, lease_until, address = _s(record).split("\t", 3)
@@ -262,7 +253,7 @@ class RedisBlockMap(BlockMap):
                 holders.append(NodePrefix(node_id, address, any_count,
                                           {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk}))
         holders.sort(key=lambda h: (-h.leading_blocks, h.node_id))
-        return PrefixMatch(len(block_hashes), holders, block_hashes)
+        return PrefixMatch(len(block_hashes), holders)
 
     # -- garbage -----------------------------------------------------------------
 

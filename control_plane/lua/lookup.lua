@@ -1,18 +1,22 @@
--- Longest-prefix lookup. Reads blocks in order and stops at the first block
--- that extends no slot's run, so a lookup costs the matched prefix, not the prompt.
--- KEYS: namespace block hash   ARGV: hash_len, concatenated hashes, tier filter mask
--- Returns {blocks_read, slot, any_count, gpu_count, cpu_count, disk_count, slot, ...}
+-- Longest-prefix lookup. Reads blocks in order, in HMGET chunks that double in
+-- size, and stops at the first block that extends no slot's run: a lookup costs
+-- the matched prefix (plus at most one chunk), not the whole prompt.
+-- A block whose value equals the previous block's (same holders, same tiers: the
+-- common case along a shared prefix) extends the same runs, so it is only counted.
+-- KEYS: namespace block hash [, live-slot table (single server only: saves a round trip)]
+-- ARGV: hash_len, concatenated hashes, tier filter mask
+-- Returns {{blocks_read, slot, any_count, gpu_count, cpu_count, disk_count, slot, ...},
+--          [the live-slot table as HGETALL gives it, the server time in ms]}
 -- Counts are leading blocks: "any" on any filtered tier, the others per tier.
 local hl = tonumber(ARGV[1])
 local blob = ARGV[2]
 local filter = tonumber(ARGV[3])
+local n = #blob / hl
 local counts = {}   -- slot -> {any, gpu, cpu, disk}
 local running = {}  -- slot -> {any, gpu, cpu, disk} booleans
 local order = {}
-local read = 0
-for i = 1, #blob, hl do
-  local v = redis.call('HGET', KEYS[1], string.sub(blob, i, i + hl - 1))
-  if not v then break end
+
+local function decode(v)
   local present = {}
   for j = 1, #v, 2 do
     local hi, lo = string.byte(v, j, j + 1)
@@ -20,13 +24,11 @@ for i = 1, #blob, hl do
     local m = bit.band(e % 8, filter)
     if m ~= 0 then present[math.floor(e / 8)] = m end
   end
-  if read == 0 then
-    for s, _ in pairs(present) do
-      counts[s] = {0, 0, 0, 0}
-      running[s] = {true, true, true, true}
-      order[#order + 1] = s
-    end
-  end
+  return present
+end
+
+-- Credits `times` consecutive blocks held as `present`; false if no run grew.
+local function credit(present, times)
   local extended = false
   for _, s in ipairs(order) do
     local r = running[s]
@@ -35,10 +37,10 @@ for i = 1, #blob, hl do
       local c = counts[s]
       if m then
         extended = true
-        c[1] = c[1] + 1
+        c[1] = c[1] + times
         for k = 0, 2 do
           if r[k + 2] then
-            if bit.band(m, bit.lshift(1, k)) ~= 0 then c[k + 2] = c[k + 2] + 1 else r[k + 2] = false end
+            if bit.band(m, bit.lshift(1, k)) ~= 0 then c[k + 2] = c[k + 2] + times else r[k + 2] = false end
           end
         end
       else
@@ -46,9 +48,48 @@ for i = 1, #blob, hl do
       end
     end
   end
-  if not extended then break end
-  read = read + 1
+  return extended
 end
+
+local read = 0
+local prev, prev_present = nil, nil
+local pending = 0
+local chunk = 32
+local i = 0
+local done = false
+while not done and i < n do
+  local m = math.min(chunk, n - i)
+  local fields = {}
+  for k = 1, m do
+    local off = (i + k - 1) * hl
+    fields[k] = string.sub(blob, off + 1, off + hl)
+  end
+  local vals = redis.call('HMGET', KEYS[1], unpack(fields))
+  for k = 1, m do
+    local v = vals[k]
+    if not v then done = true break end
+    if v == prev then
+      pending = pending + 1
+    else
+      if pending > 0 then credit(prev_present, pending) pending = 0 end
+      local present = decode(v)
+      if read == 0 then
+        for s, _ in pairs(present) do
+          counts[s] = {0, 0, 0, 0}
+          running[s] = {true, true, true, true}
+          order[#order + 1] = s
+        end
+      end
+      if not credit(present, 1) then done = true break end
+      prev, prev_present = v, present
+    end
+    read = read + 1
+  end
+  i = i + m
+  chunk = chunk * 2
+end
+if pending > 0 then credit(prev_present, pending) end
+
 local out = {read}
 for _, s in ipairs(order) do
   local c = counts[s]
@@ -58,4 +99,8 @@ for _, s in ipairs(order) do
   out[#out + 1] = c[3]
   out[#out + 1] = c[4]
 end
-return out
+if KEYS[2] then
+  local t = redis.call('TIME')
+  return {out, redis.call('HGETALL', KEYS[2]), tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
+end
+return {out}

@@ -275,3 +275,15 @@ async def test_concurrent_publishers_and_lookups(block_map, ns):
                          *(block_map.lookup_prefix(ns, hs, ALL_TIERS) for _ in range(20)))
     found = await holders(block_map, ns, hs)
     assert {k: v.leading_blocks for k, v in found.items()} == {f"node-{i}": 8 * (i + 1) for i in range(8)}
+
+
+async def test_long_prompts_across_read_chunks(block_map, ns):
+    hs = hashes(300)
+    p1, p2 = await Publisher(block_map, ns, 1).register(), await Publisher(block_map, ns, 2).register()
+    await p1.store(hs)
+    await p2.store(hs[:100] + hs[150:])
+    await p2.send(Stored(tuple(hs[:40]), Medium.GPU, 32))
+    found = await holders(block_map, ns, hs)
+    assert found["node-1"].leading_blocks == 300
+    assert found["node-2"].leading_blocks == 100
+    assert found["node-2"].per_tier == {Medium.GPU: 40, Medium.CPU: 100, Medium.DISK: 0}

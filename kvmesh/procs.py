@@ -1,0 +1,76 @@
+"""Starting kvmesh services as child processes (benchmarks, the demo, `kvmesh up`, tests)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.errors import Unavailable
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+@dataclass
+class ServiceProcess:
+    """A ``kvmesh <command>`` child whose first 'listening on host:port' line gives its address."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+    address: str = ""
+
+    def start(self, timeout: float = 60.0) -> "ServiceProcess":
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *self.args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        found = threading.Event()
+        lines: list[str] = []
+
+        def pump() -> None:
+            log = open(self.log_path, "w") if self.log_path else None
+            for line in self.proc.stdout:
+                if log:
+                    log.write(line)
+                    log.flush()
+                if not found.is_set():
+                    lines.append(line)
+                    match = _LISTENING.search(line)
+                    if match:
+                        self.address = f"{match.group(1)}:{match.group(2)}"
+                        found.set()
+            if log:
+                log.close()
+
+        threading.Thread(target=pump, daemon=True, name=f"log-{self.args[0]}").start()
+        deadline = time.monotonic() + timeout
+        while not found.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"kvmesh {' '.join(self.args)} did not start:\n{''.join(lines[-40:])}")
+        return self
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
