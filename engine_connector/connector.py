@@ -1,0 +1,172 @@
+"""``KvmeshConnector``: vLLM 0.32 KV connector (V1 API) backed by a :class:`BlockStore`.
+
+Enable it out of tree::
+
+    KVTransferConfig(
+        kv_connector="KvmeshConnector",
+        kv_connector_module_path="engine_connector.connector",
+        kv_role="kv_both",                       # kv_consumer: load only; kv_producer: save only
+        kv_load_failure_policy="recompute",      # vLLM's default "fail" errors the request instead
+        kv_connector_extra_config={"store_path": "/dev/shm/kvmesh-<model>", "store_slots": 4096},
+    )
+
+vLLM builds one instance per role: the scheduler role (in the engine core, delegating to
+:class:`SchedulerSide`) and the worker role (next to the KV cache, delegating to
+:class:`WorkerSide`). Each opens its own handle on the store. Per-request options arrive in
+``request.kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": ...})``,
+see :class:`TransferParams`); a per-request report comes back on
+``RequestOutput.kv_transfer_params["kvmesh"]``.
+
+Only single-KV-cache-group models (plain full attention) are supported: the hybrid
+allocator must be off, which vLLM arranges for connectors without ``SupportsHMA``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from engine_connector.block_store import ShmBlockStore
+from engine_connector.metadata import KvmeshConnectorMetadata
+from engine_connector.scheduler_side import SchedulerSide
+from engine_connector.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+DEFAULT_STORE_SLOTS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """``kv_connector_extra_config`` of the connector: the store directory and its slot count."""
+
+    store_path: str
+    store_slots: int = DEFAULT_STORE_SLOTS
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> "StoreConfig":
+        if "store_path" not in extra:
+            raise ValueError("KvmeshConnector needs kv_connector_extra_config['store_path']")
+        return cls(store_path=str(extra["store_path"]), store_slots=int(extra.get("store_slots", DEFAULT_STORE_SLOTS)))
+
+
+def store_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of one block across all layers, as the store holds it."""
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError(
+            f"KvmeshConnector supports one KV cache group, the model has {len(kv_cache_config.kv_cache_groups)}"
+        )
+    (group,) = kv_cache_config.kv_cache_groups
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+class KvmeshConnector(KVConnectorBase_V1):
+    """Loads prompt prefixes from, and saves full blocks to, a shared block store."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = StoreConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._store = ShmBlockStore(
+            config.store_path, block_nbytes=store_block_nbytes(kv_cache_config), num_slots=config.store_slots
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self._store,
+                vllm_config.cache_config.block_size,
+                can_load=self._kv_transfer_config.is_kv_consumer,
+                can_save=self._kv_transfer_config.is_kv_producer,
+            )
+        else:
+            self._worker = WorkerSide(self._store)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is only a future cache miss.
+        return False
+
+    # ---- worker role ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker_side().load(self._step_meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads complete inside start_load_kv.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        # Whole blocks are saved in wait_for_save, once every layer is written.
+        return
+
+    def wait_for_save(self) -> None:
+        self._worker_side().save(self._step_meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_failed_block_ids()
+
+    def shutdown(self) -> None:
+        self._store.close()
+
+    # ---- scheduler role ----
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler_side().bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler_side().on_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler_side().finished(request)
+
+    # ---- helpers ----
+
+    def _step_meta(self) -> KvmeshConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvmeshConnectorMetadata)
+        return meta
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError(f"scheduler-side method called on the {self.role.name} connector")
+        return self._scheduler
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError(f"worker-side method called on the {self.role.name} connector")
+        return self._worker
