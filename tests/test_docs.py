@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from control_plane.config import ControlPlaneConfig
+from data_plane.config import DataPlaneConfig
 
 DOC = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
 
 
-@pytest.mark.parametrize("settings", [ControlPlaneConfig])
+@pytest.mark.parametrize("settings", [ControlPlaneConfig, DataPlaneConfig])
 def test_every_setting_is_documented(settings):
     prefix = settings.model_config["env_prefix"]
     assert prefix in DOC

@@ -1,0 +1,151 @@
+"""``kvmesh bench pull``: NIXL peer-pull throughput between two data-plane processes on loopback.
+
+Per case (64 x 2 MiB, 1,024 x 64 KiB) it starts a source and a destination
+node, stores the blocks on the source through the shared region, and times
+``Pull`` RPCs end to end from this process: the source lookup, one batched
+NIXL READ of every block, the CRC-32 check of every block and the commit are
+all inside the timed window. ``transfer_gbps_*`` is the READ alone (from the
+node's own timing). ``memcpy_gbps`` is a single-thread copy of the same bytes
+in this process, measured between the pull rounds. The last line with
+``--json`` is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from kvmesh.namespace import CacheConfig, Namespace
+
+from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.launch import DataPlaneProcess
+
+CASES = (("2mib", 2 << 20, 64), ("64kib", 64 << 10, 1024))
+NS = Namespace("bench", "bench-model", "r0", CacheConfig(block_size=32))
+
+
+class _Memcpy:
+    """Single-thread copies of ``nbytes`` between two pre-faulted buffers (like the pinned tiers)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = np.full(nbytes, 7, dtype=np.uint8)
+        self.dst = np.full(nbytes, 1, dtype=np.uint8)
+
+    def gbps(self) -> float:
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        return self.src.nbytes / (time.perf_counter() - t0) / 1e9
+
+
+async def _fill_source(client: DataPlaneClient, tier: SharedTier, n: int, first: bool) -> list[bytes]:
+    """Commits n blocks under fresh hashes (first time: writes distinct bytes into every slot)."""
+    hashes = [os.urandom(32) for _ in range(n)]
+    slots = await client.reserve(NS, hashes)
+    if -1 in slots:
+        raise RuntimeError("the source refused a reservation")
+    if first:
+        for i, slot in enumerate(slots):
+            view = tier.slot(slot)
+            view[:] = i % 251
+            view[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+    await client.commit(NS, hashes)
+    return hashes
+
+
+async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path, log) -> dict:
+    flags = dict(listen="127.0.0.1:0", shm_dir=shm_dir, block_bytes=block_bytes, capacity_bytes=block_bytes * n,
+                 max_hashes_per_request=max(n, 4096))
+    src = DataPlaneProcess(f"bench-src-{name}", flags)
+    dst = DataPlaneProcess(f"bench-dst-{name}", flags)
+    try:
+        async with DataPlaneClient(src.address) as sc, DataPlaneClient(dst.address) as dc:
+            stier, dtier = SharedTier.open(await sc.describe_tier()), SharedTier.open(await dc.describe_tier())
+            wall, transfer, memcpy = [], [], []
+            copier = _Memcpy(n * block_bytes)
+            for r in range(rounds + 1):  # round 0 warms up (handshake, registration caches)
+                hashes = await _fill_source(sc, stier, n, first=r == 0)
+                t0 = time.perf_counter()
+                result = await dc.pull(NS, hashes, src.node_id, src.address)
+                elapsed = time.perf_counter() - t0
+                if result.pulled != n:
+                    raise RuntimeError(f"pull {name}: only {result.pulled} of {n} blocks arrived")
+                memcpy.append(copier.gbps())
+                if r:
+                    wall.append(elapsed)
+                    transfer.append(result.transfer_ms / 1000)
+                log(f"{name} round {r}: {n * block_bytes / elapsed / 1e9:.2f} GB/s end to end, "
+                    f"READ {result.transfer_ms:.1f} ms, lookup {result.lookup_ms:.2f} ms")
+            slots, lease = await dc.acquire(NS, hashes[-1:])
+            last = dtier.slot(slots[0])
+            intact = int.from_bytes(bytes(last[:8]), "little") == n - 1 and last[-1] == (n - 1) % 251
+            del last  # views must be gone before the tier is unmapped
+            await dc.release(lease)
+            if not intact:
+                raise RuntimeError(f"pull {name}: the last block's bytes differ from the source's")
+            lookups = []
+            if name == "2mib":
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    answer, _ = await sc.lookup(NS, hashes[:1])
+                    lookups.append((time.perf_counter() - t0) * 1000)
+                    await sc.release(answer.lease_id)
+            del copier
+            stier.close()
+            dtier.close()
+    finally:
+        src.stop()
+        dst.stop()
+    nbytes = n * block_bytes
+    out = {
+        f"pull_gbps_{name}": nbytes / statistics.median(wall) / 1e9,
+        f"transfer_gbps_{name}": nbytes / statistics.median(transfer) / 1e9,
+        f"memcpy_gbps_{name}": statistics.median(memcpy[1:]),
+    }
+    if lookups:
+        out["peer_lookup_p50_ms"] = statistics.median(lookups)
+        out["peer_lookup_p99_ms"] = sorted(lookups)[int(len(lookups) * 0.99) - 1]
+    return out
+
+
+def _crc_gbps(nbytes: int) -> float:
+    buf = np.full(nbytes, 3, dtype=np.uint8)
+    t0 = time.perf_counter()
+    zlib.crc32(buf)
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+async def _run(rounds: int, shm_dir: Path, log) -> dict:
+    results: dict = {"rounds": rounds, "verify": "crc32 per block, inside the timed window"}
+    for name, block_bytes, n in CASES:
+        results.update(await _case(name, block_bytes, n, rounds, shm_dir, log))
+    results["memcpy_gbps"] = results.pop("memcpy_gbps_2mib")
+    results["ratio_2mib"] = results["pull_gbps_2mib"] / results["memcpy_gbps"]
+    results["ratio_2mib_transfer_only"] = results["transfer_gbps_2mib"] / results["memcpy_gbps"]
+    results["ratio_64kib"] = results["pull_gbps_64kib"] / results.pop("memcpy_gbps_64kib")
+    results["crc32_gbps"] = _crc_gbps(128 << 20)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh bench pull", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.add_argument("--rounds", type=int, default=5, help="timed pulls per case (after one warm-up)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-", dir="/dev/shm") as shm_dir:
+        results = asyncio.run(_run(args.rounds, Path(shm_dir), lambda msg: print(msg, flush=True)))
+    for key, value in results.items():
+        if not args.json:
+            print(f"{key:28} {value:.3f}" if isinstance(value, float) else f"{key:28} {value}")
+    if args.json:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}))
+    return 0

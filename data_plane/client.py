@@ -1,0 +1,155 @@
+"""A small client of a node's data plane, for the engine connector and for peers.
+
+:class:`DataPlaneClient` wraps the gRPC stub with typed methods (domain types
+in, domain types out; failures stay ``grpc.aio.AioRpcError`` with the status
+code the servicer chose). :class:`SharedTier` maps the node's shared-memory
+region in the engine process, so the engine reads and writes slots directly:
+
+    client = DataPlaneClient("127.0.0.1:7000")
+    tier = SharedTier.open(await client.describe_tier())
+    slots = await client.reserve(ns, hashes)        # -1: already stored or refused
+    tier.slot(slots[0])[:] = kv_bytes                # write in place
+    await client.commit(ns, hashes)                  # now visible to peers
+    slots, lease = await client.acquire(ns, hashes)  # later: pin for reading
+    data = bytes(tier.slot(slots[0]))
+    await client.release(lease)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import grpc
+import numpy as np
+
+from kvmesh.grpc_server import channel_options
+from kvmesh.namespace import Namespace
+from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
+
+from data_plane import wire
+from data_plane.shm import SharedRegion
+from data_plane.types import LookupAnswer, Medium, PullResult
+
+
+@dataclass(frozen=True, slots=True)
+class TierDescription:
+    node_id: str
+    shm_path: str
+    block_bytes: int
+    num_slots: int
+    locked: bool
+    block_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHandshake:
+    node_id: str
+    agent_name: str
+    agent_metadata: bytes
+    block_bytes: int
+
+
+class DataPlaneClient:
+    """One channel to one data plane. Every call takes an optional deadline in seconds."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self._stub = data_plane_pb2_grpc.DataPlaneStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "DataPlaneClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- local API ----
+
+    async def describe_tier(self, timeout: float | None = 10.0) -> TierDescription:
+        r = await self._stub.DescribeTier(pb.DescribeTierRequest(), timeout=timeout)
+        return TierDescription(r.node_id, r.shm_path, r.block_bytes, r.num_slots, r.locked, r.block_tokens)
+
+    async def reserve(self, ns: Namespace, hashes: list[bytes], *, max_offload_tokens: int = 0,
+                      first_block_index: int = 0, protected_blocks: int = 0,
+                      timeout: float | None = 10.0) -> list[int]:
+        r = await self._stub.Reserve(pb.ReserveRequest(
+            namespace=ns.to_proto(), block_hashes=hashes, max_offload_tokens=max_offload_tokens,
+            first_block_index=first_block_index, protected_blocks=protected_blocks), timeout=timeout)
+        return list(r.slots)
+
+    async def commit(self, ns: Namespace, hashes: list[bytes], timeout: float | None = 10.0) -> int:
+        r = await self._stub.Commit(pb.CommitRequest(namespace=ns.to_proto(), block_hashes=hashes), timeout=timeout)
+        return r.committed
+
+    async def abort(self, ns: Namespace, hashes: list[bytes], timeout: float | None = 10.0) -> None:
+        await self._stub.Abort(pb.AbortRequest(namespace=ns.to_proto(), block_hashes=hashes), timeout=timeout)
+
+    async def acquire(self, ns: Namespace, hashes: list[bytes], *, media: Iterable[Medium] | None = None,
+                      lease_ms: int = 0, timeout: float | None = 10.0) -> tuple[list[int], str]:
+        r = await self._stub.Acquire(pb.AcquireRequest(
+            namespace=ns.to_proto(), block_hashes=hashes, media=wire.media_to_pb(media), lease_ms=lease_ms),
+            timeout=timeout)
+        return list(r.slots), r.lease_id
+
+    async def release(self, lease_id: str, timeout: float | None = 10.0) -> None:
+        await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout)
+
+    async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
+                   timeout_ms: int = 0, source_media: Iterable[Medium] | None = None,
+                   first_block_index: int = 0, timeout: float | None = None) -> PullResult:
+        """``timeout`` (the RPC deadline) defaults to the pull's own bound plus a margin."""
+        if timeout is None:
+            timeout = (timeout_ms or 60_000) / 1000 + 5
+        r = await self._stub.Pull(pb.PullRequest(
+            namespace=ns.to_proto(), block_hashes=hashes, source_node_id=source_node_id,
+            source_address=source_address, timeout_ms=timeout_ms, source_media=wire.media_to_pb(source_media),
+            first_block_index=first_block_index), timeout=timeout)
+        return wire.pull_result(r)
+
+    async def ping(self, timeout: float | None = 10.0) -> None:
+        await self._stub.Ping(common_pb2.PingRequest(), timeout=timeout)
+
+    # ---- peer API ----
+
+    async def exchange_agent_metadata(self, node_id: str, metadata: bytes, block_bytes: int,
+                                      timeout: float | None = 10.0) -> PeerHandshake:
+        r = await self._stub.ExchangeAgentMetadata(pb.ExchangeAgentMetadataRequest(
+            node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes), timeout=timeout)
+        return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes)
+
+    async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer_node_id: str = "",
+                     pending_wait_ms: int = 0, lease_ms: int = 0, media: Iterable[Medium] | None = None,
+                     timeout: float | None = 10.0) -> tuple[LookupAnswer, int]:
+        """The settled answer and the source's block_bytes."""
+        r = await self._stub.Lookup(pb.LookupRequest(
+            namespace=ns.to_proto(), block_hashes=hashes, consumer_node_id=consumer_node_id,
+            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media)), timeout=timeout)
+        return wire.lookup_answer(r, len(hashes)), r.block_bytes
+
+
+class SharedTier:
+    """The node's CPU tier mapped into this (engine) process. Close it when done."""
+
+    def __init__(self, region: SharedRegion) -> None:
+        self._region = region
+        self.block_bytes = region.block_bytes
+        self.num_slots = region.num_slots
+
+    @classmethod
+    def open(cls, description: TierDescription) -> "SharedTier":
+        return cls(SharedRegion(Path(description.shm_path), description.block_bytes, description.num_slots,
+                                owner=False))
+
+    def slot(self, slot: int) -> np.ndarray:
+        """A writable uint8 view of one slot (no copy). Drop views before :meth:`close`."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+        return self._region.slot(slot)
+
+    def close(self) -> None:
+        self._region.close()

@@ -1,0 +1,115 @@
+"""Configuration of one node's data plane (env prefix ``KVMESH_DP_``, or ``--flags``)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+
+from pydantic import ByteSize, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1 << 20
+
+
+def split_host_port(address: str) -> tuple[str, int | None]:
+    """``"host:port"``, ``"[v6]:port"`` or a bare host."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else None
+    if address.count(":") == 1:
+        host, port = address.split(":")
+        return host, int(port)
+    return address, None
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+class DataPlaneConfig(BaseSettings):
+    """Every field can be set as ``KVMESH_DP_<FIELD>`` or a ``--<field>`` flag."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_DP_", extra="forbid")
+
+    node_id: str = Field(default_factory=socket.gethostname, description="this node's id in the fleet")
+    listen: str = Field("127.0.0.1:0", description="host:port the gRPC server binds (port 0: any free port)")
+    advertise_address: str = Field(
+        "", description="host[:port] peers and the control plane use to reach this node (default: the listen "
+        "host; required when listening on a wildcard address); the port defaults to the bound one")
+    block_bytes: int = Field(2 * MIB, ge=1, description="bytes of one KV block (one slot); every peer must agree")
+    capacity_bytes: ByteSize = Field(ByteSize(1 << 30), description="size of the CPU tier, e.g. 8GiB")
+    block_tokens: int = Field(0, ge=0, description="tokens per block; namespaces with another block_size are "
+                              "rejected (0: accept any)")
+    shm_dir: Path = Field(Path("/dev/shm"), description="tmpfs directory of the shared-memory region file")
+    lock_memory: bool = Field(True, description="mlock the CPU tier (warns and continues when not permitted)")
+    eviction_policy: str = Field("lru", description="CPU-tier policy: lru, arc, cost_aware or an installed one")
+    disk_dir: Path | None = Field(None, description="directory of the disk tier's file (unset: no disk tier)")
+    disk_capacity_bytes: ByteSize = Field(ByteSize(0), description="size of the disk tier (required with disk_dir)")
+    disk_eviction_policy: str = Field("lru", description="disk-tier policy")
+    lease_ms: int = Field(10_000, ge=1, description="default pin lease of a Lookup or Acquire")
+    max_lease_ms: int = Field(60_000, ge=1, description="longest lease a caller may ask for")
+    pending_wait_ms: int = Field(200, ge=0, description="wait on HIT_PENDING blocks: a Lookup's default here, and "
+                                 "what this node asks a source for when it pulls")
+    max_pending_wait_ms: int = Field(2_000, ge=0, description="longest such wait a caller may ask for")
+    pull_timeout_ms: int = Field(10_000, ge=1, description="default overall bound of a Pull")
+    max_pull_timeout_ms: int = Field(60_000, ge=1, description="longest Pull bound a caller may ask for")
+    max_hashes_per_request: int = Field(4096, ge=1, description="most block hashes one request may carry")
+    verify_pulls: bool = Field(True, description="check each pulled block's CRC-32 before committing it")
+    verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32 check of one pull")
+    lease_sweep_ms: int = Field(250, ge=1, description="how often expired leases are released")
+    control_plane_address: str = Field("", description="host:port of the control plane (unset: publish nothing)")
+    pool: str = Field("", description="pool this node registers in")
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.capacity_bytes) // self.block_bytes
+
+    @property
+    def disk_slots(self) -> int:
+        return int(self.disk_capacity_bytes) // self.block_bytes if self.disk_dir else 0
+
+    @property
+    def shm_path(self) -> Path:
+        return self.shm_dir / f"kvmesh-dp-{self.node_id}.tier"
+
+    def advertised(self, bound_port: int) -> str:
+        """The address peers use, with the bound port filled in."""
+        host, port = split_host_port(self.advertise_address or self.listen)
+        if not self.advertise_address or port is None:
+            port = bound_port
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataPlaneConfig":
+        if not self.node_id or "/" in self.node_id:
+            raise ValueError(f"node_id {self.node_id!r} must be non-empty and contain no '/'")
+        if self.num_slots < 1:
+            raise ValueError(f"capacity_bytes ({int(self.capacity_bytes)}) holds no block of {self.block_bytes}")
+        if self.disk_dir is not None and self.disk_slots < 1:
+            raise ValueError("disk_dir is set but disk_capacity_bytes holds no block")
+        for low, high in (("lease_ms", "max_lease_ms"), ("pending_wait_ms", "max_pending_wait_ms"),
+                          ("pull_timeout_ms", "max_pull_timeout_ms")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"{low} must not exceed {high}")
+        listen_host, listen_port = split_host_port(self.listen)
+        if listen_port is None:
+            raise ValueError(f"listen {self.listen!r} must be host:port")
+        self._check_advertised(listen_host)
+        return self
+
+    def _check_advertised(self, listen_host: str) -> None:
+        """Refuses an address peers cannot use: a wildcard, multicast, or loopback seen from elsewhere."""
+        host, _ = split_host_port(self.advertise_address or self.listen)
+        ip, listen_ip = _ip(host), _ip(listen_host)
+        source = "advertise_address" if self.advertise_address else "listen (no advertise_address set)"
+        if not host or (ip is not None and (ip.is_unspecified or ip.is_multicast or ip.is_reserved)):
+            raise ValueError(f"{source} {host!r} is not an address peers can reach; set advertise_address")
+        listen_is_loopback = listen_host == "localhost" or (listen_ip is not None and listen_ip.is_loopback)
+        if (ip is not None and ip.is_loopback or host == "localhost") and not listen_is_loopback:
+            raise ValueError(
+                f"advertise_address {host!r} is loopback but the server listens on {listen_host!r}: peers on "
+                "other hosts could not reach it; advertise a routable address")

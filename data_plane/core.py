@@ -1,0 +1,495 @@
+"""The data plane of one node, as plain Python: what every RPC does.
+
+It owns the CPU tier (:mod:`.tier`), the optional disk tier (:mod:`.disk`),
+the leases that pin blocks for readers (:mod:`.leases`), the peers it pulls
+from (:mod:`.peers`, :mod:`.transfer`) and reports every tier change to an
+:class:`~data_plane.events.EventSink`. The gRPC servicer only converts.
+
+Failure policy (docs/data_plane.md has the full table):
+  * malformed input (bad namespace, wrong hash size, too many hashes,
+    block_size other than the node's) -> InvalidArgument, nothing changed;
+  * misconfiguration between peers (block_bytes) -> FailedPrecondition;
+  * a peer that is unreachable, times out, disconnects or sends a bad block
+    -> MISS for what did not arrive (the engine recomputes), never a hang and
+    never a visible half-written block.
+
+Threading model: every method runs on the event loop of the server; the only
+other threads are NIXL's (inside :class:`~data_plane.transfer.Transport`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections import defaultdict
+from typing import Iterable, Iterator
+
+import grpc
+
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvmesh.namespace import Namespace
+
+from data_plane.client import TierDescription
+from data_plane.config import DataPlaneConfig
+from data_plane.disk import DiskTier
+from data_plane.events import EventSink, NoEvents
+from data_plane.eviction import BlockInfo, EvictionPolicy
+from data_plane.leases import Clock, LeaseTable, SystemClock
+from data_plane.peers import Peer, PeerPool
+from data_plane.shm import SharedRegion
+from data_plane.tier import Block, MemoryTier
+from data_plane.transfer import TransferFailed, Transport
+from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, validate_hashes
+
+log = logging.getLogger(__name__)
+
+# Prefill cost of a block relative to the first one grows with its position
+# (attention over a longer context); used by the cost-aware policy.
+ATTENTION_COST_PER_BLOCK = 0.05
+LOCAL_HOLDER = "local"
+_ENGINE = "engine"
+_PULL = "pull"
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+def _info(position: int, protected: bool = False) -> BlockInfo:
+    return BlockInfo(cost=1.0 + position * ATTENTION_COST_PER_BLOCK, protected=protected)
+
+
+class DataPlaneCore:
+    def __init__(
+        self,
+        config: DataPlaneConfig,
+        region: SharedRegion,
+        policy: EvictionPolicy,
+        transport: Transport,
+        disk: DiskTier | None = None,
+        events: EventSink | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.address = ""  # set by the server once bound
+        self.region = region
+        self.block_bytes = region.block_bytes
+        self.tier = MemoryTier(region, policy, self._demote)
+        self.disk = disk
+        self.transport = transport
+        self.events: EventSink = events or NoEvents()
+        self._clock = clock or SystemClock()
+        self._leases: LeaseTable[Block] = LeaseTable(self._clock)
+        self._peers = PeerPool(self.node_id, transport, self.block_bytes)
+        self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
+        self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
+        self._namespaces: dict[str, Namespace] = {}
+        self._sweeper: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # ---- lifecycle ----
+
+    def start_background(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, *(t for t in [self._sweeper] if t), return_exceptions=True)
+        await self._peers.close()
+        self.transport.close()
+        if self.disk is not None:
+            self.disk.close()
+        self.region.close()
+
+    async def _sweep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_sweep_ms / 1000)
+            self.expire_leases()
+
+    def expire_leases(self) -> int:
+        """Unpins what expired leases held; returns how many leases expired."""
+        expired = self._leases.expire()
+        for lease in expired:
+            log.info("lease %s of %s expired; unpinning %d blocks", lease.lease_id, lease.holder, len(lease.items))
+            for block in lease.items:
+                self.tier.unpin(block)
+        return len(expired)
+
+    # ---- validation ----
+
+    def _check(self, ns: Namespace, hashes: list[bytes]) -> list[bytes]:
+        ns.validate()
+        want = self.config.block_tokens
+        if want and ns.cache_config.block_size != want:
+            raise InvalidArgument(
+                f"namespace block_size is {ns.cache_config.block_size} tokens; this node stores "
+                f"{want}-token blocks of {self.block_bytes} bytes")
+        return validate_hashes(ns, list(hashes), self.config.max_hashes_per_request)
+
+    def _known(self, ns: Namespace) -> bool:
+        return ns.fingerprint in self._namespaces
+
+    def _bounded(self, requested: int, default: int, maximum: int) -> float:
+        return min(requested or default, maximum) / 1000
+
+    # ---- local engine API ----
+
+    def describe(self) -> TierDescription:
+        return TierDescription(self.node_id, str(self.region.path), self.block_bytes, self.region.num_slots,
+                               self.region.locked, self.config.block_tokens)
+
+    def reserve(self, ns: Namespace, hashes: list[bytes], *, max_offload_tokens: int = 0,
+                first_block_index: int = 0, protected_blocks: int = 0) -> list[int]:
+        """A slot per hash to write, or -1: already stored, beyond the offload cap, or no evictable slot."""
+        hashes = self._check(ns, hashes)
+        self._namespaces.setdefault(ns.fingerprint, ns)
+        block_size = ns.cache_config.block_size
+        slots = []
+        for i, h in enumerate(hashes):
+            position = first_block_index + i
+            if max_offload_tokens and (position + 1) * block_size > max_offload_tokens:
+                slots.append(-1)
+                continue
+            key = BlockKey(ns.fingerprint, h)
+            block = self.tier.reserve(ns, key, _info(position, position < protected_blocks))
+            if block is not None:
+                self._writers[key] = _ENGINE
+            slots.append(-1 if block is None else block.slot)
+        return slots
+
+    def commit(self, ns: Namespace, hashes: list[bytes]) -> int:
+        """Checksums and publishes blocks the engine wrote; all or nothing. Committed ones are skipped."""
+        hashes = self._check(ns, hashes)
+        if not self._known(ns):
+            raise NotFound(f"unknown namespace {ns.fingerprint} ({ns.model}): nothing was reserved in it")
+        todo = []
+        for h in hashes:
+            block = self.tier.get(BlockKey(ns.fingerprint, h))
+            if block is None or (not block.committed and self._writers.get(block.key) != _ENGINE):
+                raise FailedPrecondition(f"block {h.hex()} was not reserved by the engine; reserve it first")
+            if not block.committed:
+                todo.append(block)
+        for block in todo:
+            self.tier.mark_written(block, zlib.crc32(self.region.slot(block.slot)))
+            self.tier.commit(block)
+            del self._writers[block.key]
+        if todo:
+            self.events.stored(ns, [b.key.block_hash for b in todo], Medium.CPU)
+        return len(todo)
+
+    def abort(self, ns: Namespace, hashes: list[bytes]) -> None:
+        """Frees the engine's uncommitted reservations among ``hashes`` (others are left alone)."""
+        hashes = self._check(ns, hashes)
+        for h in hashes:
+            key = BlockKey(ns.fingerprint, h)
+            block = self.tier.get(key)
+            if block is not None and not block.committed and self._writers.get(key) == _ENGINE:
+                del self._writers[key]
+                self.tier.abort(block)
+
+    def acquire(self, ns: Namespace, hashes: list[bytes], media: frozenset[Medium], lease_ms: int = 0,
+                holder: str = LOCAL_HOLDER) -> tuple[list[int], str]:
+        """Pins the leading committed blocks (promoting from disk when allowed); their slots and the lease."""
+        hashes = self._check(ns, hashes)
+        pinned: list[Block] = []
+        if self._known(ns):
+            for h in hashes:
+                block = self._resident(ns, BlockKey(ns.fingerprint, h), media)
+                if block is None:
+                    break
+                self.tier.pin(block)
+                pinned.append(block)
+        return [b.slot for b in pinned], self._lease(holder, pinned, lease_ms)
+
+    def release(self, lease_id: str) -> None:
+        for block in self._leases.release(lease_id):
+            self.tier.unpin(block)
+
+    def _lease(self, holder: str, blocks: list[Block], lease_ms: int) -> str:
+        if not blocks:
+            return ""
+        ttl = self._bounded(lease_ms, self.config.lease_ms, self.config.max_lease_ms)
+        return self._leases.grant(holder, blocks, ttl)
+
+    def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium]) -> Block | None:
+        """The committed CPU block, promoted from disk if needed and allowed; None otherwise."""
+        block = self.tier.get(key)
+        if block is not None:
+            return block if block.committed else None
+        if Medium.DISK in media and self.disk is not None and self.disk.get(key) is not None:
+            return self._promote(ns, key)
+        return None
+
+    def _promote(self, ns: Namespace, key: BlockKey) -> Block | None:
+        disk_block = self.disk.get(key)
+        block = self.tier.reserve(ns, key, disk_block.info)
+        if block is None:
+            return None
+        if self.disk.read_into(key, self.region.slot(block.slot)) is None:
+            self.tier.abort(block)
+            self.events.removed(ns, [key.block_hash], Medium.DISK)
+            return None
+        self.tier.mark_written(block, disk_block.checksum)
+        self.tier.commit(block)
+        self.events.stored(ns, [key.block_hash], Medium.CPU)
+        return block
+
+    def _demote(self, block: Block) -> None:
+        """Eviction hook: the block leaves the CPU tier; keep a copy on disk when there is one."""
+        ns, h = block.namespace, block.key.block_hash
+        self.events.removed(ns, [h], Medium.CPU)
+        if self.disk is None or self.disk.get(block.key) is not None:
+            return
+        try:
+            evicted = self.disk.write(ns, block.key, self.region.slot(block.slot), block.checksum, block.info)
+        except OSError as exc:
+            log.error("writing block %s to the disk tier failed: %s", h.hex(), exc)
+            return
+        for gone in evicted:
+            self.events.removed(gone.namespace, [gone.key.block_hash], Medium.DISK)
+        self.events.stored(ns, [h], Medium.DISK)
+
+    # ---- peer API ----
+
+    def exchange_metadata(self, node_id: str, metadata: bytes, block_bytes: int) -> tuple[str, bytes]:
+        """Loads a consumer's NIXL agent; returns this node's agent name and metadata."""
+        if not node_id:
+            raise InvalidArgument("node_id must be set")
+        if block_bytes != self.block_bytes:
+            raise FailedPrecondition(
+                f"block_bytes mismatch: this node stores {self.block_bytes}-byte blocks, the caller {block_bytes}")
+        if metadata:
+            name = self.transport.add_peer(metadata)
+            old = self._peer_agents.get(node_id)
+            if old is not None and old != name:
+                self.transport.remove_peer(old)
+            self._peer_agents[node_id] = name
+        return self.transport.agent_name, self.transport.metadata()
+
+    async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
+                     lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium)) -> LookupAnswer:
+        """Per hash HIT (pinned under the returned lease) or MISS; pending writes are awaited, bounded."""
+        hashes = self._check(ns, hashes)
+        n = len(hashes)
+        blocks: list[Block | None] = [None] * n
+        pending: list[int] = []
+        if self._known(ns):
+            for i, h in enumerate(hashes):
+                key = BlockKey(ns.fingerprint, h)
+                current = self.tier.get(key)
+                if current is not None and not current.committed:
+                    pending.append(i)
+                    continue
+                block = self._resident(ns, key, media)
+                if block is not None:
+                    self.tier.pin(block)
+                    blocks[i] = block
+        if pending:
+            wait = self._bounded(pending_wait_ms, self.config.pending_wait_ms, self.config.max_pending_wait_ms)
+            deadline = time.monotonic() + wait
+            for i in pending:
+                key = BlockKey(ns.fingerprint, hashes[i])
+                current = self.tier.get(key)
+                if current is not None and not current.committed:
+                    await self.tier.wait_settled(current, max(0.0, deadline - time.monotonic()))
+                current = self.tier.get(key)
+                if current is not None and current.committed:
+                    self.tier.pin(current)
+                    blocks[i] = current
+        pinned = [b for b in blocks if b is not None]
+        lease_id = self._lease(consumer or "peer", pinned, lease_ms)
+        return LookupAnswer(
+            statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
+            addrs=[self.region.base_addr + self.region.offset(b.slot) if b else -1 for b in blocks],
+            checksums=[b.checksum if b else 0 for b in blocks],
+            lease_id=lease_id,
+        )
+
+    # ---- pulls ----
+
+    async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
+                   timeout_ms: int = 0, source_media: frozenset[Medium] = frozenset(Medium),
+                   first_block_index: int = 0) -> PullResult:
+        """Copies the leading blocks the source holds into this node's CPU tier; MISS for the rest.
+
+        Runs to completion (within its own bound) even if the caller goes away, so
+        no transfer is left writing into slots that were handed back.
+        """
+        hashes = self._check(ns, hashes)
+        if not source_address:
+            raise InvalidArgument("source_address must be set")
+        if source_node_id == self.node_id or source_address == self.address:
+            raise InvalidArgument("a node cannot pull from itself")
+        timeout = self._bounded(timeout_ms, self.config.pull_timeout_ms, self.config.max_pull_timeout_ms)
+        task = asyncio.ensure_future(
+            self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
+                       source_media, first_block_index))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return await asyncio.shield(task)
+
+    async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
+                    deadline: float, source_media: frozenset[Medium], first_block_index: int) -> PullResult:
+        self._namespaces.setdefault(ns.fingerprint, ns)
+        statuses = [LookupStatus.MISS] * len(hashes)
+        already_local = 0
+        wanted: list[int] = []  # indexes to fetch, in chain order
+        for i, h in enumerate(hashes):
+            block = self.tier.get(BlockKey(ns.fingerprint, h))
+            if block is not None and block.committed:
+                statuses[i] = LookupStatus.HIT
+                if i == already_local:
+                    already_local += 1
+            elif block is not None:
+                break  # being written here already: the chain is cut at that point
+            else:
+                wanted.append(i)
+        result = PullResult(statuses, 0, already_local, 0, 0.0, 0.0)
+        if not wanted:
+            return result
+        try:
+            peer = await self._peers.get(source_address, deadline - time.monotonic())
+        except Unavailable as exc:
+            log.warning("pull from %s: %s", source_address, exc)
+            return result
+        if source_node_id and peer.node_id != source_node_id:
+            log.warning("pull: %s is node %s, not %s (stale route); answering MISS",
+                        source_address, peer.node_id, source_node_id)
+            return result
+
+        t0 = time.perf_counter()
+        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline)
+        lookup_ms = (time.perf_counter() - t0) * 1000
+        if answer is None:
+            return PullResult(statuses, 0, already_local, 0, lookup_ms, 0.0)
+        try:
+            blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, answer, first_block_index)
+            t1 = time.perf_counter()
+            arrived = await self._transfer(peer, blocks, remote_addrs, deadline)
+            transfer_ms = (time.perf_counter() - t1) * 1000
+        finally:
+            if answer.lease_id:
+                self._spawn(self._release_remote(peer, answer.lease_id))
+        committed: list[Block] = []
+        if arrived:
+            intact = True
+            verified = await self._verify(blocks, checksums)
+            for block, checksum, ok in zip(blocks, checksums, verified):
+                if intact and not ok:
+                    log.error("pull from %s: block %s failed verification; it and its successors are dropped",
+                              source_address, block.key.block_hash.hex())
+                    intact = False
+                if intact:
+                    self.tier.mark_written(block, checksum)
+                    self.tier.commit(block)
+                    committed.append(block)
+                else:
+                    self.tier.abort(block)
+        for block in blocks:
+            self._writers.pop(block.key, None)
+        if committed:
+            self.events.stored(ns, [b.key.block_hash for b in committed], Medium.CPU)
+        index = {h: i for i, h in enumerate(hashes)}
+        for block in committed:
+            statuses[index[block.key.block_hash]] = LookupStatus.HIT
+        n = len(committed)
+        return PullResult(statuses, n, already_local, n * self.block_bytes, lookup_ms, transfer_ms)
+
+    async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
+        """CRC-32 of every pulled block against the source's, split over worker threads (zlib releases the GIL)."""
+        if not self.config.verify_pulls:
+            return [True] * len(blocks)
+        region = self.region
+
+        def check(part: range) -> list[bool]:
+            return [zlib.crc32(region.slot(blocks[i].slot)) == checksums[i] for i in part]
+
+        workers = max(1, min(self.config.verify_threads, len(blocks)))
+        step = -(-len(blocks) // workers)
+        parts = await asyncio.gather(*(asyncio.to_thread(check, range(i, min(i + step, len(blocks))))
+                                       for i in range(0, len(blocks), step)))
+        return [ok for part in parts for ok in part]
+
+    async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],
+                             deadline: float) -> LookupAnswer | None:
+        remaining = deadline - time.monotonic()
+        try:
+            answer, block_bytes = await peer.client.lookup(
+                ns, hashes, consumer_node_id=self.node_id,
+                pending_wait_ms=max(1, min(self.config.pending_wait_ms, int(remaining * 500))),
+                lease_ms=max(1, int(remaining * 1000) + 5_000), media=media, timeout=remaining)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _UNREACHABLE:
+                log.warning("pull: lookup on %s failed (%s); answering MISS", peer.address, exc.code().name)
+                await self._peers.forget(peer)
+                return None
+            raise FailedPrecondition(f"source {peer.address} rejected the lookup: {exc.details()}") from None
+        except InvalidArgument as exc:
+            await self._peers.forget(peer)
+            raise FailedPrecondition(f"source {peer.address} sent {exc}") from None
+        if block_bytes != self.block_bytes:
+            raise FailedPrecondition(f"source {peer.address} has {block_bytes}-byte blocks, this node "
+                                     f"{self.block_bytes}")
+        return answer
+
+    def _reserve_for_pull(self, ns: Namespace, hashes: list[bytes], wanted: list[int], answer: LookupAnswer,
+                          first_block_index: int) -> tuple[list[Block], list[int], list[int]]:
+        """Local slots for the leading HITs of the answer (as many as fit)."""
+        blocks, addrs, checksums = [], [], []
+        for j, i in enumerate(wanted):
+            if answer.statuses[j] is not LookupStatus.HIT:
+                break
+            key = BlockKey(ns.fingerprint, hashes[i])
+            block = self.tier.reserve(ns, key, _info(first_block_index + i))
+            if block is None:
+                break
+            self._writers[key] = _PULL
+            blocks.append(block)
+            addrs.append(answer.addrs[j])
+            checksums.append(answer.checksums[j])
+        return blocks, addrs, checksums
+
+    async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float) -> bool:
+        if not blocks:
+            return False
+        try:
+            await self.transport.read(peer.agent_name, [self.region.offset(b.slot) for b in blocks], remote_addrs,
+                                      self.block_bytes, max(0.0, deadline - time.monotonic()))
+            return True
+        except TransferFailed as exc:
+            log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
+            for block in blocks:
+                self._writers.pop(block.key, None)
+                (self.tier.quarantine if exc.may_still_write else self.tier.abort)(block)
+            await self._peers.forget(peer)
+            return False
+
+    async def _release_remote(self, peer: Peer, lease_id: str) -> None:
+        try:
+            await peer.client.release(lease_id, timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.info("releasing lease %s on %s failed (%s); it will expire", lease_id, peer.address,
+                     exc.code().name)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- resync ----
+
+    def snapshot(self) -> Iterator[tuple[Namespace, int, list[bytes]]]:
+        """Everything committed, per namespace and tier: what a control-plane resync needs."""
+        groups: dict[tuple[str, Medium], list[bytes]] = defaultdict(list)
+        namespaces: dict[str, Namespace] = {}
+        sources: Iterable = [(b.namespace, Medium.CPU, b.key) for b in self.tier.committed()]
+        if self.disk is not None:
+            sources = [*sources, *((b.namespace, Medium.DISK, b.key) for b in self.disk.blocks())]
+        for ns, medium, key in sources:
+            namespaces[key.namespace] = ns
+            groups[(key.namespace, medium)].append(key.block_hash)
+        for (fp, medium), hashes in groups.items():
+            yield namespaces[fp], int(medium), hashes

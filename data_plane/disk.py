@@ -1,0 +1,101 @@
+"""The disk tier: fixed-size block slots in one preallocated file on local disk.
+
+Blocks evicted from the CPU tier are written here (``pwrite`` from the shared
+region) and promoted back (``preadv`` straight into a CPU slot) on a hit. The
+index lives in memory with each block's CRC-32, checked on every promotion: a
+corrupt block is dropped and reported as a miss. The file is scratch space,
+removed at shutdown; a restarted node starts with an empty disk tier.
+
+Threading model: not thread-safe; called from the data plane's event-loop
+thread. Reads and writes are synchronous (one block at a time, page cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from kvmesh.namespace import Namespace
+
+from data_plane.eviction import BlockInfo, EvictionPolicy
+from data_plane.types import BlockKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBlock:
+    key: BlockKey
+    namespace: Namespace
+    slot: int
+    checksum: int
+    info: BlockInfo
+
+
+class DiskTier:
+    def __init__(self, path: Path, block_bytes: int, num_slots: int, policy: EvictionPolicy) -> None:
+        self.path = Path(path)
+        self.block_bytes = block_bytes
+        self.num_slots = num_slots
+        self._policy = policy
+        self._blocks: dict[BlockKey, DiskBlock] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self._fd, block_bytes * num_slots)
+
+    def get(self, key: BlockKey) -> DiskBlock | None:
+        return self._blocks.get(key)
+
+    def blocks(self) -> Iterator[DiskBlock]:
+        return iter(self._blocks.values())
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def write(self, namespace: Namespace, key: BlockKey, data: np.ndarray, checksum: int,
+              info: BlockInfo) -> list[DiskBlock]:
+        """Stores a block (no-op if present); returns the blocks evicted to make room."""
+        if key in self._blocks:
+            return []
+        evicted = []
+        if not self._free:
+            victim = self._blocks.pop(next(iter(self._policy.victims())))
+            self._policy.remove(victim.key, evicted=True)
+            self._free.append(victim.slot)
+            evicted.append(victim)
+        slot = self._free.pop()
+        written = os.pwrite(self._fd, memoryview(data), slot * self.block_bytes)
+        if written != self.block_bytes:
+            self._free.append(slot)
+            raise OSError(f"short write to {self.path}: {written} of {self.block_bytes} bytes")
+        self._blocks[key] = DiskBlock(key, namespace, slot, checksum, info)
+        self._policy.insert(key, info)
+        return evicted
+
+    def read_into(self, key: BlockKey, out: np.ndarray) -> DiskBlock | None:
+        """Copies a block into ``out`` and verifies it; None (and the block dropped) if corrupt."""
+        block = self._blocks[key]
+        read = os.preadv(self._fd, [memoryview(out)], block.slot * self.block_bytes)
+        if read != self.block_bytes or zlib.crc32(out) != block.checksum:
+            log.error("disk block %s failed verification; dropped", key.block_hash.hex())
+            self.remove(key)
+            return None
+        self._policy.touch(key)
+        return block
+
+    def remove(self, key: BlockKey) -> DiskBlock:
+        block = self._blocks.pop(key)
+        self._policy.remove(key, evicted=False)
+        self._free.append(block.slot)
+        return block
+
+    def close(self) -> None:
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)

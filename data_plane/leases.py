@@ -1,0 +1,62 @@
+"""Leases: pins held by a reader (a peer's Lookup, the engine's Acquire) that expire.
+
+A reader that disappears must not pin blocks forever, so every pin is taken
+under a lease with a deadline; :meth:`LeaseTable.expire` (run periodically by
+the data plane) returns the leases that ran out so their pins can be dropped.
+Releasing twice, or after expiry, is a no-op.
+
+Threading model: not thread-safe; event-loop thread only. Time comes from an
+injected clock so tests can move it by hand.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+@dataclass(slots=True)
+class Lease(Generic[T]):
+    lease_id: str
+    holder: str
+    items: list[T]
+    expires_at: float
+
+
+class LeaseTable(Generic[T]):
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._leases: dict[str, Lease[T]] = {}
+
+    def grant(self, holder: str, items: list[T], ttl_s: float) -> str:
+        lease_id = uuid.uuid4().hex
+        self._leases[lease_id] = Lease(lease_id, holder, items, self._clock.monotonic() + ttl_s)
+        return lease_id
+
+    def release(self, lease_id: str) -> list[T]:
+        """The lease's items (to unpin); empty if unknown, already released or expired."""
+        lease = self._leases.pop(lease_id, None)
+        return lease.items if lease is not None else []
+
+    def expire(self) -> list[Lease[T]]:
+        now = self._clock.monotonic()
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._leases[lease.lease_id]
+        return expired
+
+    def __len__(self) -> int:
+        return len(self._leases)

@@ -1,0 +1,76 @@
+"""Connections to source nodes: a gRPC client and a loaded NIXL agent per address.
+
+The first pull from an address exchanges NIXL agent metadata over gRPC (and
+checks both sides use the same block size); the result is cached until a
+transfer or lookup against that peer fails, after which the next pull
+handshakes again (the peer may have restarted with a new agent).
+
+Threading model: event-loop thread only; concurrent first pulls to one
+address share one handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.errors import FailedPrecondition, Unavailable
+
+from data_plane.client import DataPlaneClient
+from data_plane.transfer import Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    address: str
+    node_id: str
+    agent_name: str
+    client: DataPlaneClient
+
+
+class PeerPool:
+    def __init__(self, node_id: str, transport: Transport, block_bytes: int) -> None:
+        self._node_id = node_id
+        self._transport = transport
+        self._block_bytes = block_bytes
+        self._peers: dict[str, Peer] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, address: str, timeout_s: float) -> Peer:
+        """The peer at ``address``; Unavailable when it cannot be reached, FailedPrecondition when incompatible."""
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            peer = self._peers.get(address)
+            if peer is not None:
+                return peer
+            client = DataPlaneClient(address)
+            try:
+                hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(),
+                                                          self._block_bytes, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                await client.close()
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise FailedPrecondition(f"peer {address} refused the handshake: {exc.details()}") from None
+                raise Unavailable(f"peer {address} unreachable: {exc.code().name} {exc.details()}") from None
+            if hs.block_bytes != self._block_bytes:
+                await client.close()
+                raise FailedPrecondition(
+                    f"peer {address} uses {hs.block_bytes}-byte blocks, this node {self._block_bytes}")
+            peer = Peer(address, hs.node_id, self._transport.add_peer(hs.agent_metadata), client)
+            self._peers[address] = peer
+            return peer
+
+    async def forget(self, peer: Peer) -> None:
+        """Drops a peer after a failure; the next :meth:`get` handshakes again."""
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+            self._transport.remove_peer(peer.agent_name)
+            await peer.client.close()
+
+    async def close(self) -> None:
+        for peer in list(self._peers.values()):
+            await self.forget(peer)

@@ -1,0 +1,115 @@
+"""Runs one node's data plane: ``kvmesh data-plane [--flags]`` (or ``python -m data_plane.server``).
+
+Startup order: region (mlock) -> NIXL agent (registers the region) -> core ->
+gRPC server -> event publisher (optional). Once serving it prints one line,
+``kvmesh data-plane <node_id> listening on <advertised address>``, that
+scripts and tests wait for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.grpc_server import RunningServer, ServiceBinding, start_server
+from kvmesh.settings_cli import parse_settings
+from kvmesh.v1 import data_plane_pb2_grpc
+
+from data_plane.config import DataPlaneConfig
+from data_plane.core import DataPlaneCore
+from data_plane.disk import DiskTier
+from data_plane.eviction import PolicyRegistry
+from data_plane.shm import SharedRegion
+from data_plane.servicer import DataPlaneServicer
+from data_plane.transfer import NixlTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningDataPlane:
+    core: DataPlaneCore
+    server: RunningServer
+    publisher: Any | None  # control_plane.publisher.EventPublisher
+
+    @property
+    def address(self) -> str:
+        return self.core.address
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        if self.publisher is not None:
+            await self.publisher.flush(timeout=2.0)
+            await self.publisher.stop()
+        await self.core.close()
+
+
+def build_core(config: DataPlaneConfig, events: Any | None = None) -> DataPlaneCore:
+    registry = PolicyRegistry()
+    policy = registry.create(config.eviction_policy, config.num_slots)
+    disk = None
+    if config.disk_dir is not None:
+        disk = DiskTier(config.disk_dir / f"kvmesh-dp-{config.node_id}.disk", config.block_bytes,
+                        config.disk_slots, registry.create(config.disk_eviction_policy, config.disk_slots))
+    region = SharedRegion(config.shm_path, config.block_bytes, config.num_slots, owner=True,
+                          lock_memory=config.lock_memory)
+    try:
+        transport = NixlTransport(config.node_id, region)
+    except BaseException:
+        region.close()
+        if disk is not None:
+            disk.close()
+        raise
+    return DataPlaneCore(config, region, policy, transport, disk=disk, events=events)
+
+
+async def serve(config: DataPlaneConfig) -> RunningDataPlane:
+    """Starts the node in this event loop; returns once it is serving."""
+    core = build_core(config)
+    try:
+        binding = ServiceBinding(DataPlaneServicer(core), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
+                                 "kvmesh.v1.DataPlane")
+        server = await start_server(config.listen, [binding])
+    except BaseException:
+        await core.close()
+        raise
+    core.address = config.advertised(server.port)
+    core.start_background()
+    publisher = None
+    if config.control_plane_address:
+        from control_plane.publisher import EventPublisher, NodeInfo
+
+        publisher = EventPublisher(config.control_plane_address,
+                                   NodeInfo(config.node_id, core.address, pool=config.pool), core.snapshot)
+        core.events = publisher
+        await publisher.start()
+    return RunningDataPlane(core, server, publisher)
+
+
+async def _run(config: DataPlaneConfig) -> None:
+    running = await serve(config)
+    tier = running.core.describe()
+    log.info("node %s: %d slots x %d bytes in %s (mlock %s), disk tier %s, policy %s", config.node_id,
+             tier.num_slots, tier.block_bytes, tier.shm_path, "on" if tier.locked else "off",
+             f"{config.disk_slots} slots" if config.disk_dir else "off", config.eviction_policy)
+    print(f"kvmesh data-plane {config.node_id} listening on {running.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.stop()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_run(parse_settings(DataPlaneConfig, argv, "kvmesh data-plane")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

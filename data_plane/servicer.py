@@ -1,0 +1,80 @@
+"""The DataPlane gRPC service: proto -> domain, call the core, domain -> proto."""
+
+from __future__ import annotations
+
+from kvmesh.grpc_errors import grpc_errors
+from kvmesh.namespace import Namespace
+from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
+
+from data_plane import wire
+from data_plane.core import DataPlaneCore
+
+
+class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
+    def __init__(self, core: DataPlaneCore) -> None:
+        self._core = core
+
+    # ---- peer API ----
+
+    @grpc_errors
+    async def ExchangeAgentMetadata(self, request, context):
+        name, metadata = self._core.exchange_metadata(request.node_id, request.agent_metadata, request.block_bytes)
+        return pb.ExchangeAgentMetadataResponse(node_id=self._core.node_id, agent_name=name,
+                                                agent_metadata=metadata, block_bytes=self._core.block_bytes)
+
+    @grpc_errors
+    async def Lookup(self, request, context):
+        answer = await self._core.lookup(
+            Namespace.from_proto(request.namespace), list(request.block_hashes),
+            consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,
+            lease_ms=request.lease_ms, media=wire.media_from_pb(request.media))
+        return wire.lookup_response(answer, self._core.block_bytes)
+
+    @grpc_errors
+    async def Release(self, request, context):
+        self._core.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    # ---- local API ----
+
+    @grpc_errors
+    async def Pull(self, request, context):
+        result = await self._core.pull(
+            Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
+            request.source_address, timeout_ms=request.timeout_ms,
+            source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index)
+        return wire.pull_response(result)
+
+    @grpc_errors
+    async def DescribeTier(self, request, context):
+        d = self._core.describe()
+        return pb.DescribeTierResponse(node_id=d.node_id, shm_path=d.shm_path, block_bytes=d.block_bytes,
+                                       num_slots=d.num_slots, locked=d.locked, block_tokens=d.block_tokens)
+
+    @grpc_errors
+    async def Reserve(self, request, context):
+        slots = self._core.reserve(
+            Namespace.from_proto(request.namespace), list(request.block_hashes),
+            max_offload_tokens=request.max_offload_tokens, first_block_index=request.first_block_index,
+            protected_blocks=request.protected_blocks)
+        return pb.ReserveResponse(slots=slots)
+
+    @grpc_errors
+    async def Commit(self, request, context):
+        n = self._core.commit(Namespace.from_proto(request.namespace), list(request.block_hashes))
+        return pb.CommitResponse(committed=n)
+
+    @grpc_errors
+    async def Abort(self, request, context):
+        self._core.abort(Namespace.from_proto(request.namespace), list(request.block_hashes))
+        return pb.AbortResponse()
+
+    @grpc_errors
+    async def Acquire(self, request, context):
+        slots, lease_id = self._core.acquire(Namespace.from_proto(request.namespace), list(request.block_hashes),
+                                             wire.media_from_pb(request.media), request.lease_ms)
+        return pb.AcquireResponse(slots=slots, lease_id=lease_id)
+
+    @grpc_errors
+    async def Ping(self, request, context):
+        return common_pb2.PingResponse()

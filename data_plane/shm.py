@@ -1,0 +1,97 @@
+"""The shared-memory region that holds a node's CPU tier.
+
+One file under ``/dev/shm`` (tmpfs) mapped ``MAP_SHARED``: the data-plane
+process owns it (creates, locks, registers it with NIXL, removes it), and the
+engine process on the same node maps the same file (:class:`SharedTier` in
+:mod:`data_plane.client`) to read and write slots without a copy through gRPC.
+
+The owner takes an exclusive ``flock`` on the file for its lifetime, so a
+second data plane with the same file fails at start instead of clobbering it,
+while a file left behind by a crashed process is reused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class RegionBusy(RuntimeError):
+    """Another live process owns the region file."""
+
+
+class SharedRegion:
+    """``num_slots`` slots of ``block_bytes`` each, contiguous, in one shm file.
+
+    Threading: the mapping is shared memory; callers coordinate slot ownership
+    (the tier's lifecycle does). ``close`` must be the last call.
+    """
+
+    def __init__(self, path: Path, block_bytes: int, num_slots: int, *, owner: bool, lock_memory: bool = False):
+        self.path = Path(path)
+        self.block_bytes = block_bytes
+        self.num_slots = num_slots
+        self.size = block_bytes * num_slots
+        self.owner = owner
+        self.locked = False
+        flags = os.O_RDWR | (os.O_CREAT if owner else 0)
+        self._fd = os.open(self.path, flags, 0o600)
+        try:
+            if owner:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise RegionBusy(f"{self.path} is owned by another running data plane") from None
+                os.ftruncate(self._fd, self.size)
+            elif os.fstat(self._fd).st_size < self.size:
+                raise ValueError(f"{self.path} is smaller than {num_slots} slots of {block_bytes} bytes")
+            self._map = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.base_addr = int(self.array.ctypes.data)
+        if lock_memory:
+            self.locked = self._mlock()
+
+    def _mlock(self) -> bool:
+        if _libc.mlock(ctypes.c_void_p(self.base_addr), ctypes.c_size_t(self.size)) == 0:
+            return True
+        err = ctypes.get_errno()
+        hint = " (raise `ulimit -l` or grant CAP_IPC_LOCK)" if err in (errno.EPERM, errno.ENOMEM) else ""
+        log.warning(
+            "mlock of the %d MiB CPU tier failed: %s%s; continuing with pageable memory (pages are "
+            "pre-faulted, but may be swapped out under memory pressure)",
+            self.size >> 20, os.strerror(err), hint,
+        )
+        self.array[:: mmap.PAGESIZE] = 0  # fault every page in now rather than during a transfer
+        return False
+
+    def offset(self, slot: int) -> int:
+        return slot * self.block_bytes
+
+    def slot(self, slot: int) -> np.ndarray:
+        """A writable view of one slot (no copy)."""
+        start = slot * self.block_bytes
+        return self.array[start : start + self.block_bytes]
+
+    def close(self) -> None:
+        """Unmaps; the owner also removes the file. Views from :meth:`slot` must be gone."""
+        if self.locked:
+            _libc.munlock(ctypes.c_void_p(self.base_addr), ctypes.c_size_t(self.size))
+        del self.array
+        self._map.close()
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)

@@ -1,0 +1,182 @@
+"""The CPU tier: block slots of the shared region and their lifecycle.
+
+Lifecycle of a block (one slot), legal transitions only::
+
+    (free) --reserve--> ALLOCATED --written--> WRITTEN --commit--> COMMITTED --evict--> (free)
+                           |                     |
+                           +------abort----------+------> (free)
+
+* ALLOCATED: a writer (the local engine, or a pull) owns the slot and is
+  filling it. Lookups see the block as HIT_PENDING.
+* WRITTEN: the bytes are in place and checksummed, not yet visible.
+* COMMITTED: visible to lookups. Evictable while unpinned; a block pinned by a
+  reader (a peer's lease, the local engine's acquire) is never evicted.
+* Quarantined: a slot that a transfer that could not be cancelled may still
+  write into; it is never reused (logged; see :meth:`MemoryTier.quarantine`).
+
+Threading model: not thread-safe. The data plane's event-loop thread is the
+only caller; waiters use asyncio events of that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from kvmesh.errors import FailedPrecondition
+from kvmesh.namespace import Namespace
+
+from data_plane.eviction import BlockInfo, EvictionPolicy
+from data_plane.shm import SharedRegion
+from data_plane.types import BlockKey
+
+log = logging.getLogger(__name__)
+
+
+class BlockState(enum.Enum):
+    ALLOCATED = "allocated"
+    WRITTEN = "written"
+    COMMITTED = "committed"
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    key: BlockKey
+    namespace: Namespace
+    slot: int
+    info: BlockInfo
+    state: BlockState = BlockState.ALLOCATED
+    pins: int = 0
+    checksum: int = 0
+    _settled: asyncio.Event | None = field(default=None, repr=False)
+
+    @property
+    def committed(self) -> bool:
+        return self.state is BlockState.COMMITTED
+
+
+EvictHook = Callable[[Block], None]
+
+
+class MemoryTier:
+    """Slots of a :class:`SharedRegion`, indexed by :class:`BlockKey`.
+
+    ``on_evict(block)`` runs before an evicted block's slot is reused, while
+    its bytes are still intact (the data plane demotes it to disk there).
+    """
+
+    def __init__(self, region: SharedRegion, policy: EvictionPolicy, on_evict: EvictHook) -> None:
+        self.region = region
+        self._policy = policy
+        self._on_evict = on_evict
+        self._blocks: dict[BlockKey, Block] = {}
+        self._free = list(range(region.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.quarantined = 0
+
+    # ---- queries ----
+
+    def get(self, key: BlockKey) -> Block | None:
+        return self._blocks.get(key)
+
+    def committed(self) -> Iterator[Block]:
+        return (b for b in self._blocks.values() if b.committed)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    # ---- transitions ----
+
+    def reserve(self, namespace: Namespace, key: BlockKey, info: BlockInfo) -> Block | None:
+        """A new ALLOCATED block, evicting if needed; None when the key exists or nothing is evictable."""
+        if key in self._blocks:
+            return None
+        if not self._free and not self._evict_one():
+            return None
+        block = Block(key, namespace, self._free.pop(), info)
+        self._blocks[key] = block
+        return block
+
+    def _evict_one(self) -> bool:
+        victim = None
+        for key in self._policy.victims():
+            if self._blocks[key].pins == 0:
+                victim = self._blocks[key]
+                break
+        if victim is None:
+            return False
+        self._policy.remove(victim.key, evicted=True)
+        self._on_evict(victim)
+        del self._blocks[victim.key]
+        self._free.append(victim.slot)
+        return True
+
+    def mark_written(self, block: Block, checksum: int) -> None:
+        self._expect(block, BlockState.ALLOCATED)
+        block.checksum = checksum
+        block.state = BlockState.WRITTEN
+
+    def commit(self, block: Block) -> None:
+        self._expect(block, BlockState.WRITTEN)
+        block.state = BlockState.COMMITTED
+        self._policy.insert(block.key, block.info)
+        self._settle(block)
+
+    def abort(self, block: Block) -> None:
+        """Frees an uncommitted block's slot."""
+        if block.committed:
+            raise FailedPrecondition(f"block {block.key.block_hash.hex()} is committed; it cannot be aborted")
+        self._drop(block)
+        self._free.append(block.slot)
+
+    def quarantine(self, block: Block) -> None:
+        """Drops an uncommitted block whose slot may still be written by a transfer: never reused."""
+        self._drop(block)
+        self.quarantined += 1
+        log.error("slot %d quarantined after a transfer that could not be cancelled", block.slot)
+
+    def _drop(self, block: Block) -> None:
+        if self._blocks.get(block.key) is block:
+            del self._blocks[block.key]
+        self._settle(block)
+
+    def pin(self, block: Block) -> None:
+        self._expect(block, BlockState.COMMITTED)
+        block.pins += 1
+        self._policy.touch(block.key)
+
+    def unpin(self, block: Block) -> None:
+        if block.pins <= 0:
+            raise FailedPrecondition(f"block {block.key.block_hash.hex()} is not pinned")
+        block.pins -= 1
+
+    # ---- waiting for a pending block ----
+
+    async def wait_settled(self, block: Block, timeout: float) -> bool:
+        """Waits until an uncommitted block is committed or dropped; True if committed in time."""
+        if block.state is not BlockState.COMMITTED and self._blocks.get(block.key) is block:
+            if block._settled is None:
+                block._settled = asyncio.Event()
+            try:
+                await asyncio.wait_for(block._settled.wait(), timeout)
+            except TimeoutError:
+                return False
+        return block.committed and self._blocks.get(block.key) is block
+
+    @staticmethod
+    def _settle(block: Block) -> None:
+        if block._settled is not None:
+            block._settled.set()
+
+    @staticmethod
+    def _expect(block: Block, state: BlockState) -> None:
+        if block.state is not state:
+            raise FailedPrecondition(
+                f"block {block.key.block_hash.hex()} is {block.state.value}, expected {state.value}"
+            )

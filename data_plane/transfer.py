@@ -1,0 +1,160 @@
+"""Moving block bytes between nodes: the :class:`Transport` contract and NIXL.
+
+Implementor contracts:
+  * The local region is registered once, at construction, and stays
+    registered until :meth:`Transport.close`.
+  * ``read`` copies ``length`` bytes from each remote address into each local
+    offset, all descriptors in one transfer request, and returns only when all
+    of them have arrived. Otherwise it raises :class:`TransferFailed`; its
+    ``may_still_write`` is True only when the request could not be cancelled,
+    and then the caller must never reuse the destination slots.
+  * ``read`` never waits past its timeout; a peer that died or disconnected
+    (NIXL_ERR_REMOTE_DISCONNECT) fails the read, it does not hang it.
+  * Peers are added from their metadata and cached by agent name; a peer whose
+    transfer failed should be removed, and re-added after a new handshake.
+
+Threading model: called from the event-loop thread. ``read`` posts and polls
+the request in a worker thread so the loop keeps serving while bytes move;
+NIXL's own progress thread drives UCX.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+import uuid
+
+import numpy as np
+
+from data_plane.shm import SharedRegion
+
+log = logging.getLogger(__name__)
+
+# Polling a transfer: spin first (small reads finish in microseconds), then sleep between checks.
+_SPINS_BEFORE_SLEEP = 200
+_POLL_SLEEP_S = 0.0002
+
+
+class TransferFailed(Exception):
+    def __init__(self, reason: str, *, may_still_write: bool = False) -> None:
+        super().__init__(reason)
+        self.may_still_write = may_still_write
+
+
+class Transport(abc.ABC):
+    agent_name: str
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to read from this node (sent over the gRPC handshake)."""
+
+    @abc.abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Loads a peer's metadata; returns its agent name. Idempotent."""
+
+    @abc.abstractmethod
+    def remove_peer(self, agent_name: str) -> None:
+        """Forgets a peer (no-op if unknown)."""
+
+    @abc.abstractmethod
+    async def read(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+                   timeout_s: float) -> None:
+        """READs ``length`` bytes at each remote address into the local region at each offset."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class NixlTransport(Transport):
+    """NIXL agent with the UCX backend, the node's region registered as DRAM."""
+
+    def __init__(self, node_id: str, region: SharedRegion) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        # A fresh name per start: peers holding the old incarnation's metadata must re-handshake.
+        self.agent_name = f"{node_id}-{uuid.uuid4().hex[:8]}"
+        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self._region = region
+        self._reg = self._agent.register_memory([(region.base_addr, region.size, 0, "")], "DRAM")
+        self._peers: set[str] = set()
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self._peers.add(name)
+        return name
+
+    def remove_peer(self, agent_name: str) -> None:
+        if agent_name in self._peers:
+            self._peers.discard(agent_name)
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception as exc:  # noqa: BLE001 - forgetting a dead peer must not fail
+                log.warning("removing NIXL peer %s: %s", agent_name, exc)
+
+    async def read(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+                   timeout_s: float) -> None:
+        if peer not in self._peers:
+            raise TransferFailed(f"unknown peer agent {peer!r}")
+        n = len(local_offsets)
+        local = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0] = np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr)
+        local[:, 1] = length
+        local[:, 2] = 0
+        remote = np.empty((n, 3), dtype=np.uint64)
+        remote[:, 0] = np.asarray(remote_addrs, dtype=np.uint64)
+        remote[:, 1] = length
+        remote[:, 2] = 0
+        deadline = time.monotonic() + timeout_s
+        await asyncio.to_thread(self._read_blocking, peer, local, remote, deadline)
+
+    def _read_blocking(self, peer: str, local: np.ndarray, remote: np.ndarray, deadline: float) -> None:
+        agent = self._agent
+        try:
+            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                           agent.get_xfer_descs(remote, "DRAM"), peer)
+        except Exception as exc:  # noqa: BLE001 - every NIXL failure is a failed transfer
+            raise TransferFailed(f"preparing the READ from {peer} failed: {exc}") from exc
+        try:
+            state = agent.transfer(handle)
+            spins = 0
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    raise TransferFailed(f"READ from {peer} timed out")
+                spins += 1
+                if spins > _SPINS_BEFORE_SLEEP:
+                    time.sleep(_POLL_SLEEP_S)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferFailed(f"READ from {peer} failed ({state})")
+        except TransferFailed as exc:
+            exc.may_still_write = not self._release(handle)
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+            raise TransferFailed(f"READ from {peer} failed: {exc}",
+                                 may_still_write=not self._release(handle)) from exc
+        self._release(handle)
+
+    @staticmethod
+    def _release(handle) -> bool:
+        """Releases (cancelling if active); False when NIXL could not cancel it."""
+        try:
+            handle.release()
+            return True
+        except Exception as exc:  # noqa: BLE001
+            log.error("could not release a NIXL transfer: %s", exc)
+            return False
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception as exc:  # noqa: BLE001 - shutting down
+            log.warning("deregistering the CPU tier: %s", exc)
+        del self._agent

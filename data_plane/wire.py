@@ -1,0 +1,80 @@
+"""Conversions between data-plane protos and domain types (the only place that knows both)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.v1 import common_pb2, data_plane_pb2 as pb
+
+from data_plane.types import LookupAnswer, LookupStatus, Medium, PullResult
+
+STATUS_TO_PB = {
+    LookupStatus.HIT: pb.BLOCK_STATUS_HIT,
+    LookupStatus.MISS: pb.BLOCK_STATUS_MISS,
+    LookupStatus.HIT_PENDING: pb.BLOCK_STATUS_HIT_PENDING,
+}
+STATUS_FROM_PB = {v: k for k, v in STATUS_TO_PB.items()}
+
+
+def media_from_pb(values: Iterable[int]) -> frozenset[Medium]:
+    """A request's tier list; empty means every tier."""
+    values = list(values)
+    if not values:
+        return frozenset(Medium)
+    media = set()
+    for v in values:
+        if v == common_pb2.MEDIUM_UNSPECIFIED:
+            return frozenset(Medium)
+        try:
+            media.add(Medium(v))
+        except ValueError:
+            raise InvalidArgument(f"medium {common_pb2.Medium.Name(v) if v in common_pb2.Medium.values() else v} "
+                                  "is not a data-plane tier (MEDIUM_CPU, MEDIUM_DISK)") from None
+    return frozenset(media)
+
+
+def media_to_pb(media: Iterable[Medium] | None) -> list[int]:
+    return [] if media is None else sorted(int(m) for m in media)
+
+
+def lookup_response(answer: LookupAnswer, block_bytes: int) -> pb.LookupResponse:
+    return pb.LookupResponse(
+        statuses=[STATUS_TO_PB[s] for s in answer.statuses],
+        locations=[pb.BlockLocation(addr=a, length=block_bytes) if a >= 0 else pb.BlockLocation()
+                   for a in answer.addrs],
+        lease_id=answer.lease_id,
+        block_bytes=block_bytes,
+        checksums=answer.checksums,
+    )
+
+
+def lookup_answer(msg: pb.LookupResponse, expected: int) -> LookupAnswer:
+    """Checks a source's answer is well-formed (one entry per hash) before trusting it."""
+    if not (len(msg.statuses) == len(msg.locations) == len(msg.checksums) == expected):
+        raise InvalidArgument(f"malformed lookup answer: {len(msg.statuses)} statuses for {expected} hashes")
+    statuses = [STATUS_FROM_PB.get(s, LookupStatus.MISS) for s in msg.statuses]
+    addrs = [loc.addr if s is LookupStatus.HIT else -1 for s, loc in zip(statuses, msg.locations)]
+    return LookupAnswer(statuses, addrs, list(msg.checksums), msg.lease_id)
+
+
+def pull_response(result: PullResult) -> pb.PullResponse:
+    return pb.PullResponse(
+        blocks_pulled=result.pulled,
+        blocks_already_local=result.already_local,
+        bytes_pulled=result.bytes_pulled,
+        statuses=[STATUS_TO_PB[s] for s in result.statuses],
+        lookup_ms=result.lookup_ms,
+        transfer_ms=result.transfer_ms,
+    )
+
+
+def pull_result(msg: pb.PullResponse) -> PullResult:
+    return PullResult(
+        statuses=[STATUS_FROM_PB.get(s, LookupStatus.MISS) for s in msg.statuses],
+        pulled=msg.blocks_pulled,
+        already_local=msg.blocks_already_local,
+        bytes_pulled=msg.bytes_pulled,
+        lookup_ms=msg.lookup_ms,
+        transfer_ms=msg.transfer_ms,
+    )

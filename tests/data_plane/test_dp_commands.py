@@ -1,0 +1,29 @@
+"""`kvmesh data-plane` refuses bad configuration clearly; `kvmesh bench pull --json` ends with its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_data_plane_refuses_a_wildcard_without_advertise_address(shm_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "data-plane", "--node-id", "x", "--listen", "0.0.0.0:0",
+         "--shm-dir", str(shm_dir)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "not an address peers can reach; set advertise_address" in proc.stderr
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+def test_bench_pull_json():
+    proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "pull", "--json", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("pull_gbps_2mib", "pull_gbps_64kib", "memcpy_gbps", "ratio_2mib", "peer_lookup_p50_ms"):
+        assert result[key] > 0
+    assert result["ratio_2mib"] == pytest.approx(result["pull_gbps_2mib"] / result["memcpy_gbps"], rel=1e-2)
