@@ -1,8 +1,9 @@
 """``kvmesh bench control-plane``: lookup latency, ingest rate and Redis bytes per block.
 
 A real redis-server and a real control-plane process; this process is the
-client. The no-op RPC and the lookup are measured interleaved, so their ratio
-compares like with like.
+client. The no-op RPC and the lookup are measured interleaved, with the same
+scheduler key (so both pay for authentication), so their ratio compares like
+with like.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import grpc
 import redis
 
-from kvmesh.grpc_server import channel_options
+from kvmesh.channels import channel
 from kvmesh.procs import ServiceProcess
 from kvmesh.redis_server import RedisServer
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
+from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
+from tenancy.api_keys import new_key
 
 BLOCK_SIZE = 32
 NS = common_pb2.Namespace(tenant="bench", model="bench-model", weight_version="v1",
@@ -102,13 +104,24 @@ def _versions(r: redis.Redis) -> dict[str, str]:
     return out
 
 
-async def _bench(args, address: str, r: redis.Redis) -> dict:
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
-        stub = pb_grpc.ControlPlaneStub(channel)
+async def _scheduler_key(address: str, admin_key: str) -> str:
+    """Creates the bench tenant; returns a scheduler key for it (lookups authenticate like a real scheduler)."""
+    async with channel(address, admin_key) as ch:
+        admin = tenant_admin_pb2_grpc.TenantAdminStub(ch)
+        await admin.CreateTenant(tenant_admin_pb2.CreateTenantRequest(tenant_id=NS.tenant))
+        reply = await admin.IssueKey(tenant_admin_pb2.IssueKeyRequest(role=tenant_admin_pb2.ROLE_SCHEDULER,
+                                                                      tenant_id=NS.tenant))
+        return reply.secret
+
+
+async def _bench(args, address: str, r: redis.Redis, admin_key: str) -> dict:
+    scheduler_key = await _scheduler_key(address, admin_key)
+    async with channel(address, admin_key) as admin_channel, channel(address, scheduler_key) as sched_channel:
+        stub = pb_grpc.ControlPlaneStub(admin_channel)
         nodes = await _register(stub, args.nodes)
         prompt = _hashes(args.prompt_tokens // BLOCK_SIZE, "prompt")
         await _ingest(stub, nodes, prompt, args.batch_blocks)
-        ping, lookup = await _latencies(stub, prompt, args.rounds)
+        ping, lookup = await _latencies(pb_grpc.ControlPlaneStub(sched_channel), prompt, args.rounds)
 
         nodes = await _register(stub, args.nodes)  # fresh incarnations: seq restarts, the prompt's entries fence
         await asyncio.sleep(0)
@@ -144,11 +157,13 @@ def main(argv: list[str]) -> int:
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         server = RedisServer(Path(tmp) / "redis", extra_args=["--appendonly", "no"]).start()
-        cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", server.url])
+        admin_key = new_key()[1]
+        cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", server.url],
+                            env={"KVMESH_CP_ADMIN_KEY": admin_key})
         try:
             cp.start()
             r = redis.Redis.from_url(server.url)
-            result = asyncio.run(_bench(args, cp.address, r))
+            result = asyncio.run(_bench(args, cp.address, r, admin_key))
         finally:
             cp.stop()
             server.stop()

@@ -47,6 +47,15 @@ class BlockMap(ABC):
         """Applies a validated batch under the ordering contract above."""
 
     @abstractmethod
+    async def skip_batch(self, batch: EventBatch) -> Ack:
+        """Consumes the batch's seq under the ordering contract without applying its events
+        (APPLIED here means "consumed"); for batches refused by policy."""
+
+    @abstractmethod
+    async def count_new(self, ns: Namespace, block_hashes: list[bytes]) -> tuple[int, int]:
+        """(entries ``ns`` has, how many of ``block_hashes`` it lacks); for quotas."""
+
+    @abstractmethod
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
         """Live holders of the longest prefix of ``block_hashes`` on the tiers in mask ``tiers``."""
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control_plane.routing.config import RoutingSettings
 
-class ControlPlaneConfig(BaseSettings):
-    """Every field can be set as ``KVMESH_CP_<FIELD>`` or a ``--<field>`` flag."""
+
+class ControlPlaneConfig(RoutingSettings, BaseSettings):
+    """Every field can be set as ``KVMESH_CP_<FIELD>`` or a ``--<field>`` flag (``route_*``: docs/scheduling.md)."""
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_CP_", extra="forbid")
 
@@ -23,3 +27,21 @@ class ControlPlaneConfig(BaseSettings):
     max_batch_blocks: int = Field(65_536, ge=1, description="most block hashes one event batch may carry")
     max_lookup_blocks: int = Field(65_536, ge=1, description="most blocks one LookupPrefix may ask about")
     gc_interval_s: float = Field(5.0, gt=0, description="how often expired leases are reaped and fenced entries swept")
+    admin_key: str | None = Field(
+        None, description="bootstrap admin API key (kvm_<key_id>_<secret>; `kvmesh admin new-key` makes one)"
+    )
+    admin_key_file: str | None = Field(None, description="file holding the bootstrap admin key, if admin_key is unset")
+    grant_ttl_ms: int = Field(30_000, ge=1000, description="lifetime of the pull grants this control plane signs")
+    policy_ttl_s: float = Field(2.0, ge=0, description="how long a replica caches a tenant's policy")
+    tls_cert_file: str | None = Field(None, description="server certificate (PEM): serve TLS")
+    tls_key_file: str | None = Field(None, description="its private key (PEM)")
+    tls_client_ca_file: str | None = Field(None, description="CA for client certificates: require mutual TLS")
+
+    def bootstrap_admin_key(self) -> str:
+        """The admin key from admin_key or admin_key_file; ValueError when neither gives one."""
+        if self.admin_key:
+            return self.admin_key.strip()
+        if self.admin_key_file:
+            return Path(self.admin_key_file).read_text().strip()
+        raise ValueError("no admin key: set KVMESH_CP_ADMIN_KEY or --admin-key-file "
+                         "(`kvmesh admin new-key` prints a fresh one)")

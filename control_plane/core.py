@@ -1,62 +1,127 @@
-"""The control-plane core: validation and policy over a :class:`BlockMap`.
+"""The control-plane core: authorization, validation and policy over a :class:`BlockMap`.
 
 Plain Python, no gRPC: the servicer converts protos to the types in
-``control_plane.model`` and calls this; tests and other front ends can too.
+``control_plane.model``, passes the authenticated principal, and calls this.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
+from tenancy.authz import Authorizer
+from tenancy.grants import Grant, GrantSigner
+from tenancy.model import Principal, Role
+from tenancy.store import RedisTenantStore
 
 from control_plane.block_map import BlockMap
 from control_plane.config import ControlPlaneConfig
 from control_plane.model import (
-    Ack, EventBatch, NodeInfo, NodeStatus, PrefixMatch, Registration, validate_node_id,
+    Ack, AckStatus, EventBatch, NodeInfo, NodeStatus, PrefixMatch, Registration, Stored, validate_node_id,
 )
+from control_plane.routing.router import Router
+from control_plane.routing.types import RouteDecision, RouteRequest, StatsReport
 
 log = logging.getLogger(__name__)
 
 
+class BatchRefused(Exception):
+    """A well-formed batch the control plane will not index (tenant policy or quota)."""
+
+    def __init__(self, error: PermissionDenied | ResourceExhausted) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class ControlPlane:
-    def __init__(self, block_map: BlockMap, config: ControlPlaneConfig) -> None:
+    def __init__(self, block_map: BlockMap, config: ControlPlaneConfig, tenants: RedisTenantStore,
+                 authz: Authorizer, signer: GrantSigner, router: Router) -> None:
         self.block_map = block_map
+        self.router = router
         self.config = config
+        self.tenants = tenants
+        self.authz = authz
+        self.signer = signer
         self._gc_task: asyncio.Task | None = None
 
     # -- nodes -----------------------------------------------------------------
 
-    async def register_node(self, node: NodeInfo) -> Registration:
-        return await self.block_map.register_node(node.validate())
+    async def register_node(self, principal: Principal, node: NodeInfo) -> Registration:
+        node.validate()
+        await self.authz.require_node(principal, node.node_id, "RegisterNode")
+        if principal.role is Role.NODE and principal.pool and node.pool != principal.pool:
+            raise await self.authz.deny(principal, "RegisterNode", node.node_id,
+                                        f"node {node.node_id!r} belongs to pool {principal.pool!r}, not {node.pool!r}")
+        return await self.block_map.register_node(node)
 
-    async def heartbeat(self, node_id: str, incarnation: int) -> int:
+    async def heartbeat(self, principal: Principal, node_id: str, incarnation: int) -> int:
         validate_node_id(node_id)
+        await self.authz.require_node(principal, node_id, "Heartbeat")
         return await self.block_map.heartbeat(node_id, incarnation)
 
-    async def deregister_node(self, node_id: str, incarnation: int) -> None:
+    async def deregister_node(self, principal: Principal, node_id: str, incarnation: int) -> None:
         validate_node_id(node_id)
+        await self.authz.require_node(principal, node_id, "DeregisterNode")
         await self.block_map.deregister_node(node_id, incarnation)
 
     async def list_nodes(self) -> list[NodeStatus]:
         return await self.block_map.list_nodes()
 
-    # -- events and lookups ---------------------------------------------------
+    # -- events --------------------------------------------------------------------
 
-    async def apply_batch(self, batch: EventBatch) -> Ack:
-        return await self.block_map.apply_batch(batch.validate(self.config.max_batch_blocks))
+    async def apply_batch(self, principal: Principal, batch: EventBatch) -> Ack:
+        """Applies a batch; raises BatchRefused when policy or quota forbids indexing it."""
+        batch.validate(self.config.max_batch_blocks)
+        await self.authz.require_node(principal, batch.node_id, "PublishEvents")
+        tenant_id = batch.namespace.tenant
+        if await self.authz.tenant(tenant_id) is None or (
+                principal.role is Role.NODE and not await self.authz.node_may_hold(principal, tenant_id)):
+            raise BatchRefused(await self.authz.deny(
+                principal, "PublishEvents", tenant_id,
+                f"tenant {tenant_id!r} does not exist or does not allow node {batch.node_id!r} to hold its blocks"))
+        await self._check_quota(principal, batch)
+        return await self.block_map.apply_batch(batch)
+
+    async def refuse_batch(self, batch: EventBatch, refused: BatchRefused) -> Ack:
+        """Consumes a refused batch's seq without applying it (a stream goes on past it)."""
+        ack = await self.block_map.skip_batch(batch)
+        if ack.status is AckStatus.APPLIED:
+            code = "RESOURCE_EXHAUSTED" if isinstance(refused.error, ResourceExhausted) else "PERMISSION_DENIED"
+            return Ack(ack.seq, AckStatus.REFUSED, detail=f"{code}: {refused}")
+        return ack
+
+    async def _check_quota(self, principal: Principal, batch: EventBatch) -> None:
+        tenant = await self.authz.tenant(batch.namespace.tenant)
+        limit = tenant.policy.max_index_entries if tenant else 0
+        stored = [h for e in batch.events if isinstance(e, Stored) for h in e.block_hashes]
+        if not limit or not stored:
+            return
+        total = await self.tenants.index_entries(tenant.tenant_id)
+        if total + len(stored) <= limit:
+            return
+        _, new = await self.block_map.count_new(batch.namespace, stored)
+        if total + new > limit:
+            raise BatchRefused(ResourceExhausted(
+                f"tenant {tenant.tenant_id!r} would exceed its quota of {limit} index entries "
+                f"({total} stored, {new} new); nothing of this batch was applied"))
+
+    # -- lookups and grants ---------------------------------------------------------
 
     async def lookup_prefix(
         self,
+        principal: Principal,
         ns: Namespace,
         block_hashes: list[bytes],
         token_ids: list[int],
         extras: Extras,
         tiers: int,
     ) -> PrefixMatch:
+        """Live holders of the longest prefix. What the principal may not see answers like absent blocks."""
         if block_hashes and token_ids:
             raise InvalidArgument("give block_hashes or token_ids, not both")
         cfg = ns.cache_config
@@ -74,10 +139,57 @@ class ControlPlane:
             raise InvalidArgument(
                 f"block_hashes[{i}] has {len(block_hashes[i])} bytes; {cfg.hash_algo.value} hashes are {digest}"
             )
-        match = await self.block_map.lookup_prefix(ns, block_hashes, tiers)
+        if await self.authz.tenant(ns.tenant) is None or not await self.authz.may_read(principal, ns.tenant):
+            match = PrefixMatch(len(block_hashes), [])
+        else:
+            match = await self.block_map.lookup_prefix(ns, block_hashes, tiers)
+            tenant = await self.authz.tenant(ns.tenant)
+            if tenant is not None and (tenant.policy.allowed_nodes or tenant.policy.allowed_pools):
+                allowed = [h for h in match.holders if await self._allows(tenant.policy, h.node_id)]
+                match = PrefixMatch(match.blocks_queried, allowed)
         if token_ids:
             match = PrefixMatch(match.blocks_queried, match.holders, block_hashes)
         return match
+
+    async def issue_pull_grant(self, principal: Principal, ns: Namespace, source_node_id: str) -> tuple[bytes, int]:
+        """A grant for the calling node to pull ``ns`` blocks from ``source_node_id``."""
+        validate_node_id(source_node_id)
+        if principal.role is not Role.NODE:
+            raise await self.authz.deny(principal, "IssuePullGrant", source_node_id,
+                                        "pull grants are issued to nodes (the consumer pulls with its own key)")
+        tenant = await self.authz.tenant(ns.tenant)
+        source_allowed = tenant is not None and await self._allows(tenant.policy, source_node_id)
+        if not await self.authz.may_read(principal, ns.tenant) or not source_allowed:
+            raise await self.authz.deny(principal, "IssuePullGrant", f"{ns.tenant}@{source_node_id}",
+                                        f"no pull grant for tenant {ns.tenant!r} from node {source_node_id!r}")
+        expires = int(time.time() * 1000) + self.config.grant_ttl_ms
+        grant = Grant(ns.tenant, ns.fingerprint, principal.node_id, principal.key_id, principal.secret_hash,
+                      source_node_id, expires)
+        return self.signer.sign(grant), expires
+
+    async def _allows(self, policy, node_id: str) -> bool:
+        """Does the tenant policy allow the node? Pools are looked up only when the policy names any."""
+        if policy.allows_node(node_id, ""):
+            return True
+        if not policy.allowed_pools:
+            return False
+        pools = {s.node.node_id: s.node.pool for s in await self.block_map.list_nodes()}
+        return policy.allows_node(node_id, pools.get(node_id, ""))
+
+    # -- routing (control_plane.routing) --------------------------------------------
+
+    async def route(self, principal: Principal, request: RouteRequest) -> RouteDecision:
+        """Where to run a prompt; sees the block map through the caller's lookup rights."""
+        return await self.router.route(request, functools.partial(self.lookup_prefix, principal))
+
+    async def report_stats(self, principal: Principal, report: StatsReport) -> None:
+        if principal.role is Role.SCHEDULER:
+            raise await self.authz.deny(principal, "ReportStats", principal.tenant_id,
+                                        "measured figures come from nodes (or an admin), not schedulers")
+        if principal.role is Role.NODE and any(s.dest_node_id != principal.node_id for s in report.links):
+            raise await self.authz.deny(principal, "ReportStats", principal.node_id,
+                                        "a node reports the bandwidth of pulls into itself only")
+        await self.router.report(report)
 
     # -- background --------------------------------------------------------------
 
@@ -103,3 +215,5 @@ class ControlPlane:
             except asyncio.CancelledError:
                 pass
         await self.block_map.close()
+        await self.router.close()
+        await self.tenants.close()

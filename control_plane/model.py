@@ -166,6 +166,7 @@ class AckStatus(enum.Enum):
     APPLIED = 1
     DUPLICATE = 2
     RESYNC_REQUIRED = 3
+    REFUSED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +175,7 @@ class Ack:
     status: AckStatus
     expected_seq: int = 0
     blocks_applied: int = 0
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

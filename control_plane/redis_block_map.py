@@ -11,6 +11,7 @@ slot is reused. Every check-then-modify runs as one Lua script.
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 import json
 import logging
 import uuid
@@ -54,14 +55,28 @@ def _s(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+# (tenant, failed_before) -> (Redis user, password). failed_before: the last credentials were
+# refused, e.g. because Redis restarted without an ACL file; the provider re-creates the user.
+TenantCredentials = Callable[[str, bool], Awaitable[tuple[str, str]]]
+
+
 class RedisBlockMap(BlockMap):
+    """``tenant_credentials`` (tenant -> Redis ACL user and password), when given, makes every
+    read and write of a tenant's block map go through that tenant's own Redis user."""
+
     def __init__(self, url: str, *, lease_ms: int = 10_000, key_prefix: str = "kvm",
-                 username: str | None = None, password: str | None = None) -> None:
+                 username: str | None = None, password: str | None = None,
+                 tenant_credentials: TenantCredentials | None = None) -> None:
+        self._url = url
         self._redis = connect(url, username=username, password=password)
+        self._tenant_credentials = tenant_credentials
+        self._tenant_clients: dict[str, object] = {}
+        self._refused: set[str] = set()
         self._keys = Keys(key_prefix)
         self._lease_ms = lease_ms
         self._sources = _load_scripts()
         self._sha: dict[str, str] = {}
+        self._read_only_scripts = False
         self._known_ns: set[tuple[str, str]] = set()
         self._replica_id = uuid.uuid4().hex
         self._cluster = isinstance(self._redis, RedisCluster)
@@ -69,36 +84,47 @@ class RedisBlockMap(BlockMap):
     # -- scripts ---------------------------------------------------------------
 
     async def _load(self) -> None:
+        info = await self._redis.info("server")
+        version = (info if "redis_version" in info else next(iter(info.values())))["redis_version"]
+        # EVALSHA_RO (Redis 7) declares its keys read-only, so a tenant's Redis user needs only
+        # read access to the live-slot table; before 7 the lookup runs as a plain EVALSHA.
+        self._read_only_scripts = int(str(version).split(".")[0]) >= 7
         for name, src in self._sources.items():
             self._sha[name] = await self._redis.script_load(src)
 
-    async def _eval(self, name: str, keys: list[str], args: list) -> object:
+    async def _eval(self, name: str, keys: list[str], args: list, tenant: str | None = None,
+                    read_only: bool = False) -> object:
+        """Runs a script, as ``tenant``'s Redis user when given (and configured)."""
         if not self._sha:
             await self._load()
-        try:
-            return await self._redis.evalsha(self._sha[name], len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:  # the server restarted or was flushed
-            await self._load()
-            return await self._redis.evalsha(self._sha[name], len(keys), *keys, *args)
-
-    async def _run_in_order(self, calls: list[tuple[str, list[str], list]]) -> list:
-        """Runs script calls in order: one pipelined round trip on a single server;
-        one call after another on a cluster (its pipelines refuse scripts)."""
-        if not self._sha:
-            await self._load()
-        if self._cluster:
-            return [await self._eval(name, keys, args) for name, keys, args in calls]
         for attempt in range(2):
-            pipe = self._redis.pipeline(transaction=False)
-            for name, keys, args in calls:
-                pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+            client = await self._client(tenant)
+            run = client.evalsha_ro if read_only and self._read_only_scripts else client.evalsha
             try:
-                return await pipe.execute()
-            except redis.exceptions.NoScriptError:
+                return await run(self._sha[name], len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:  # the server restarted or was flushed
+                await self._load()
+            except redis.exceptions.AuthenticationError:  # rotated password, or Redis lost its ACL users
                 if attempt:
                     raise
-                await self._load()
-        raise AssertionError("unreachable")
+                await self._drop_client(tenant)
+                self._refused.add(tenant)
+        return await run(self._sha[name], len(keys), *keys, *args)
+
+    async def _client(self, tenant: str | None):
+        if tenant is None or self._tenant_credentials is None:
+            return self._redis
+        client = self._tenant_clients.get(tenant)
+        if client is None:
+            user, password = await self._tenant_credentials(tenant, tenant in self._refused)
+            self._refused.discard(tenant)
+            client = self._tenant_clients[tenant] = connect(self._url, username=user, password=password)
+        return client
+
+    async def _drop_client(self, tenant: str | None) -> None:
+        client = self._tenant_clients.pop(tenant, None) if tenant else None
+        if client is not None:
+            await client.aclose()
 
     # -- registry --------------------------------------------------------------
 
@@ -186,6 +212,7 @@ class RedisBlockMap(BlockMap):
         if status != "apply":
             self._raise_for(reply, batch.node_id)
         slot = int(reply[1])
+        tenant = batch.namespace.tenant
         ns_key = k.blocks(batch.namespace)
         await self._remember_namespace(batch.node_id, ns_key)
         hash_len = batch.namespace.cache_config.hash_algo.digest_size
@@ -193,17 +220,30 @@ class RedisBlockMap(BlockMap):
         for event in batch.events:
             if isinstance(event, Cleared):
                 if runs:
-                    await self._eval("apply", [ns_key], [slot, hash_len, *runs])
+                    await self._eval("apply", [ns_key], [slot, hash_len, *runs], tenant)
                     runs = []
                 slot = await self._clear(batch.node_id, slot, event.medium)
                 continue
             op = "s" if isinstance(event, Stored) else "r"
             mask = event.medium.bit if event.medium is not None else ALL_TIERS
             runs += [op, mask, b"".join(event.block_hashes)]
-        calls = [("apply", [ns_key], [slot, hash_len, *runs])] if runs else []
-        calls.append(("end_batch", [k.node(batch.node_id)], [batch.incarnation, batch.seq]))
-        await self._run_in_order(calls)
+        if runs:
+            await self._eval("apply", [ns_key], [slot, hash_len, *runs], tenant)
+        await self._eval("end_batch", [k.node(batch.node_id)], [batch.incarnation, batch.seq])
         return Ack(batch.seq, AckStatus.APPLIED, blocks_applied=batch.block_count)
+
+    async def skip_batch(self, batch: EventBatch) -> Ack:
+        reply = await self._eval("begin_batch", self._reg_keys(batch.node_id),
+                                 [batch.incarnation, batch.seq, 0, MAX_SLOTS])
+        status = _s(reply[0])
+        if status == "duplicate":
+            return Ack(batch.seq, AckStatus.DUPLICATE)
+        if status == "gap":
+            return Ack(batch.seq, AckStatus.RESYNC_REQUIRED, expected_seq=int(reply[1]))
+        if status != "apply":
+            self._raise_for(reply, batch.node_id)
+        await self._eval("end_batch", [self._keys.node(batch.node_id)], [batch.incarnation, batch.seq])
+        return Ack(batch.seq, AckStatus.APPLIED)
 
     async def _clear(self, node_id: str, slot: int, medium: Medium | None) -> int:
         """AllBlocksCleared: every tier fences by rotating the slot; one tier is swept."""
@@ -233,12 +273,15 @@ class RedisBlockMap(BlockMap):
             return PrefixMatch(0, [], [])
         blocks_key = self._keys.blocks(ns)
         args = [ns.cache_config.hash_algo.digest_size, b"".join(block_hashes), tiers]
+        tenant = ns.tenant
         if self._cluster:  # the live-slot table is in another slot: fetch it concurrently
             (found,), slots, (sec, usec) = await asyncio.gather(
-                self._eval("lookup", [blocks_key], args), self._redis.hgetall(self._keys.slots), self._redis.time())
+                self._eval("lookup", [blocks_key], args, tenant, read_only=True), self._redis.hgetall(self._keys.slots),
+                self._redis.time())
             now_ms = int(sec) * 1000 + int(usec) // 1000
         else:  # one round trip: the script returns the live-slot table and the time too
-            found, flat, now_ms = await self._eval("lookup", [blocks_key, self._keys.slots], args)
+            found, flat, now_ms = await self._eval("lookup", [blocks_key, self._keys.slots], args, tenant,
+                                                   read_only=True)
             slots = dict(zip(flat[::2], flat[1::2]))
         live: dict[int, tuple[str, str]] = {}
         for slot, record in slots.items():
@@ -275,5 +318,17 @@ class RedisBlockMap(BlockMap):
         finally:
             await self._eval("unlock", [k.gc_lock], [self._replica_id])
 
+    async def count_new(self, ns: Namespace, block_hashes: list[bytes]) -> tuple[int, int]:
+        """(entries the namespace has, how many of ``block_hashes`` it lacks), as the tenant."""
+        client = await self._client(ns.tenant)
+        key = self._keys.blocks(ns)
+        pipe = client.pipeline(transaction=False)
+        pipe.hlen(key)
+        pipe.hmget(key, block_hashes)
+        size, present = await pipe.execute()
+        return int(size), sum(1 for v in present if v is None)
+
     async def close(self) -> None:
+        for tenant in list(self._tenant_clients):
+            await self._drop_client(tenant)
         await self._redis.aclose()

@@ -1,19 +1,33 @@
-"""Runs the control-plane service: ``kvmesh control-plane [--flags]``."""
+"""Runs the control-plane service: ``kvmesh control-plane [--flags]``.
+
+The server factory is the one place the service is composed: the block map
+over Redis (each tenant through its own Redis ACL user), the tenant registry,
+authentication (an interceptor on every RPC), authorization, grant signing,
+the ControlPlane and TenantAdmin services, health, reflection and TLS.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 
-from kvmesh.grpc_server import RunningServer, ServiceBinding, start_server
+from kvmesh.grpc_server import RunningServer, ServiceBinding, server_tls, start_server
 from kvmesh.settings_cli import parse_settings
-from kvmesh.v1 import control_plane_pb2_grpc
+from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
+from tenancy.auth import AuthInterceptor, Authenticator
+from tenancy.authz import Authorizer
+from tenancy.grants import GrantSigner
+from tenancy.servicer import TenantAdminServicer
+from tenancy.store import RedisTenantStore
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.core import ControlPlane
 from control_plane.redis_block_map import RedisBlockMap
+from control_plane.routing.router import Router
+from control_plane.routing.stats import RedisStatsStore
 from control_plane.servicer import ControlPlaneServicer
 
 log = logging.getLogger(__name__)
@@ -35,12 +49,25 @@ class RunningControlPlane:
 
 async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     """Starts the service in this event loop; returns once it is serving."""
+    admin_key = config.bootstrap_admin_key()
+    tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    redis_auth = dict(username=config.redis_username, password=config.redis_password)
+    tenants = RedisTenantStore(config.redis_url, key_prefix=config.key_prefix, **redis_auth)
+    signer = GrantSigner.from_pem(await tenants.grant_signing_key(lambda: GrantSigner.generate().to_pem()))
     block_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
-                              username=config.redis_username, password=config.redis_password)
-    core = ControlPlane(block_map, config)
-    binding = ServiceBinding(ControlPlaneServicer(core), control_plane_pb2_grpc.add_ControlPlaneServicer_to_server,
-                             "kvmesh.v1.ControlPlane")
-    server = await start_server(config.listen, [binding])
+                              tenant_credentials=tenants.redis_credentials, **redis_auth)
+    authz = Authorizer(tenants, tenants.audit, config.policy_ttl_s)
+    stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
+                            refresh_ms=config.route_stats_refresh_ms, **redis_auth)
+    core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config))
+    auth = AuthInterceptor(Authenticator(tenants.get_key, admin_key), tenants.audit)
+    services = [
+        ServiceBinding(ControlPlaneServicer(core), control_plane_pb2_grpc.add_ControlPlaneServicer_to_server,
+                       "kvmesh.v1.ControlPlane"),
+        ServiceBinding(TenantAdminServicer(tenants, authz), tenant_admin_pb2_grpc.add_TenantAdminServicer_to_server,
+                       "kvmesh.v1.TenantAdmin"),
+    ]
+    server = await start_server(config.listen, services, interceptors=[auth], tls=tls)
     core.start_background()
     return RunningControlPlane(core, server)
 
@@ -60,5 +87,11 @@ async def _run(config: ControlPlaneConfig) -> None:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_run(parse_settings(ControlPlaneConfig, argv, "kvmesh control-plane")))
+    config = parse_settings(ControlPlaneConfig, argv, "kvmesh control-plane")
+    try:
+        config.bootstrap_admin_key()
+    except (ValueError, OSError) as exc:
+        print(f"kvmesh control-plane: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_run(config))
     return 0

@@ -1,14 +1,16 @@
-"""The ControlPlane gRPC servicer: proto -> domain, call the core, domain -> proto."""
+"""The ControlPlane gRPC servicer: proto -> domain, call the core as the caller, domain -> proto."""
 
 from __future__ import annotations
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
+from tenancy.auth import current_principal
 
 from control_plane import wire
-from control_plane.core import ControlPlane
+from control_plane.core import BatchRefused, ControlPlane
 from control_plane.model import tier_mask
+from control_plane.routing import wire as routing_wire
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
@@ -19,41 +21,72 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def RegisterNode(self, request, context):
         if not request.HasField("node"):
             raise InvalidArgument("node is required")
-        reg = await self._core.register_node(wire.node_info(request.node))
+        reg = await self._core.register_node(current_principal(), wire.node_info(request.node))
         return pb.RegisterNodeResponse(incarnation=reg.incarnation, lease_ms=reg.lease_ms, next_seq=reg.next_seq)
 
     @grpc_errors
     async def Heartbeat(self, request, context):
-        lease_ms = await self._core.heartbeat(request.node_id, request.incarnation)
+        lease_ms = await self._core.heartbeat(current_principal(), request.node_id, request.incarnation)
         return pb.HeartbeatResponse(lease_ms=lease_ms)
 
     @grpc_errors
     async def DeregisterNode(self, request, context):
-        await self._core.deregister_node(request.node_id, request.incarnation)
+        await self._core.deregister_node(current_principal(), request.node_id, request.incarnation)
         return pb.DeregisterNodeResponse()
 
     @grpc_errors
     async def ListNodes(self, request, context):
+        current_principal()
         nodes = await self._core.list_nodes()
         return pb.ListNodesResponse(nodes=[wire.node_status_to_pb(n) for n in nodes])
 
     @grpc_errors
     async def PublishEvents(self, request, context):
-        return wire.ack_to_pb(await self._core.apply_batch(wire.event_batch(request)))
+        """One batch: a refused batch is an error status (RESOURCE_EXHAUSTED / PERMISSION_DENIED)."""
+        try:
+            return wire.ack_to_pb(await self._core.apply_batch(current_principal(), wire.event_batch(request)))
+        except BatchRefused as refused:
+            raise refused.error from None
 
     @grpc_errors
     async def StreamEvents(self, request_iterator, context):
-        async for batch in request_iterator:
-            yield wire.ack_to_pb(await self._core.apply_batch(wire.event_batch(batch)))
+        """A stream: a refused batch is acked REFUSED (its seq consumed) so the stream goes on."""
+        principal = current_principal()
+        async for msg in request_iterator:
+            batch = wire.event_batch(msg)
+            try:
+                yield wire.ack_to_pb(await self._core.apply_batch(principal, batch))
+            except BatchRefused as refused:
+                yield wire.ack_to_pb(await self._core.refuse_batch(batch, refused))
 
     @grpc_errors
     async def LookupPrefix(self, request, context):
         ns = wire.namespace(request.namespace, request.HasField("namespace"))
         media = [wire.medium(m, "media") for m in request.media]
-        match = await self._core.lookup_prefix(
-            ns, list(request.block_hashes), list(request.token_ids), wire.extras(request.extras), tier_mask(media)
-        )
+        match = await self._core.lookup_prefix(current_principal(), ns, list(request.block_hashes),
+                                               list(request.token_ids), wire.extras(request.extras), tier_mask(media))
         return wire.prefix_match_to_pb(match)
+
+    @grpc_errors
+    async def IssuePullGrant(self, request, context):
+        ns = wire.namespace(request.namespace, request.HasField("namespace"))
+        token, expires = await self._core.issue_pull_grant(current_principal(), ns, request.source_node_id)
+        return pb.PullGrant(token=token, expires_unix_ms=expires)
+
+    @grpc_errors
+    async def GetGrantKey(self, request, context):
+        current_principal()
+        return pb.GetGrantKeyResponse(ed25519_public_key=self._core.signer.public_key)
+
+    @grpc_errors
+    async def Route(self, request, context):
+        decision = await self._core.route(current_principal(), routing_wire.route_request(request))
+        return routing_wire.route_decision_to_pb(decision)
+
+    @grpc_errors
+    async def ReportStats(self, request, context):
+        await self._core.report_stats(current_principal(), routing_wire.stats_report(request))
+        return pb.ReportStatsResponse()
 
     async def Ping(self, request, context):
         return common_pb2.PingResponse()

@@ -15,6 +15,7 @@ _ACK_TO_PB = {
     AckStatus.APPLIED: pb.ACK_STATUS_APPLIED,
     AckStatus.DUPLICATE: pb.ACK_STATUS_DUPLICATE,
     AckStatus.RESYNC_REQUIRED: pb.ACK_STATUS_RESYNC_REQUIRED,
+    AckStatus.REFUSED: pb.ACK_STATUS_REFUSED,
 }
 _ACK_FROM_PB = {v: k for k, v in _ACK_TO_PB.items()}
 
@@ -102,11 +103,7 @@ def event_batch_to_pb(batch: EventBatch) -> pb.EventBatch:
 
 def ack_to_pb(ack: Ack) -> pb.EventAck:
     return pb.EventAck(seq=ack.seq, status=_ACK_TO_PB[ack.status], expected_seq=ack.expected_seq,
-                       blocks_applied=ack.blocks_applied)
-
-
-def ack(msg: pb.EventAck) -> Ack:
-    return Ack(msg.seq, _ACK_FROM_PB[msg.status], msg.expected_seq, msg.blocks_applied)
+                       blocks_applied=ack.blocks_applied, detail=ack.detail)
 
 
 def prefix_match_to_pb(match: PrefixMatch) -> pb.LookupPrefixResponse:

@@ -16,12 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from kvmesh.hashing import BlockHasher
 from kvmesh.procs import ServiceProcess
 from kvmesh.redis_server import RedisServer
+from kvmesh.channels import channel
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
+from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
+from tenancy.api_keys import new_key
 
 BLOCK_SIZE = 32
 NS = common_pb2.Namespace(tenant="demo", model="tiny-llama", weight_version="v1",
@@ -33,12 +34,14 @@ def _say(quiet: bool, text: str) -> None:
         print(text, flush=True)
 
 
-async def _scenario(address: str, quiet: bool) -> dict:
+async def _scenario(address: str, admin_key: str, quiet: bool) -> dict:
     system_prompt = list(range(1, 1 + 32 * BLOCK_SIZE))  # 1,024 tokens shared by everyone
     sessions = {f"node-{i}": system_prompt + list(range(10_000 * i, 10_000 * i + 8 * BLOCK_SIZE)) for i in (1, 2)}
     hasher = BlockHasher()
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.ControlPlaneStub(channel)
+    async with channel(address, admin_key) as ch:
+        await tenant_admin_pb2_grpc.TenantAdminStub(ch).CreateTenant(
+            tenant_admin_pb2.CreateTenantRequest(tenant_id=NS.tenant, display_name="the demo tenant"))
+        stub = pb_grpc.ControlPlaneStub(ch)
         for i, (node_id, tokens) in enumerate(sessions.items(), start=1):
             reg = await stub.RegisterNode(pb.RegisterNodeRequest(
                 node=pb.NodeInfo(node_id=node_id, data_plane_address=f"127.0.0.1:{7000 + i}")))
@@ -68,13 +71,14 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
         _say(quiet, "starting an embedded Redis ...")
         redis = RedisServer(Path(tmp) / "redis").start()
+        admin_key = new_key()[1]
         cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", redis.url],
-                            log_path=Path(tmp) / "control-plane.log")
+                            env={"KVMESH_CP_ADMIN_KEY": admin_key}, log_path=Path(tmp) / "control-plane.log")
         try:
             _say(quiet, f"starting the control plane (Redis on {redis.url}) ...")
             cp.start()
             _say(quiet, f"control plane on {cp.address}")
-            result = asyncio.run(_scenario(cp.address, quiet))
+            result = asyncio.run(_scenario(cp.address, admin_key, quiet))
         finally:
             cp.stop()
             redis.stop()

@@ -7,6 +7,7 @@ behaviour (authentication, tracing, metrics) is composed here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
@@ -24,6 +25,31 @@ class ServiceBinding:
     servicer: Any
     add_to_server: Callable[[Any, grpc.aio.Server], None]
     full_name: str  # e.g. "kvmesh.v1.ControlPlane"
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS for a server; with ``client_ca_file``, mutual TLS (clients must present a certificate it signed)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        ca = Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
+        pair = [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())]
+        return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+
+
+def server_tls(cert_file: str | None, key_file: str | None, client_ca_file: str | None) -> ServerTLS | None:
+    """A ServerTLS from optional settings: none, or cert and key (and optionally a client CA)."""
+    if not cert_file and not key_file:
+        if client_ca_file:
+            raise ValueError("a client CA (mutual TLS) needs a server certificate and key too")
+        return None
+    if not (cert_file and key_file):
+        raise ValueError("TLS needs both a certificate file and a key file")
+    return ServerTLS(cert_file, key_file, client_ca_file)
 
 
 @dataclass
@@ -48,7 +74,7 @@ async def start_server(
     address: str,
     services: Sequence[ServiceBinding],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    credentials: grpc.ServerCredentials | None = None,
+    tls: ServerTLS | None = None,
 ) -> RunningServer:
     """Start an aio server on ``address`` ("host:port", port 0 picks a free one)."""
     server = grpc.aio.server(interceptors=list(interceptors), options=channel_options())
@@ -59,10 +85,10 @@ async def start_server(
         binding.add_to_server(binding.servicer, server)
         names.append(binding.full_name)
     reflection.enable_server_reflection(names, server)
-    if credentials is None:
+    if tls is None:
         port = server.add_insecure_port(address)
     else:
-        port = server.add_secure_port(address, credentials)
+        port = server.add_secure_port(address, tls.credentials())
     if port == 0:
         raise OSError(f"could not bind gRPC server to {address}")
     await server.start()

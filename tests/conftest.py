@@ -24,6 +24,14 @@ def redis_cluster(tmp_path_factory) -> RedisCluster:
     cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def admin_key() -> str:
+    """The bootstrap admin key every test control plane starts with."""
+    from tenancy.api_keys import new_key
+
+    return new_key()[1]
+
+
 @pytest.fixture
 def key_prefix() -> str:
     """A fresh key prefix per test: tests share servers but never keys."""

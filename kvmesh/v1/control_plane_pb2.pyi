@@ -14,10 +14,53 @@ class AckStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACK_STATUS_APPLIED: _ClassVar[AckStatus]
     ACK_STATUS_DUPLICATE: _ClassVar[AckStatus]
     ACK_STATUS_RESYNC_REQUIRED: _ClassVar[AckStatus]
+    ACK_STATUS_REFUSED: _ClassVar[AckStatus]
+
+class RoutePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTE_POLICY_UNSPECIFIED: _ClassVar[RoutePolicy]
+    ROUTE_POLICY_AFFINITY: _ClassVar[RoutePolicy]
+    ROUTE_POLICY_LOAD_AWARE: _ClassVar[RoutePolicy]
+    ROUTE_POLICY_TOKEN_AWARE: _ClassVar[RoutePolicy]
+    ROUTE_POLICY_COST_AWARE: _ClassVar[RoutePolicy]
+
+class RouteReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTE_REASON_UNSPECIFIED: _ClassVar[RouteReason]
+    ROUTE_REASON_LONGEST_LOCAL_PREFIX: _ClassVar[RouteReason]
+    ROUTE_REASON_LEAST_LOADED: _ClassVar[RouteReason]
+    ROUTE_REASON_FEWEST_TOKENS_TO_PREFILL: _ClassVar[RouteReason]
+    ROUTE_REASON_LOWEST_ESTIMATED_TTFT: _ClassVar[RouteReason]
+
+class SourceDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SOURCE_DECISION_UNSPECIFIED: _ClassVar[SourceDecision]
+    SOURCE_DECISION_PULL: _ClassVar[SourceDecision]
+    SOURCE_DECISION_NONE_AHEAD: _ClassVar[SourceDecision]
+    SOURCE_DECISION_BELOW_MIN_DELTA: _ClassVar[SourceDecision]
+    SOURCE_DECISION_RECOMPUTE_CHEAPER: _ClassVar[SourceDecision]
+    SOURCE_DECISION_P2P_DISABLED: _ClassVar[SourceDecision]
 ACK_STATUS_UNSPECIFIED: AckStatus
 ACK_STATUS_APPLIED: AckStatus
 ACK_STATUS_DUPLICATE: AckStatus
 ACK_STATUS_RESYNC_REQUIRED: AckStatus
+ACK_STATUS_REFUSED: AckStatus
+ROUTE_POLICY_UNSPECIFIED: RoutePolicy
+ROUTE_POLICY_AFFINITY: RoutePolicy
+ROUTE_POLICY_LOAD_AWARE: RoutePolicy
+ROUTE_POLICY_TOKEN_AWARE: RoutePolicy
+ROUTE_POLICY_COST_AWARE: RoutePolicy
+ROUTE_REASON_UNSPECIFIED: RouteReason
+ROUTE_REASON_LONGEST_LOCAL_PREFIX: RouteReason
+ROUTE_REASON_LEAST_LOADED: RouteReason
+ROUTE_REASON_FEWEST_TOKENS_TO_PREFILL: RouteReason
+ROUTE_REASON_LOWEST_ESTIMATED_TTFT: RouteReason
+SOURCE_DECISION_UNSPECIFIED: SourceDecision
+SOURCE_DECISION_PULL: SourceDecision
+SOURCE_DECISION_NONE_AHEAD: SourceDecision
+SOURCE_DECISION_BELOW_MIN_DELTA: SourceDecision
+SOURCE_DECISION_RECOMPUTE_CHEAPER: SourceDecision
+SOURCE_DECISION_P2P_DISABLED: SourceDecision
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "data_plane_address", "pool", "labels")
@@ -163,16 +206,18 @@ class EventBatch(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq: _Optional[int] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
 
 class EventAck(_message.Message):
-    __slots__ = ("seq", "status", "expected_seq", "blocks_applied")
+    __slots__ = ("seq", "status", "expected_seq", "blocks_applied", "detail")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     seq: int
     status: AckStatus
     expected_seq: int
     blocks_applied: int
-    def __init__(self, seq: _Optional[int] = ..., status: _Optional[_Union[AckStatus, str]] = ..., expected_seq: _Optional[int] = ..., blocks_applied: _Optional[int] = ...) -> None: ...
+    detail: str
+    def __init__(self, seq: _Optional[int] = ..., status: _Optional[_Union[AckStatus, str]] = ..., expected_seq: _Optional[int] = ..., blocks_applied: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LookupPrefixRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes", "token_ids", "extras", "media")
@@ -217,3 +262,163 @@ class LookupPrefixResponse(_message.Message):
     holders: _containers.RepeatedCompositeFieldContainer[NodePrefix]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, blocks_queried: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[NodePrefix, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class IssuePullGrantRequest(_message.Message):
+    __slots__ = ("namespace", "source_node_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: _common_pb2.Namespace
+    source_node_id: str
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., source_node_id: _Optional[str] = ...) -> None: ...
+
+class PullGrant(_message.Message):
+    __slots__ = ("token", "expires_unix_ms")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    expires_unix_ms: int
+    def __init__(self, token: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class GetGrantKeyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetGrantKeyResponse(_message.Message):
+    __slots__ = ("ed25519_public_key",)
+    ED25519_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ed25519_public_key: bytes
+    def __init__(self, ed25519_public_key: _Optional[bytes] = ...) -> None: ...
+
+class EngineCandidate(_message.Message):
+    __slots__ = ("engine_id", "node_id", "waiting_requests", "running_tokens")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    node_id: str
+    waiting_requests: int
+    running_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., node_id: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "token_ids", "extras", "prompt_tokens", "candidates", "policy", "disable_p2p", "min_cached_token_delta", "kv_bytes_per_token", "kv_request_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_P2P_FIELD_NUMBER: _ClassVar[int]
+    MIN_CACHED_TOKEN_DELTA_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: _common_pb2.Namespace
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extras: _common_pb2.HashExtras
+    prompt_tokens: int
+    candidates: _containers.RepeatedCompositeFieldContainer[EngineCandidate]
+    policy: RoutePolicy
+    disable_p2p: bool
+    min_cached_token_delta: int
+    kv_bytes_per_token: int
+    kv_request_id: str
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., extras: _Optional[_Union[_common_pb2.HashExtras, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[EngineCandidate, _Mapping]]] = ..., policy: _Optional[_Union[RoutePolicy, str]] = ..., disable_p2p: _Optional[bool] = ..., min_cached_token_delta: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_request_id: _Optional[str] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("node_id", "host", "port", "tier", "cached_tokens", "kv_request_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    host: str
+    port: int
+    tier: _common_pb2.Medium
+    cached_tokens: int
+    kv_request_id: str
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Medium, str]] = ..., cached_tokens: _Optional[int] = ..., kv_request_id: _Optional[str] = ...) -> None: ...
+
+class RouteEstimate(_message.Message):
+    __slots__ = ("queue_ms", "lookup_ms", "transfer_ms", "promotion_ms", "prefill_ms", "ttft_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTION_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    lookup_ms: float
+    transfer_ms: float
+    promotion_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., promotion_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("engine_id", "kv_source", "reason", "source_decision", "prompt_tokens", "local_cached_tokens", "estimate", "remote_kv_source_json", "explanation")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DECISION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_KV_SOURCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    kv_source: KvSource
+    reason: RouteReason
+    source_decision: SourceDecision
+    prompt_tokens: int
+    local_cached_tokens: int
+    estimate: RouteEstimate
+    remote_kv_source_json: str
+    explanation: str
+    def __init__(self, engine_id: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., reason: _Optional[_Union[RouteReason, str]] = ..., source_decision: _Optional[_Union[SourceDecision, str]] = ..., prompt_tokens: _Optional[int] = ..., local_cached_tokens: _Optional[int] = ..., estimate: _Optional[_Union[RouteEstimate, _Mapping]] = ..., remote_kv_source_json: _Optional[str] = ..., explanation: _Optional[str] = ...) -> None: ...
+
+class LinkSample(_message.Message):
+    __slots__ = ("source_node_id", "dest_node_id", "bytes_per_s")
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    source_node_id: str
+    dest_node_id: str
+    bytes_per_s: float
+    def __init__(self, source_node_id: _Optional[str] = ..., dest_node_id: _Optional[str] = ..., bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class EngineSample(_message.Message):
+    __slots__ = ("engine_id", "prefill_tokens_per_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    prefill_tokens_per_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+
+class PullOutcome(_message.Message):
+    __slots__ = ("source_node_id", "blocks_routed", "blocks_hit")
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_HIT_FIELD_NUMBER: _ClassVar[int]
+    source_node_id: str
+    blocks_routed: int
+    blocks_hit: int
+    def __init__(self, source_node_id: _Optional[str] = ..., blocks_routed: _Optional[int] = ..., blocks_hit: _Optional[int] = ...) -> None: ...
+
+class ReportStatsRequest(_message.Message):
+    __slots__ = ("links", "engines", "pulls")
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[LinkSample]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineSample]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullOutcome]
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkSample, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineSample, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullOutcome, _Mapping]]] = ...) -> None: ...
+
+class ReportStatsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

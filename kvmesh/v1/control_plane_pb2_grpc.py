@@ -70,10 +70,30 @@ class ControlPlaneStub:
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.FromString,
                 _registered_method=True)
+        self.IssuePullGrant = channel.unary_unary(
+                '/kvmesh.v1.ControlPlane/IssuePullGrant',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.IssuePullGrantRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.PullGrant.FromString,
+                _registered_method=True)
+        self.GetGrantKey = channel.unary_unary(
+                '/kvmesh.v1.ControlPlane/GetGrantKey',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/kvmesh.v1.ControlPlane/Ping',
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.PingRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.PingResponse.FromString,
+                _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvmesh.v1.ControlPlane/Route',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.RouteResponse.FromString,
+                _registered_method=True)
+        self.ReportStats = channel.unary_unary(
+                '/kvmesh.v1.ControlPlane/ReportStats',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -132,8 +152,39 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssuePullGrant(self, request, context):
+        """A short-lived grant, signed by the control plane, that lets the calling
+        node pull a namespace's blocks from one source node's data plane.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGrantKey(self, request, context):
+        """The public key data planes verify grants with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """Does nothing: the baseline cost of one RPC to this server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """Scheduling (docs/scheduling.md): which candidate engine should run a
+        prompt, and from which peer (if any) it should pull the cached prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportStats(self, request, context):
+        """Measured figures the cost-aware policy uses: pull bandwidth per peer link
+        (data planes), prefill throughput (engines) and pull outcomes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,10 +228,30 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.SerializeToString,
             ),
+            'IssuePullGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssuePullGrant,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.IssuePullGrantRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.PullGrant.SerializeToString,
+            ),
+            'GetGrantKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGrantKey,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.SerializeToString,
+            ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
                     request_deserializer=kvmesh_dot_v1_dot_common__pb2.PingRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.PingResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.RouteRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.RouteResponse.SerializeToString,
+            ),
+            'ReportStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStats,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -383,6 +454,60 @@ class ControlPlane:
             _registered_method=True)
 
     @staticmethod
+    def IssuePullGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.ControlPlane/IssuePullGrant',
+            kvmesh_dot_v1_dot_control__plane__pb2.IssuePullGrantRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.PullGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGrantKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.ControlPlane/GetGrantKey',
+            kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Ping(request,
             target,
             options=(),
@@ -399,6 +524,60 @@ class ControlPlane:
             '/kvmesh.v1.ControlPlane/Ping',
             kvmesh_dot_v1_dot_common__pb2.PingRequest.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.ControlPlane/Route',
+            kvmesh_dot_v1_dot_control__plane__pb2.RouteRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.ControlPlane/ReportStats',
+            kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,28 +27,38 @@ async def block_map(store_url, key_prefix):
 
 
 @pytest.fixture
-def cp_config(redis_server, key_prefix):
+def cp_config(redis_server, key_prefix, admin_key):
     from control_plane.config import ControlPlaneConfig
 
     return ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix,
-                              lease_ms=60_000, max_batch_blocks=1000, max_lookup_blocks=2048)
+                              lease_ms=60_000, max_batch_blocks=1000, max_lookup_blocks=2048, admin_key=admin_key)
 
 
 @pytest.fixture
 async def control_plane(cp_config):
-    """A real control-plane gRPC server on a free loopback port."""
+    """A real control-plane gRPC server on a free loopback port, with tenant "acme" created."""
     from control_plane.server import serve
+    from tenancy.model import TenantPolicy
 
     running = await serve(cp_config)
+    await running.core.tenants.create_tenant("acme", "Acme", TenantPolicy())
     yield running
     await running.stop()
 
 
 @pytest.fixture
-async def cp_stub(control_plane):
-    import grpc
+def admin():
+    """The principal of the bootstrap admin key, for calling the core directly."""
+    from tenancy.model import Principal, Role
 
+    return Principal("bootstrap", Role.ADMIN)
+
+
+@pytest.fixture
+async def cp_stub(control_plane, admin_key):
+    """A ControlPlane stub authenticated as the bootstrap admin."""
+    from kvmesh.channels import channel
     from kvmesh.v1 import control_plane_pb2_grpc
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{control_plane.port}") as channel:
-        yield control_plane_pb2_grpc.ControlPlaneStub(channel)
+    async with channel(f"127.0.0.1:{control_plane.port}", admin_key) as ch:
+        yield control_plane_pb2_grpc.ControlPlaneStub(ch)

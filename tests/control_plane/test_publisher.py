@@ -9,6 +9,8 @@ from kvmesh.namespace import CacheConfig, Namespace
 from control_plane.model import ALL_TIERS, Medium, NodeInfo
 from control_plane.publisher import EventPublisher
 from control_plane.server import serve
+from tenancy.auth import auth_metadata
+from tenancy.model import Principal, Role, TenantPolicy
 
 NS = Namespace("acme", "tiny-llama", "v1", CacheConfig(block_size=32))
 
@@ -27,13 +29,21 @@ class Node:
         return [(NS, int(Medium.CPU), list(self.held))]
 
 
+ADMIN = Principal("bootstrap", Role.ADMIN)
+
+
 async def longest(control_plane, hs):
-    return (await control_plane.core.lookup_prefix(NS, hs, [], None, ALL_TIERS)).longest
+    return (await control_plane.core.lookup_prefix(ADMIN, NS, hs, [], None, ALL_TIERS)).longest
 
 
-async def test_changes_arrive_in_order(control_plane):
+def publisher(port, node, admin_key, **kw):
+    return EventPublisher(f"127.0.0.1:{port}", NodeInfo("node-1", "127.0.0.1:7001"), node.snapshot,
+                          metadata=auth_metadata(admin_key), **kw)
+
+
+async def test_changes_arrive_in_order(control_plane, admin_key):
     node, hs = Node(), hashes(10)
-    pub = EventPublisher(f"127.0.0.1:{control_plane.port}", NodeInfo("node-1", "127.0.0.1:7001"), node.snapshot)
+    pub = publisher(control_plane.port, node, admin_key)
     await pub.start()
     try:
         for h in hs:
@@ -45,11 +55,12 @@ async def test_changes_arrive_in_order(control_plane):
         await pub.stop()
 
 
-async def test_outage_then_recovery_delivers_everything(cp_config):
+async def test_outage_then_recovery_delivers_everything(cp_config, admin_key):
     running = await serve(cp_config)
+    await running.core.tenants.create_tenant("acme", "", TenantPolicy())
     port = running.port
     node, hs = Node(), hashes(6)
-    pub = EventPublisher(f"127.0.0.1:{port}", NodeInfo("node-1", "127.0.0.1:7001"), node.snapshot, retry_s=0.1)
+    pub = publisher(port, node, admin_key, retry_s=0.1)
     await pub.start()
     try:
         pub.stored(NS, hs[:3], int(Medium.CPU))
@@ -65,9 +76,9 @@ async def test_outage_then_recovery_delivers_everything(cp_config):
         await running.stop()
 
 
-async def test_fenced_node_reregisters_and_resyncs_its_snapshot(control_plane):
+async def test_fenced_node_reregisters_and_resyncs_its_snapshot(control_plane, admin_key):
     node, hs = Node(), hashes(4)
-    pub = EventPublisher(f"127.0.0.1:{control_plane.port}", NodeInfo("node-1", "127.0.0.1:7001"), node.snapshot)
+    pub = publisher(control_plane.port, node, admin_key)
     await pub.start()
     try:
         node.held = hs[:2]
@@ -75,7 +86,7 @@ async def test_fenced_node_reregisters_and_resyncs_its_snapshot(control_plane):
         assert await pub.flush(5)
         first = pub.incarnation
         # Someone else registers the same node id: the publisher's incarnation is now stale.
-        await control_plane.core.register_node(NodeInfo("node-1", "127.0.0.1:7001"))
+        await control_plane.core.register_node(ADMIN, NodeInfo("node-1", "127.0.0.1:7001"))
         assert await longest(control_plane, hs) == 0
         node.held = hs[:3]
         pub.stored(NS, hs[2:3], int(Medium.CPU))

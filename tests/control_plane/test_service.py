@@ -14,6 +14,9 @@ from kvmesh.hashing import BlockHasher, Extras
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc
 
 from control_plane.server import serve
+from kvmesh.channels import channel
+from tenancy.auth import auth_metadata
+from tenancy.model import Role, TenantPolicy
 
 
 def ns_pb(tenant="acme", block_size=32, **cache):
@@ -137,7 +140,7 @@ async def test_bad_registrations_and_heartbeats(cp_stub):
     assert [(n.node.node_id, n.incarnation, n.live) for n in nodes] == [("node-1", inc + 1, True)]
 
 
-async def test_health_and_reflection(control_plane):
+async def test_health_and_reflection_need_no_credentials(control_plane):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{control_plane.port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.ControlPlane"))
@@ -151,10 +154,11 @@ async def test_health_and_reflection(control_plane):
         assert "kvmesh.v1.ControlPlane" in names
 
 
-async def test_two_replicas_answer_identically_and_a_restart_loses_nothing(cp_config, redis_server):
+async def test_two_replicas_answer_identically_and_a_restart_loses_nothing(cp_config, redis_server, admin_key):
     replicas = [await serve(cp_config), await serve(cp_config)]
     try:
-        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
+        await replicas[0].core.tenants.create_tenant("acme", "", TenantPolicy())
+        channels = [channel(f"127.0.0.1:{r.port}", admin_key) for r in replicas]
         a, b = (control_plane_pb2_grpc.ControlPlaneStub(c) for c in channels)
         inc = await register(a)
         hs = hashes(5)
@@ -169,7 +173,7 @@ async def test_two_replicas_answer_identically_and_a_restart_loses_nothing(cp_co
             await r.stop()
         redis_server.restart()  # AOF: the block map survives the store restarting too
         replicas = [await serve(cp_config)]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{replicas[0].port}") as c:
+        async with channel(f"127.0.0.1:{replicas[0].port}", admin_key) as c:
             again = await control_plane_pb2_grpc.ControlPlaneStub(c).LookupPrefix(q)
         assert again == ra
     finally:
@@ -177,21 +181,26 @@ async def test_two_replicas_answer_identically_and_a_restart_loses_nothing(cp_co
             await r.stop()
 
 
-async def test_redis_down_is_unavailable_not_a_hang(cp_config, tmp_path):
+async def test_redis_down_is_unavailable_not_a_hang(cp_config, tmp_path, admin_key):
     from kvmesh.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     config = cp_config.model_copy(update={"redis_url": server.url})
     running = await serve(config)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        await running.core.tenants.create_tenant("acme", "", TenantPolicy())
+        async with channel(f"127.0.0.1:{running.port}", admin_key) as ch:
+            stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
             await register(stub)
+            _, node_key = await running.core.tenants.issue_key(Role.NODE, node_id="node-1")
             server.stop()
             loop = asyncio.get_running_loop()
             start = loop.time()
             await expect_error(stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(2)),
                                                  timeout=10), grpc.StatusCode.UNAVAILABLE, "unavailable")
+            as_node = control_plane_pb2_grpc.ControlPlaneStub(ch)
+            await expect_error(as_node.Ping(common_pb2.PingRequest(), timeout=10, metadata=auth_metadata(node_key)),
+                               grpc.StatusCode.UNAVAILABLE, "credential store unavailable")
             assert loop.time() - start < 5
     finally:
         await running.stop()

@@ -14,6 +14,7 @@ from kvmesh.namespace import CacheConfig, Namespace  # noqa: E402
 from control_plane.model import ALL_TIERS, Medium, NodeInfo  # noqa: E402
 from control_plane.publisher import EventPublisher  # noqa: E402
 from control_plane.vllm_events import VllmEventAdapter  # noqa: E402
+from tenancy.auth import auth_metadata  # noqa: E402
 
 NS = Namespace("acme", "tiny-llama", "v1", CacheConfig(block_size=32))
 TOKENS = list(range(5000, 5000 + 32 * 8))
@@ -32,19 +33,19 @@ async def wait_for(cond, timeout=10.0):
         await asyncio.sleep(0.05)
 
 
-async def test_vllm_events_reach_the_block_map(control_plane, tmp_path):
+async def test_vllm_events_reach_the_block_map(control_plane, tmp_path, admin, admin_key):
     hashes = BlockHasher().block_hashes(TOKENS, 32)
     endpoint = f"ipc://{tmp_path}/kv-events"
     vllm_pub = vllm_events.ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
     publisher = EventPublisher(f"127.0.0.1:{control_plane.port}", NodeInfo("engine-1", "127.0.0.1:7001"),
-                               snapshot=lambda: [])
+                               snapshot=lambda: [], metadata=auth_metadata(admin_key))
     await publisher.start()
     adapter = VllmEventAdapter(publisher, NS)
     task = asyncio.create_task(adapter.run(endpoint))
 
     async def longest(tiers=ALL_TIERS):
         await publisher.flush(5)
-        return (await control_plane.core.lookup_prefix(NS, hashes, [], None, tiers)).longest
+        return (await control_plane.core.lookup_prefix(admin, NS, hashes, [], None, tiers)).longest
 
     try:
         async def connected():  # PUB/SUB drops messages until the subscription is set up
@@ -55,7 +56,7 @@ async def test_vllm_events_reach_the_block_map(control_plane, tmp_path):
         await wait_for(connected)
         vllm_pub.publish(vllm_events.KVEventBatch(ts=0.0, events=[stored(hashes), stored(hashes[:2], "CPU")]))
         await wait_for(lambda: _eq(longest(), 8))
-        assert (await control_plane.core.lookup_prefix(NS, hashes, [], None, Medium.CPU.bit)).longest == 2
+        assert (await control_plane.core.lookup_prefix(admin, NS, hashes, [], None, Medium.CPU.bit)).longest == 2
         vllm_pub.publish(vllm_events.KVEventBatch(ts=0.0, events=[
             vllm_events.BlockRemoved(block_hashes=hashes[5:6], medium="GPU"),
             stored(hashes[:1], block_size=16),  # wrong block size: refused, not applied

@@ -1,0 +1,33 @@
+"""The ``route_*`` settings of the control plane (part of ``ControlPlaneConfig``, env ``KVMESH_CP_ROUTE_*``).
+
+The defaults are the figures the cost model uses until engines and data planes
+report measured ones (``ReportStats``); they describe a mid-size model on one
+GPU with a 2 GB/s peer link, and are deliberately conservative about pulls.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class RoutingSettings(BaseModel):
+    route_default_policy: str = Field(
+        "cost-aware", pattern=r"^(affinity|load-aware|token-aware|cost-aware)$",
+        description="policy of a Route request that names none: affinity, load-aware, token-aware, cost-aware")
+    route_min_cached_token_delta: int = Field(
+        512, ge=0, description="affinity/load/token-aware: a KV source must lead the engine by this many tokens")
+    route_kv_bytes_per_token: int = Field(
+        131_072, ge=1, description="KV bytes per token when a Route request gives none (Llama-3-8B bf16: 131072)")
+    route_prefill_tokens_per_s: float = Field(
+        10_000.0, gt=0, description="an engine's prefill throughput until it reports one")
+    route_link_bytes_per_s: float = Field(
+        2e9, gt=0, description="pull bandwidth of a peer link until the puller reports one")
+    route_promotion_bytes_per_s: float = Field(
+        20e9, gt=0, description="CPU-tier to GPU copy bandwidth (promotion of a hit)")
+    route_lookup_ms: float = Field(1.0, ge=0, description="a pull's lookup round trip to the source")
+    route_source_load_weight: float = Field(
+        0.5, ge=0, description="a source's bandwidth is divided by 1 + weight * its waiting requests")
+    route_stats_ewma_alpha: float = Field(
+        0.3, gt=0, le=1, description="weight of a new sample in the reported figures' moving average")
+    route_stats_refresh_ms: int = Field(
+        1000, ge=0, description="how long a replica reuses the reported figures it read from Redis")

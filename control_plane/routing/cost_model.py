@@ -1,0 +1,68 @@
+"""The pull-vs-recompute cost model: measured figures in, milliseconds out.
+
+Every term of docs/scheduling.md's formula is one method here, so the router
+and the docs name the same things. Figures nobody reported fall back to the
+``route_*`` defaults (:class:`RoutingSettings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from control_plane.routing.config import RoutingSettings
+from control_plane.routing.types import Candidate, Estimate
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """Reported figures, as read from the stats store at one moment."""
+
+    link_bytes_per_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (source, dest) node ids
+    prefill_tokens_per_s: dict[str, float] = field(default_factory=dict)         # engine id
+
+
+class CostModel:
+    """Converts tokens into time for one request (one model's KV bytes per token)."""
+
+    def __init__(self, figures: Figures, settings: RoutingSettings, kv_bytes_per_token: int) -> None:
+        self._figures = figures
+        self._s = settings
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def prefill_tokens_per_s(self, engine_id: str) -> float:
+        return self._figures.prefill_tokens_per_s.get(engine_id, self._s.route_prefill_tokens_per_s)
+
+    def link_bytes_per_s(self, source_node: str, dest_node: str) -> float:
+        return self._figures.link_bytes_per_s.get((source_node, dest_node), self._s.route_link_bytes_per_s)
+
+    def queue_ms(self, c: Candidate) -> float:
+        """Time until the engine starts this request: its backlog of prompt tokens at its throughput."""
+        return 1000.0 * c.running_tokens / self.prefill_tokens_per_s(c.engine_id)
+
+    def prefill_ms(self, engine_id: str, tokens: int) -> float:
+        return 1000.0 * tokens / self.prefill_tokens_per_s(engine_id)
+
+    def promotion_ms(self, tokens: int) -> float:
+        return 1000.0 * tokens * self.kv_bytes_per_token / self._s.route_promotion_bytes_per_s
+
+    def transfer_ms(self, source_node: str, dest_node: str, tokens: int, source_waiting: int) -> float:
+        """Bytes over the link's measured bandwidth, shared with the source's other work."""
+        bandwidth = self.link_bytes_per_s(source_node, dest_node)
+        bandwidth /= 1.0 + self._s.route_source_load_weight * source_waiting
+        return 1000.0 * tokens * self.kv_bytes_per_token / bandwidth
+
+    def recompute(self, c: Candidate, prompt: int, local: int, local_gpu: int) -> Estimate:
+        """Run on ``c`` with what its own tiers hold: promote the non-GPU part, prefill the rest."""
+        return Estimate(queue_ms=self.queue_ms(c), promotion_ms=self.promotion_ms(local - local_gpu),
+                        prefill_ms=self.prefill_ms(c.engine_id, prompt - local))
+
+    def pull(self, c: Candidate, prompt: int, local: int, local_gpu: int, source_node: str, source_tokens: int,
+             source_waiting: int) -> Estimate:
+        """Run on ``c`` after pulling what the source holds beyond ``local`` into its CPU tier."""
+        return Estimate(
+            queue_ms=self.queue_ms(c),
+            lookup_ms=self._s.route_lookup_ms,
+            transfer_ms=self.transfer_ms(source_node, c.node_id, source_tokens - local, source_waiting),
+            promotion_ms=self.promotion_ms(source_tokens - local_gpu),
+            prefill_ms=self.prefill_ms(c.engine_id, prompt - source_tokens),
+        )

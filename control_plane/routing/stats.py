@@ -1,0 +1,98 @@
+"""Where reported figures live, so every control-plane replica routes on the same numbers.
+
+Implementor contracts
+- ``report`` folds samples into a per-link / per-engine moving average
+  (weight ``alpha`` for the new sample) atomically: concurrent reports from
+  several replicas each count once.
+- ``figures`` returns a snapshot no older than ``refresh_ms``; a new instance
+  over the same store returns the same figures (persistence, replicas).
+
+Threading model: coroutines, safe to call concurrently on one event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import redis.exceptions
+
+from kvmesh.redis_client import connect
+
+from control_plane.routing.cost_model import Figures
+from control_plane.routing.types import StatsReport
+
+_LINK_SEP = ">"  # node ids never contain it
+_EWMA_LUA = (Path(__file__).parent.parent / "lua" / "stats_ewma.lua").read_text()
+
+
+class StatsStore(ABC):
+    @abstractmethod
+    async def report(self, report: StatsReport) -> None:
+        """Folds a validated report's link and engine samples into the averages."""
+
+    @abstractmethod
+    async def figures(self) -> Figures:
+        """The current averages."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases connections."""
+
+
+class RedisStatsStore(StatsStore):
+    """Two hashes under the registry's hash tag (docs/redis-schema.md, "Scheduling figures")."""
+
+    def __init__(self, url: str, *, key_prefix: str = "kvm", alpha: float = 0.3, refresh_ms: int = 1000,
+                 username: str | None = None, password: str | None = None) -> None:
+        self._redis = connect(url, username=username, password=password)
+        reg = f"{key_prefix}:{{{key_prefix}-reg}}"  # control_plane.keys.Keys' registry tag
+        self.link_key = f"{reg}:stats:link-bw"
+        self.engine_key = f"{reg}:stats:prefill-tps"
+        self._alpha = alpha
+        self._refresh_s = refresh_ms / 1000.0
+        self._cached: Figures | None = None
+        self._cached_at = 0.0
+        self._sha = ""
+
+    async def _fold(self, key: str, pairs: list) -> None:
+        if not pairs:
+            return
+        if not self._sha:
+            self._sha = await self._redis.script_load(_EWMA_LUA)
+        try:
+            await self._redis.evalsha(self._sha, 1, key, self._alpha, *pairs)
+        except redis.exceptions.NoScriptError:  # the server restarted or was flushed
+            self._sha = await self._redis.script_load(_EWMA_LUA)
+            await self._redis.evalsha(self._sha, 1, key, self._alpha, *pairs)
+
+    async def report(self, report: StatsReport) -> None:
+        links: list = []
+        for s in report.links:
+            links += [f"{s.source_node_id}{_LINK_SEP}{s.dest_node_id}", repr(float(s.bytes_per_s))]
+        engines: list = []
+        for e in report.engines:
+            engines += [e.engine_id, repr(float(e.prefill_tokens_per_s))]
+        await self._fold(self.link_key, links)
+        await self._fold(self.engine_key, engines)
+        self._cached = None  # this replica sees its own report at once
+
+    async def figures(self) -> Figures:
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached_at < self._refresh_s:
+            return self._cached
+        pipe = self._redis.pipeline(transaction=False)  # one slot: the keys share a hash tag
+        pipe.hgetall(self.link_key)
+        pipe.hgetall(self.engine_key)
+        links, engines = await pipe.execute()
+        link_bw = {}
+        for name, value in links.items():
+            source, _, dest = name.decode().partition(_LINK_SEP)
+            link_bw[(source, dest)] = float(value)
+        self._cached = Figures(link_bw, {k.decode(): float(v) for k, v in engines.items()})
+        self._cached_at = now
+        return self._cached
+
+    async def close(self) -> None:
+        await self._redis.aclose()

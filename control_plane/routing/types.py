@@ -1,0 +1,237 @@
+"""Domain types of the Route RPC and of stats reports (``wire`` converts protos to these)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.hashing import Extras
+from kvmesh.namespace import Namespace
+
+from control_plane.model import Medium, validate_node_id
+
+MAX_CANDIDATES = 1024
+MAX_REPORT_SAMPLES = 10_000
+
+
+class Policy(enum.Enum):
+    """Placement policies; values equal the proto enum."""
+
+    AFFINITY = 1
+    LOAD_AWARE = 2
+    TOKEN_AWARE = 3
+    COST_AWARE = 4
+
+    @property
+    def label(self) -> str:
+        """``affinity``, ``load-aware``, ``token-aware``, ``cost-aware``."""
+        return self.name.lower().replace("_", "-")
+
+    @classmethod
+    def from_label(cls, label: str) -> "Policy":
+        for policy in cls:
+            if policy.label == label:
+                return policy
+        raise InvalidArgument(f"unknown policy {label!r}: one of {', '.join(p.label for p in cls)}")
+
+
+class Reason(enum.Enum):
+    """Why the engine was chosen; values equal the proto enum."""
+
+    LONGEST_LOCAL_PREFIX = 1
+    LEAST_LOADED = 2
+    FEWEST_TOKENS_TO_PREFILL = 3
+    LOWEST_ESTIMATED_TTFT = 4
+
+
+class SourceDecision(enum.Enum):
+    """Whether a KV source was named, and why not; values equal the proto enum."""
+
+    PULL = 1
+    NONE_AHEAD = 2
+    BELOW_MIN_DELTA = 3
+    RECOMPUTE_CHEAPER = 4
+    P2P_DISABLED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An engine the request may run on, its co-located data-plane node and its load."""
+
+    engine_id: str
+    node_id: str
+    waiting_requests: int = 0
+    running_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    namespace: Namespace
+    candidates: tuple[Candidate, ...]
+    block_hashes: tuple[bytes, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    extras: Extras = field(default_factory=Extras)
+    prompt_tokens: int = 0            # with block_hashes; 0: blocks * block_size
+    policy: Policy | None = None      # None: the server's default
+    p2p: bool = True
+    min_cached_token_delta: int = 0   # 0: the server's default
+    kv_bytes_per_token: int = 0       # 0: the server's default
+    kv_request_id: str = ""
+
+    def validate(self) -> "RouteRequest":
+        """Raises InvalidArgument saying what is wrong (hash lengths are checked by the lookup)."""
+        if not self.candidates:
+            raise InvalidArgument("route needs at least one candidate engine")
+        if len(self.candidates) > MAX_CANDIDATES:
+            raise InvalidArgument(f"{len(self.candidates)} candidates; the limit is {MAX_CANDIDATES}")
+        seen: set[str] = set()
+        for i, c in enumerate(self.candidates):
+            try:
+                validate_node_id(c.engine_id)
+                validate_node_id(c.node_id)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"candidates[{i}]: {exc}") from None
+            if c.engine_id in seen:
+                raise InvalidArgument(f"candidates[{i}]: duplicate engine_id {c.engine_id!r}")
+            seen.add(c.engine_id)
+            if c.waiting_requests < 0 or c.running_tokens < 0:
+                raise InvalidArgument(
+                    f"candidates[{i}] ({c.engine_id}): waiting_requests and running_tokens must be >= 0")
+        if self.block_hashes and self.token_ids:
+            raise InvalidArgument("give block_hashes or token_ids, not both")
+        if not self.block_hashes and not self.token_ids and not self.prompt_tokens:
+            raise InvalidArgument("the prompt is empty: give token_ids, or block_hashes and/or prompt_tokens")
+        if self.token_ids and self.prompt_tokens:
+            raise InvalidArgument("prompt_tokens goes with block_hashes; with token_ids the length is known")
+        covered = len(self.block_hashes) * self.namespace.cache_config.block_size
+        if self.block_hashes and self.prompt_tokens and self.prompt_tokens < covered:
+            raise InvalidArgument(
+                f"prompt_tokens {self.prompt_tokens} is shorter than the {covered} tokens its "
+                f"{len(self.block_hashes)} full blocks cover")
+        if self.kv_request_id and len(self.kv_request_id) > 256:
+            raise InvalidArgument("kv_request_id is longer than 256 characters")
+        return self
+
+    @property
+    def prompt_length(self) -> int:
+        if self.token_ids:
+            return len(self.token_ids)
+        return self.prompt_tokens or len(self.block_hashes) * self.namespace.cache_config.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """A peer to pull the prefix from: ``kv_transfer_params.remote_kv_source``, typed."""
+
+    node_id: str
+    host: str
+    port: int
+    tier: Medium
+    cached_tokens: int
+    kv_request_id: str = ""
+
+    def to_transfer_params(self) -> dict:
+        """The ``remote_kv_source`` dict an engine takes in ``kv_transfer_params``."""
+        out: dict = {}
+        if self.kv_request_id:
+            out["kv_request_id"] = self.kv_request_id
+        out.update(remote_host=self.host, remote_port=self.port, remote_node_id=self.node_id,
+                   tier=self.tier.name, cached_tokens=self.cached_tokens)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_transfer_params(), sort_keys=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """The cost model's time to first token for one option, in milliseconds."""
+
+    queue_ms: float = 0.0
+    lookup_ms: float = 0.0
+    transfer_ms: float = 0.0
+    promotion_ms: float = 0.0
+    prefill_ms: float = 0.0
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.queue_ms + self.lookup_ms + self.transfer_ms + self.promotion_ms + self.prefill_ms
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    engine_id: str
+    reason: Reason
+    source_decision: SourceDecision
+    prompt_tokens: int
+    local_cached_tokens: int
+    estimate: Estimate
+    source: KvSource | None = None
+
+    def kv_transfer_params(self) -> dict:
+        """``{"remote_kv_source": {...}}`` when a source was named, else ``{}``."""
+        return {"remote_kv_source": self.source.to_transfer_params()} if self.source else {}
+
+    @property
+    def explanation(self) -> str:
+        text = (f"{self.engine_id}: {self.reason.name.lower()}, {self.local_cached_tokens}/{self.prompt_tokens} "
+                f"tokens cached locally")
+        if self.source is not None:
+            text += f"; pull {self.source.cached_tokens} tokens from {self.source.node_id}"
+        else:
+            text += f"; no pull ({self.source_decision.name.lower()})"
+        return text + f"; estimated TTFT {self.estimate.ttft_ms:.1f} ms"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSample:
+    source_node_id: str
+    dest_node_id: str
+    bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    engine_id: str
+    prefill_tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PullOutcome:
+    source_node_id: str
+    blocks_routed: int
+    blocks_hit: int
+
+    @property
+    def stale(self) -> bool:
+        """The source no longer held every block the route promised."""
+        return self.blocks_hit < self.blocks_routed
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReport:
+    links: tuple[LinkSample, ...] = ()
+    engines: tuple[EngineSample, ...] = ()
+    pulls: tuple[PullOutcome, ...] = ()
+
+    def validate(self) -> "StatsReport":
+        total = len(self.links) + len(self.engines) + len(self.pulls)
+        if total > MAX_REPORT_SAMPLES:
+            raise InvalidArgument(f"{total} samples in one report; the limit is {MAX_REPORT_SAMPLES}")
+        for i, s in enumerate(self.links):
+            validate_node_id(s.source_node_id)
+            validate_node_id(s.dest_node_id)
+            if not 0 < s.bytes_per_s < math.inf:
+                raise InvalidArgument(f"links[{i}]: bytes_per_s must be > 0")
+        for i, e in enumerate(self.engines):
+            validate_node_id(e.engine_id)
+            if not 0 < e.prefill_tokens_per_s < math.inf:
+                raise InvalidArgument(f"engines[{i}]: prefill_tokens_per_s must be > 0")
+        for i, p in enumerate(self.pulls):
+            validate_node_id(p.source_node_id)
+            if p.blocks_hit > p.blocks_routed:
+                raise InvalidArgument(f"pulls[{i}]: blocks_hit exceeds blocks_routed")
+        return self

@@ -1,0 +1,41 @@
+"""API key format and hashing.
+
+A key is ``kvm_<key_id>_<secret>``: ``key_id`` (12 hex) names the stored
+record, ``secret`` (43 url-safe chars, 256 random bits) is never stored: only
+its SHA-256 is. A salted slow hash is unnecessary for 256-bit random secrets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets as _secrets  # the standard library module
+
+from kvmesh.errors import Unauthenticated
+
+PREFIX = "kvm_"
+
+
+def new_key() -> tuple[str, str, str]:
+    """Returns (key_id, the full key to hand out once, its hash to store)."""
+    key_id = _secrets.token_hex(6)
+    secret = _secrets.token_urlsafe(32)
+    return key_id, f"{PREFIX}{key_id}_{secret}", hash_secret(secret)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse(key: str) -> tuple[str, str]:
+    """Splits a presented key into (key_id, secret); Unauthenticated when malformed."""
+    if not key.startswith(PREFIX) or key.count("_") < 2:
+        raise Unauthenticated("malformed API key: expected kvm_<key_id>_<secret>")
+    key_id, secret = key[len(PREFIX):].split("_", 1)
+    if len(key_id) != 12 or not secret:
+        raise Unauthenticated("malformed API key: expected kvm_<key_id>_<secret>")
+    return key_id, secret
+
+
+def matches(secret: str, stored_hash: str) -> bool:
+    return hmac.compare_digest(hash_secret(secret), stored_hash)

@@ -1,0 +1,160 @@
+"""Authentication of every RPC: a gRPC server interceptor and the current principal.
+
+Clients send ``authorization: Bearer kvm_<key_id>_<secret>``. The interceptor
+resolves the key to a :class:`Principal` (no cache: a revoked key fails on its
+next call), makes it available to the handler through :func:`current_principal`
+and answers UNAUTHENTICATED otherwise. Health checks and reflection are exempt
+so orchestrators can probe liveness (they reveal no tenant data).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import logging
+import time
+from typing import Awaitable, Callable
+
+import grpc
+
+from kvmesh.errors import PermissionDenied, Unauthenticated
+from tenancy import api_keys
+from tenancy.model import AuditEntry, Principal, Role
+
+log = logging.getLogger(__name__)
+
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+BOOTSTRAP_KEY_ID = "bootstrap"
+
+_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvmesh_principal", default=None)
+
+KeyLookup = Callable[[str], Awaitable["object | None"]]
+AuditSink = Callable[[AuditEntry], Awaitable[None]]
+
+
+def current_principal() -> Principal:
+    principal = _principal.get()
+    if principal is None:
+        raise Unauthenticated("no credentials")
+    return principal
+
+
+def bearer(metadata) -> str:
+    for key, value in metadata or ():
+        if key == "authorization":
+            value = value.decode() if isinstance(value, bytes) else value
+            if value.startswith("Bearer "):
+                return value[len("Bearer "):].strip()
+            raise Unauthenticated("authorization metadata must be 'Bearer <key>'")
+    raise Unauthenticated("missing credentials: send 'authorization: Bearer <key>' metadata")
+
+
+def auth_metadata(key: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying ``key``."""
+    return (("authorization", f"Bearer {key}"),)
+
+
+class Authenticator:
+    """Resolves presented keys: the bootstrap admin key, or a stored, unrevoked key."""
+
+    def __init__(self, get_key: KeyLookup, bootstrap_admin_key: str | None = None) -> None:
+        self._get_key = get_key
+        self._bootstrap_hash = None
+        if bootstrap_admin_key:
+            _, secret = api_keys.parse(bootstrap_admin_key)
+            self._bootstrap_hash = api_keys.hash_secret(secret)
+            self._bootstrap_id = bootstrap_admin_key[len(api_keys.PREFIX):].split("_", 1)[0]
+
+    async def authenticate(self, presented: str) -> Principal:
+        key_id, secret = api_keys.parse(presented)
+        if self._bootstrap_hash and key_id == self._bootstrap_id:
+            if hmac.compare_digest(api_keys.hash_secret(secret), self._bootstrap_hash):
+                return Principal(BOOTSTRAP_KEY_ID, Role.ADMIN, secret_hash=self._bootstrap_hash)
+            raise Unauthenticated("invalid API key")
+        key = await self._get_key(key_id)
+        if key is None or not api_keys.matches(secret, key.secret_hash):
+            raise Unauthenticated("invalid API key")
+        if key.revoked:
+            raise Unauthenticated("API key revoked")
+        return Principal.from_key(key)
+
+
+def _wrap(behavior, is_stream_response: bool, principal: Principal):
+    if is_stream_response:
+        async def stream(request, context):
+            _principal.set(principal)
+            async for item in behavior(request, context):
+                yield item
+
+        return stream
+
+    async def unary(request, context):
+        _principal.set(principal)
+        return await behavior(request, context)
+
+    return unary
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, False, principal), **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, True, principal), **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, False, principal), **kwargs)
+    return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, True, principal), **kwargs)
+
+
+def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def abort(request, context):
+        await context.abort(code, message)
+
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every non-exempt RPC; denials are audited when a sink is given."""
+
+    def __init__(self, authenticator: Authenticator, audit: AuditSink | None = None) -> None:
+        self._auth = authenticator
+        self._audit = audit
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES):
+            return handler
+        try:
+            principal = await self._auth.authenticate(bearer(details.invocation_metadata))
+        except Unauthenticated as exc:
+            await self.record_denial("-", details.method, "UNAUTHENTICATED", str(exc))
+            return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        except Exception:  # noqa: BLE001 - the key store is down: fail closed, and say so
+            log.warning("could not check credentials", exc_info=True)
+            return _deny(handler, grpc.StatusCode.UNAVAILABLE, "credential store unavailable")
+        return _rebuild(handler, principal)
+
+    async def record_denial(self, actor: str, method: str, outcome: str, detail: str) -> None:
+        if self._audit is None:
+            return
+        try:
+            await self._audit(AuditEntry(int(time.time() * 1000), actor, f"denied:{method.rsplit('/', 1)[-1]}",
+                                         method, outcome, detail))
+        except Exception:  # noqa: BLE001 - auditing must not turn a denial into a crash
+            log.warning("could not audit a denial", exc_info=True)
+
+
+def require_role(*roles: Role) -> Principal:
+    principal = current_principal()
+    if principal.role not in roles:
+        raise PermissionDenied(f"this call needs the {' or '.join(r.name.lower() for r in roles)} role")
+    return principal

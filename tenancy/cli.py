@@ -1,0 +1,131 @@
+"""``kvmesh admin``: tenant administration from the command line.
+
+    kvmesh admin new-key                        print a fresh bootstrap admin key
+    kvmesh admin [--control-plane H:P] [--key K | --key-file F] COMMAND ...
+      tenants create ID [--name N] [policy flags] | list | get ID | delete ID | policy ID [policy flags]
+      keys issue --role admin|scheduler|node [--tenant T] [--node N] [--pool P] [--description D]
+      keys list [--tenant T] | rotate KEY_ID | revoke KEY_ID
+      redis rotate ID
+      audit [--limit N]
+Policy flags: --allowed-node N (repeat), --allowed-pool P, --shared-with T ("*" = everyone),
+--max-index-entries N, --max-cpu-tier-bytes-per-node N.
+The key comes from --key, --key-file or $KVMESH_ADMIN_KEY. Output is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from kvmesh.channels import channel
+from kvmesh.v1 import tenant_admin_pb2 as pb, tenant_admin_pb2_grpc as pb_grpc
+
+from tenancy import api_keys
+
+ROLES = {"admin": pb.ROLE_ADMIN, "scheduler": pb.ROLE_SCHEDULER, "node": pb.ROLE_NODE}
+
+
+def _policy_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allowed-node", action="append", default=[])
+    p.add_argument("--allowed-pool", action="append", default=[])
+    p.add_argument("--shared-with", action="append", default=[])
+    p.add_argument("--max-index-entries", type=int, default=0)
+    p.add_argument("--max-cpu-tier-bytes-per-node", type=int, default=0)
+
+
+def _policy(a) -> pb.TenantPolicy:
+    return pb.TenantPolicy(allowed_nodes=a.allowed_node, allowed_pools=a.allowed_pool, shared_with=a.shared_with,
+                           max_index_entries=a.max_index_entries,
+                           max_cpu_tier_bytes_per_node=a.max_cpu_tier_bytes_per_node)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh admin", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--control-plane", default=os.environ.get("KVMESH_CONTROL_PLANE", "127.0.0.1:50051"))
+    parser.add_argument("--key")
+    parser.add_argument("--key-file")
+    groups = parser.add_subparsers(dest="group", required=True)
+    groups.add_parser("new-key", help="print a fresh bootstrap admin key")
+    tenants = groups.add_parser("tenants").add_subparsers(dest="command", required=True)
+    create = tenants.add_parser("create")
+    create.add_argument("tenant_id")
+    create.add_argument("--name", default="")
+    _policy_flags(create)
+    tenants.add_parser("list")
+    for name in ("get", "delete"):
+        tenants.add_parser(name).add_argument("tenant_id")
+    policy = tenants.add_parser("policy")
+    policy.add_argument("tenant_id")
+    _policy_flags(policy)
+    keys = groups.add_parser("keys").add_subparsers(dest="command", required=True)
+    issue = keys.add_parser("issue")
+    issue.add_argument("--role", choices=sorted(ROLES), required=True)
+    issue.add_argument("--tenant", default="")
+    issue.add_argument("--node", default="")
+    issue.add_argument("--pool", default="")
+    issue.add_argument("--description", default="")
+    keys.add_parser("list").add_argument("--tenant", default="")
+    for name in ("rotate", "revoke"):
+        keys.add_parser(name).add_argument("key_id")
+    redis = groups.add_parser("redis").add_subparsers(dest="command", required=True)
+    redis.add_parser("rotate").add_argument("tenant_id")
+    groups.add_parser("audit").add_argument("--limit", type=int, default=100)
+    return parser
+
+
+async def _call(a, key: str):
+    async with channel(a.control_plane, key) as ch:
+        stub = pb_grpc.TenantAdminStub(ch)
+        match (a.group, getattr(a, "command", None)):
+            case ("tenants", "create"):
+                return await stub.CreateTenant(pb.CreateTenantRequest(tenant_id=a.tenant_id, display_name=a.name,
+                                                                      policy=_policy(a)))
+            case ("tenants", "list"):
+                return await stub.ListTenants(pb.ListTenantsRequest())
+            case ("tenants", "get"):
+                return await stub.GetTenant(pb.GetTenantRequest(tenant_id=a.tenant_id))
+            case ("tenants", "delete"):
+                return await stub.DeleteTenant(pb.DeleteTenantRequest(tenant_id=a.tenant_id))
+            case ("tenants", "policy"):
+                return await stub.SetPolicy(pb.SetPolicyRequest(tenant_id=a.tenant_id, policy=_policy(a)))
+            case ("keys", "issue"):
+                return await stub.IssueKey(pb.IssueKeyRequest(role=ROLES[a.role], tenant_id=a.tenant,
+                                                              node_id=a.node, pool=a.pool,
+                                                              description=a.description))
+            case ("keys", "list"):
+                return await stub.ListKeys(pb.ListKeysRequest(tenant_id=a.tenant))
+            case ("keys", "rotate"):
+                return await stub.RotateKey(pb.RotateKeyRequest(key_id=a.key_id))
+            case ("keys", "revoke"):
+                return await stub.RevokeKey(pb.RevokeKeyRequest(key_id=a.key_id))
+            case ("redis", "rotate"):
+                return await stub.RotateRedisCredentials(pb.RotateRedisCredentialsRequest(tenant_id=a.tenant_id))
+            case ("audit", _):
+                return await stub.ListAudit(pb.ListAuditRequest(limit=a.limit))
+    raise AssertionError(f"unhandled command {a.group} {a.command}")
+
+
+def main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    if a.group == "new-key":
+        print(api_keys.new_key()[1])
+        return 0
+    key = a.key or (Path(a.key_file).read_text().strip() if a.key_file else os.environ.get("KVMESH_ADMIN_KEY"))
+    if not key:
+        print("kvmesh admin: give --key, --key-file or $KVMESH_ADMIN_KEY", file=sys.stderr)
+        return 2
+    try:
+        reply = asyncio.run(_call(a, key))
+    except grpc.aio.AioRpcError as exc:
+        print(f"kvmesh admin: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+    return 0

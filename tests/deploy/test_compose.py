@@ -1,0 +1,122 @@
+"""docker-compose.yml, checked offline (no Docker engine here).
+
+1. It validates against the Compose Specification JSON schema (``compose_spec.json``, vendored from the
+   docker-compose 1.29.2 wheel, Apache-2.0 — the schema `docker-compose config` itself applies).
+2. Structural checks the schema cannot make: depends_on targets exist, services reach each other by name
+   and never over localhost, every build file and bind-mounted file exists, healthchecks are present,
+   host ports are unique, and every KVMESH_CP_* / KVMESH_DP_* variable is a real setting.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from control_plane.config import ControlPlaneConfig
+from data_plane.config import DataPlaneConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict = COMPOSE["services"]
+# Images without a shell or client inside: documented in docker-compose.yml, started-only dependencies.
+NO_HEALTHCHECK = {"otel-collector", "jaeger", "model-init"}
+
+
+def test_valid_against_the_compose_spec():
+    schema = json.loads((Path(__file__).with_name("compose_spec.json")).read_text())
+    errors = sorted(jsonschema.Draft201909Validator(schema).iter_errors(COMPOSE), key=lambda e: list(e.path))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]
+
+
+def test_topology_has_every_part():
+    assert {"redis", "control-plane", "otel-collector", "jaeger"} <= set(SERVICES)
+    data_planes = [n for n, s in SERVICES.items() if s.get("command") == ["data-plane"]]
+    engines = [n for n, s in SERVICES.items() if "vllm" in (s.get("command") or [])]
+    assert len(data_planes) >= 2 and len(engines) >= 2
+
+
+def test_depends_on_targets_exist_and_wait_for_health():
+    for name, service in SERVICES.items():
+        for target, cond in (service.get("depends_on") or {}).items():
+            assert target in SERVICES, f"{name} depends on unknown service {target}"
+            if target not in NO_HEALTHCHECK:
+                assert cond["condition"] == "service_healthy", f"{name} should wait for {target} to be healthy"
+
+
+def test_every_long_running_service_has_a_healthcheck():
+    missing = [n for n, s in SERVICES.items() if n not in NO_HEALTHCHECK and "healthcheck" not in s]
+    assert not missing
+
+
+def _env(service: dict) -> dict[str, str]:
+    return {k: str(v) for k, v in (service.get("environment") or {}).items()}
+
+
+def test_services_reach_each_other_by_name_not_localhost():
+    local = re.compile(r"\b(localhost|127\.0\.0\.1|\[::1\])\b")
+    for name, service in SERVICES.items():
+        texts = list(_env(service).values()) + [str(c) for c in service.get("command") or []]
+        offenders = [t for t in texts if local.search(t)]
+        assert not offenders, f"{name} points at localhost: {offenders}"
+        for key, value in _env(service).items():
+            if key.endswith(("_ADDRESS", "_ENDPOINT", "_URL")):
+                host = re.sub(r"^\w+://", "", value).split(":")[0]
+                assert host in SERVICES, f"{name}: {key}={value} does not name a service"
+
+
+def test_build_files_and_bind_mounts_exist():
+    for name, service in SERVICES.items():
+        build = service.get("build")
+        if build:
+            assert (ROOT / build["context"] / build["dockerfile"]).is_file(), name
+            target = build.get("target")
+            assert not target or f" AS {target}" in (ROOT / build["context"] / build["dockerfile"]).read_text()
+        else:
+            assert service.get("image"), f"{name} has neither build nor image"
+        for volume in service.get("volumes") or []:
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+            else:
+                assert source in COMPOSE["volumes"], f"{name} uses undeclared volume {source}"
+
+
+def test_host_ports_are_unique():
+    ports = [p.split(":")[0] for s in SERVICES.values() for p in s.get("ports") or []]
+    assert len(ports) == len(set(ports))
+
+
+@pytest.mark.parametrize("prefix, settings", [("KVMESH_CP_", ControlPlaneConfig), ("KVMESH_DP_", DataPlaneConfig)])
+def test_kvmesh_variables_are_real_settings(prefix, settings):
+    for name, service in SERVICES.items():
+        for key in _env(service):
+            if key.startswith(prefix):
+                assert key[len(prefix):].lower() in settings.model_fields, f"{name}: unknown setting {key}"
+
+
+def test_engines_load_the_kvmesh_connector_and_share_their_node_memory():
+    for name, service in SERVICES.items():
+        if "vllm" not in (service.get("command") or []):
+            continue
+        flag = next(c for c in service["command"] if c.startswith("--kv-transfer-config="))
+        config = json.loads(flag.split("=", 1)[1])
+        assert config["kv_connector"] == "KvmeshConnector"
+        assert config["kv_connector_module_path"] == "engine_connector.connector"
+        assert service["ipc"].startswith("service:") and service["ipc"].split(":")[1] in SERVICES
+        assert _env(service)["PYTHONHASHSEED"] == "0"
+        assert _env(service)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+
+
+def test_redis_uses_the_acl_file_and_persists():
+    conf = (ROOT / "docker/redis/redis.conf").read_text()
+    acl = (ROOT / "docker/redis/users.acl").read_text().splitlines()
+    assert "appendonly yes" in conf and "aclfile /usr/local/etc/redis/users.acl" in conf
+    assert "user default off" in acl
+    cp_user = _env(SERVICES["control-plane"])["KVMESH_CP_REDIS_USERNAME"]
+    assert any(line.startswith(f"user {cp_user} on #") for line in acl)  # a hash, never a plain password
+    assert any(v.endswith(":/data") for v in SERVICES["redis"]["volumes"])

@@ -1,0 +1,167 @@
+"""Isolation that holds when probed: real control plane, real Redis, real tenant ACL users."""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from kvmesh.hashing import BlockHasher
+from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, tenant_admin_pb2 as tpb
+
+TOKENS = list(range(300, 300 + 32 * 8))
+
+
+def ns_pb(tenant):
+    return common_pb2.Namespace(tenant=tenant, model="tiny-llama", weight_version="v1",
+                                cache_config=common_pb2.CacheConfig(block_size=32))
+
+
+def hashes(n=8):
+    return BlockHasher().block_hashes(TOKENS[:32 * n], 32)
+
+
+async def expect(coro, code, text=""):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await coro
+    assert info.value.code() == code, info.value.details()
+    assert text in info.value.details()
+
+
+async def publish_as_node(fleet, node_id, tenant, hs, node_key=None):
+    _, key = (None, node_key) if node_key else await fleet.key("node", node_id=node_id)
+    cp = fleet.cp(key)
+    reg = await cp.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(node_id=node_id,
+                                                                        data_plane_address="127.0.0.1:7001")))
+    batch = pb.EventBatch(node_id=node_id, incarnation=reg.incarnation, seq=1, namespace=ns_pb(tenant), events=[
+        pb.KvEvent(stored=pb.BlockStored(block_hashes=hs, block_size=32, medium=common_pb2.MEDIUM_CPU))])
+    return cp, reg, batch
+
+
+async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix(fleet):
+    await fleet.tenant("tenant-a")
+    await fleet.tenant("tenant-b")
+    cp_a, reg, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
+    assert (await cp_a.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
+    _, a_key = await fleet.key("scheduler", tenant_id="tenant-a")
+    _, b_key = await fleet.key("scheduler", tenant_id="tenant-b")
+    held = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=TOKENS)
+    absent = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=[t + 1 for t in TOKENS])
+    assert (await fleet.cp(a_key).LookupPrefix(held)).holders[0].leading_blocks == 8
+    as_b = fleet.cp(b_key)
+    probe, control = await as_b.LookupPrefix(held), await as_b.LookupPrefix(absent)
+    assert not probe.holders and not control.holders
+    assert probe.blocks_queried == control.blocks_queried == 8
+    assert probe.ListFields() and [f.name for f, _ in probe.ListFields()] == [f.name for f, _ in control.ListFields()]
+    # the same tokens in tenant B's own namespace are different keys: nothing there either
+    assert not (await as_b.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb("tenant-b"), token_ids=TOKENS))).holders
+
+
+async def test_identical_tokens_in_two_tenants_never_share_a_key(control_plane):
+    from control_plane.keys import Keys
+
+    a = Namespace("tenant-a", "m", "v1", CacheConfig(32))
+    b = Namespace("tenant-b", "m", "v1", CacheConfig(32))
+    keys = Keys()
+    assert keys.blocks(a) != keys.blocks(b)
+    assert keys.blocks(a).startswith(keys.tenant_prefix("tenant-a"))
+    assert not keys.blocks(b).startswith(keys.tenant_prefix("tenant-a"))
+
+
+async def test_tenant_b_cannot_get_a_grant_to_pull_tenant_a_blocks(fleet):
+    await fleet.tenant("tenant-a", allowed_nodes=["node-a"])
+    await fleet.tenant("tenant-b", allowed_nodes=["node-b"])
+    cp_a, _, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
+    await cp_a.PublishEvents(batch)
+    _, b_node_key = await fleet.key("node", node_id="node-b")
+    as_b_node = fleet.cp(b_node_key)
+    await expect(as_b_node.IssuePullGrant(pb.IssuePullGrantRequest(namespace=ns_pb("tenant-a"),
+                                                                   source_node_id="node-a")),
+                 grpc.StatusCode.PERMISSION_DENIED, "no pull grant")
+    # ... while node-b may get grants for its own tenant from an allowed source
+    await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="tenant-b", policy=tpb.TenantPolicy(
+        allowed_nodes=["node-b", "node-c"])))
+    grant = await as_b_node.IssuePullGrant(pb.IssuePullGrantRequest(namespace=ns_pb("tenant-b"),
+                                                                    source_node_id="node-c"))
+    assert grant.token and grant.expires_unix_ms > 0
+    # schedulers never get grants: the consumer node asks with its own key
+    _, sched = await fleet.key("scheduler", tenant_id="tenant-b")
+    await expect(fleet.cp(sched).IssuePullGrant(pb.IssuePullGrantRequest(namespace=ns_pb("tenant-b"),
+                                                                         source_node_id="node-c")),
+                 grpc.StatusCode.PERMISSION_DENIED)
+
+
+async def test_tenant_b_cannot_read_tenant_a_keys_through_its_redis_user(fleet, control_plane, redis_server):
+    await fleet.tenant("tenant-a")
+    await fleet.tenant("tenant-b")
+    cp_a, _, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
+    await cp_a.PublishEvents(batch)
+    store = control_plane.core.tenants
+    b_user, b_password = await store.redis_credentials("tenant-b")
+    a_key = control_plane.core.block_map._keys.blocks(Namespace.from_proto(ns_pb("tenant-a")))
+    as_b = aioredis.Redis.from_url(redis_server.url, username=b_user, password=b_password)
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await as_b.hgetall(a_key)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await as_b.hset(a_key, "x", "y")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await as_b.keys("*")
+        b_key = control_plane.core.block_map._keys.blocks(Namespace.from_proto(ns_pb("tenant-b")))
+        assert await as_b.hgetall(b_key) == {}  # its own prefix is fine
+    finally:
+        await as_b.aclose()
+
+
+async def test_a_node_outside_the_tenant_policy_is_refused_and_never_listed(fleet):
+    await fleet.tenant("tenant-a", allowed_nodes=["node-a"])
+    cp_x, _, batch = await publish_as_node(fleet, "node-x", "tenant-a", hashes())
+    await expect(cp_x.PublishEvents(batch), grpc.StatusCode.PERMISSION_DENIED, "does not allow node 'node-x'")
+
+    async def requests():
+        yield batch
+
+    acks = [a async for a in cp_x.StreamEvents(requests())]
+    assert acks[0].status == pb.ACK_STATUS_REFUSED and "PERMISSION_DENIED" in acks[0].detail
+    reply = await fleet.admin_cp.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=TOKENS))
+    assert not reply.holders
+
+
+async def test_shared_namespace_is_opt_in(fleet):
+    await fleet.tenant("public", shared_with=["tenant-b"])
+    await fleet.tenant("tenant-b")
+    await fleet.tenant("tenant-c")
+    cp, _, batch = await publish_as_node(fleet, "node-a", "public", hashes())
+    await cp.PublishEvents(batch)
+    query = pb.LookupPrefixRequest(namespace=ns_pb("public"), token_ids=TOKENS)
+    _, b = await fleet.key("scheduler", tenant_id="tenant-b")
+    _, c = await fleet.key("scheduler", tenant_id="tenant-c")
+    assert (await fleet.cp(b).LookupPrefix(query)).holders[0].node_id == "node-a"
+    assert not (await fleet.cp(c).LookupPrefix(query)).holders
+
+
+async def test_quota_breach_is_resource_exhausted_and_loses_nothing(fleet):
+    await fleet.tenant("tenant-a", max_index_entries=10)
+    hs = BlockHasher().block_hashes(list(range(32 * 14)), 32)
+    cp, reg, batch = await publish_as_node(fleet, "node-a", "tenant-a", hs[:8])
+    assert (await cp.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
+    again = pb.EventBatch(node_id="node-a", incarnation=reg.incarnation, seq=2, namespace=ns_pb("tenant-a"), events=[
+        pb.KvEvent(stored=pb.BlockStored(block_hashes=hs[:8], block_size=32, medium=common_pb2.MEDIUM_GPU))])
+    assert (await cp.PublishEvents(again)).status == pb.ACK_STATUS_APPLIED  # no new entries: within quota
+    over = pb.EventBatch(node_id="node-a", incarnation=reg.incarnation, seq=3, namespace=ns_pb("tenant-a"), events=[
+        pb.KvEvent(stored=pb.BlockStored(block_hashes=hs, block_size=32, medium=common_pb2.MEDIUM_CPU))])
+    await expect(cp.PublishEvents(over), grpc.StatusCode.RESOURCE_EXHAUSTED, "quota of 10 index entries")
+    reply = await fleet.admin_cp.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), block_hashes=hs))
+    assert reply.holders[0].leading_blocks == 8  # everything stored before is still there
+
+    async def stream():
+        yield over
+
+    (ack,) = [a async for a in cp.StreamEvents(stream())]
+    assert ack.status == pb.ACK_STATUS_REFUSED and "RESOURCE_EXHAUSTED" in ack.detail
+    tenant = await fleet.admin.GetTenant(tpb.GetTenantRequest(tenant_id="tenant-a"))
+    assert tenant.index_entries == 8
