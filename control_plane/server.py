@@ -60,7 +60,7 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
     core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config))
-    auth = AuthInterceptor(Authenticator(tenants.get_key, admin_key), tenants.audit)
+    auth = AuthInterceptor(Authenticator(tenants.get_key, admin_key).authenticate, tenants.audit)
     services = [
         ServiceBinding(ControlPlaneServicer(core), control_plane_pb2_grpc.add_ControlPlaneServicer_to_server,
                        "kvmesh.v1.ControlPlane"),

@@ -13,6 +13,7 @@ in this process, measured between the pull rounds. The last line with
 from __future__ import annotations
 
 import argparse
+import base64
 import asyncio
 import json
 import os
@@ -25,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from kvmesh.namespace import CacheConfig, Namespace
+from tenancy.api_keys import hash_secret, new_key, parse
+from tenancy.grants import Grant, GrantSigner
 
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.launch import DataPlaneProcess
@@ -62,19 +65,26 @@ async def _fill_source(client: DataPlaneClient, tier: SharedTier, n: int, first:
 
 
 async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path, log) -> dict:
+    # Grants as a control plane would sign them, with a key made for this run.
+    signer = GrantSigner.generate()
     flags = dict(listen="127.0.0.1:0", shm_dir=shm_dir, block_bytes=block_bytes, capacity_bytes=block_bytes * n,
-                 max_hashes_per_request=max(n, 4096))
-    src = DataPlaneProcess(f"bench-src-{name}", flags)
-    dst = DataPlaneProcess(f"bench-dst-{name}", flags)
+                 max_hashes_per_request=max(n, 4096), grant_public_key=base64.b64encode(signer.public_key).decode())
+    src = DataPlaneProcess(f"bench-src-{name}", {**flags, "api_key": new_key()[1]})
+    dst = DataPlaneProcess(f"bench-dst-{name}", {**flags, "api_key": new_key()[1]})
+    key_id, secret = parse(dst.api_key)
+    grant = signer.sign(Grant(NS.tenant, NS.fingerprint, dst.node_id, key_id, hash_secret(secret), src.node_id,
+                              int(time.time() * 1000) + 3_600_000))
     try:
-        async with DataPlaneClient(src.address) as sc, DataPlaneClient(dst.address) as dc:
+        async with DataPlaneClient(src.address, key=src.api_key) as sc, \
+                DataPlaneClient(dst.address, key=dst.api_key) as dc, \
+                DataPlaneClient(src.address, key=dst.api_key) as peer:
             stier, dtier = SharedTier.open(await sc.describe_tier()), SharedTier.open(await dc.describe_tier())
             wall, transfer, memcpy = [], [], []
             copier = _Memcpy(n * block_bytes)
             for r in range(rounds + 1):  # round 0 warms up (handshake, registration caches)
                 hashes = await _fill_source(sc, stier, n, first=r == 0)
                 t0 = time.perf_counter()
-                result = await dc.pull(NS, hashes, src.node_id, src.address)
+                result = await dc.pull(NS, hashes, src.node_id, src.address, grant=grant)
                 elapsed = time.perf_counter() - t0
                 if result.pulled != n:
                     raise RuntimeError(f"pull {name}: only {result.pulled} of {n} blocks arrived")
@@ -95,9 +105,9 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
             if name == "2mib":
                 for _ in range(200):
                     t0 = time.perf_counter()
-                    answer, _ = await sc.lookup(NS, hashes[:1])
+                    answer, _ = await peer.lookup(NS, hashes[:1], grant=grant)  # as the pulling peer does
                     lookups.append((time.perf_counter() - t0) * 1000)
-                    await sc.release(answer.lease_id)
+                    await peer.release(answer.lease_id, grant=grant)
             del copier
             stier.close()
             dtier.close()

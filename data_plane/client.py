@@ -5,7 +5,7 @@ in, domain types out; failures stay ``grpc.aio.AioRpcError`` with the status
 code the servicer chose). :class:`SharedTier` maps the node's shared-memory
 region in the engine process, so the engine reads and writes slots directly:
 
-    client = DataPlaneClient("127.0.0.1:7000")
+    client = DataPlaneClient("127.0.0.1:7000", key=node_api_key)
     tier = SharedTier.open(await client.describe_tier())
     slots = await client.reserve(ns, hashes)        # -1: already stored or refused
     tier.slot(slots[0])[:] = kv_bytes                # write in place
@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-import grpc
 import numpy as np
 
-from kvmesh.grpc_server import channel_options
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
+
+from tenancy.auth import grant_metadata
 
 from data_plane import wire
 from data_plane.shm import SharedRegion
@@ -51,12 +52,17 @@ class PeerHandshake:
     block_bytes: int
 
 
+def _grant(token: bytes) -> tuple[tuple[str, str], ...]:
+    return grant_metadata(token) if token else ()
+
+
 class DataPlaneClient:
     """One channel to one data plane. Every call takes an optional deadline in seconds."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, key: str | None = None, tls: ClientTLS | None = None) -> None:
+        """``key``: the node's API key (the local API needs it; peers present their own node key)."""
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self._channel = channel(address, key, tls)
         self._stub = data_plane_pb2_grpc.DataPlaneStub(self._channel)
 
     async def close(self) -> None:
@@ -96,19 +102,19 @@ class DataPlaneClient:
             timeout=timeout)
         return list(r.slots), r.lease_id
 
-    async def release(self, lease_id: str, timeout: float | None = 10.0) -> None:
-        await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout)
+    async def release(self, lease_id: str, timeout: float | None = 10.0, grant: bytes = b"") -> None:
+        await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout, metadata=_grant(grant))
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: Iterable[Medium] | None = None,
-                   first_block_index: int = 0, timeout: float | None = None) -> PullResult:
+                   first_block_index: int = 0, grant: bytes = b"", timeout: float | None = None) -> PullResult:
         """``timeout`` (the RPC deadline) defaults to the pull's own bound plus a margin."""
         if timeout is None:
             timeout = (timeout_ms or 60_000) / 1000 + 5
         r = await self._stub.Pull(pb.PullRequest(
             namespace=ns.to_proto(), block_hashes=hashes, source_node_id=source_node_id,
             source_address=source_address, timeout_ms=timeout_ms, source_media=wire.media_to_pb(source_media),
-            first_block_index=first_block_index), timeout=timeout)
+            first_block_index=first_block_index, grant=grant), timeout=timeout)
         return wire.pull_result(r)
 
     async def ping(self, timeout: float | None = 10.0) -> None:
@@ -116,19 +122,23 @@ class DataPlaneClient:
 
     # ---- peer API ----
 
+    # A peer call carries a pull grant (tenancy.grants) for this source; a local caller needs none.
+
     async def exchange_agent_metadata(self, node_id: str, metadata: bytes, block_bytes: int,
-                                      timeout: float | None = 10.0) -> PeerHandshake:
+                                      timeout: float | None = 10.0, grant: bytes = b"") -> PeerHandshake:
         r = await self._stub.ExchangeAgentMetadata(pb.ExchangeAgentMetadataRequest(
-            node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes), timeout=timeout)
+            node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes), timeout=timeout,
+            metadata=_grant(grant))
         return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer_node_id: str = "",
                      pending_wait_ms: int = 0, lease_ms: int = 0, media: Iterable[Medium] | None = None,
-                     timeout: float | None = 10.0) -> tuple[LookupAnswer, int]:
+                     timeout: float | None = 10.0, grant: bytes = b"") -> tuple[LookupAnswer, int]:
         """The settled answer and the source's block_bytes."""
         r = await self._stub.Lookup(pb.LookupRequest(
             namespace=ns.to_proto(), block_hashes=hashes, consumer_node_id=consumer_node_id,
-            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media)), timeout=timeout)
+            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media)), timeout=timeout,
+            metadata=_grant(grant))
         return wire.lookup_answer(r, len(hashes)), r.block_bytes
 
 

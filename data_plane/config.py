@@ -63,6 +63,20 @@ class DataPlaneConfig(BaseSettings):
     lease_sweep_ms: int = Field(250, ge=1, description="how often expired leases are released")
     control_plane_address: str = Field("", description="host:port of the control plane (unset: publish nothing)")
     pool: str = Field("", description="pool this node registers in")
+    api_key: str | None = Field(None, description="this node's API key (role node): local callers must present it, "
+                                                  "and it authenticates the node to the control plane and to peers")
+    api_key_file: str | None = Field(None, description="file holding the API key, if api_key is unset")
+    grant_public_key: str = Field("", description="base64 Ed25519 key that verifies pull grants (unset: fetched "
+                                                  "from the control plane)")
+
+    def node_key(self) -> str:
+        """The node's API key; ValueError when neither api_key nor api_key_file gives one."""
+        if self.api_key:
+            return self.api_key.strip()
+        if self.api_key_file:
+            return Path(self.api_key_file).read_text().strip()
+        raise ValueError("no API key: set KVMESH_DP_API_KEY or --api-key-file (an admin issues node keys: "
+                         "`kvmesh admin keys issue --role node --node <node_id>`)")
 
     @property
     def num_slots(self) -> int:

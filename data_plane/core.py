@@ -24,11 +24,11 @@ import logging
 import time
 import zlib
 from collections import defaultdict
-from typing import Iterable, Iterator
+from typing import Awaitable, Callable, Iterable, Iterator
 
 import grpc
 
-from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from kvmesh.namespace import Namespace
 
 from data_plane.client import TierDescription
@@ -58,6 +58,10 @@ def _info(position: int, protected: bool = False) -> BlockInfo:
     return BlockInfo(cost=1.0 + position * ATTENTION_COST_PER_BLOCK, protected=protected)
 
 
+# (namespace, source node id) -> a pull grant signed by the control plane
+GrantSource = Callable[[Namespace, str], Awaitable[bytes]]
+
+
 class DataPlaneCore:
     def __init__(
         self,
@@ -68,7 +72,11 @@ class DataPlaneCore:
         disk: DiskTier | None = None,
         events: EventSink | None = None,
         clock: Clock | None = None,
+        grants: GrantSource | None = None,
+        node_key: str | None = None,
     ) -> None:
+        """``grants`` gets a pull grant (namespace, source node id) when a Pull brings none;
+        ``node_key`` authenticates this node to its peers."""
         self.config = config
         self.node_id = config.node_id
         self.address = ""  # set by the server once bound
@@ -80,7 +88,8 @@ class DataPlaneCore:
         self.events: EventSink = events or NoEvents()
         self._clock = clock or SystemClock()
         self._leases: LeaseTable[Block] = LeaseTable(self._clock)
-        self._peers = PeerPool(self.node_id, transport, self.block_bytes)
+        self._grants = grants
+        self._peers = PeerPool(self.node_id, transport, self.block_bytes, node_key)
         self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
         self._namespaces: dict[str, Namespace] = {}
@@ -312,27 +321,28 @@ class DataPlaneCore:
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: frozenset[Medium] = frozenset(Medium),
-                   first_block_index: int = 0) -> PullResult:
+                   first_block_index: int = 0, grant: bytes = b"") -> PullResult:
         """Copies the leading blocks the source holds into this node's CPU tier; MISS for the rest.
 
         Runs to completion (within its own bound) even if the caller goes away, so
         no transfer is left writing into slots that were handed back.
         """
         hashes = self._check(ns, hashes)
-        if not source_address:
-            raise InvalidArgument("source_address must be set")
+        if not source_address or not source_node_id:
+            raise InvalidArgument("source_node_id and source_address must be set")
         if source_node_id == self.node_id or source_address == self.address:
             raise InvalidArgument("a node cannot pull from itself")
         timeout = self._bounded(timeout_ms, self.config.pull_timeout_ms, self.config.max_pull_timeout_ms)
         task = asyncio.ensure_future(
             self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
-                       source_media, first_block_index))
+                       source_media, first_block_index, grant))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)
 
     async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
-                    deadline: float, source_media: frozenset[Medium], first_block_index: int) -> PullResult:
+                    deadline: float, source_media: frozenset[Medium], first_block_index: int,
+                    grant: bytes) -> PullResult:
         self._namespaces.setdefault(ns.fingerprint, ns)
         statuses = [LookupStatus.MISS] * len(hashes)
         already_local = 0
@@ -351,9 +361,13 @@ class DataPlaneCore:
         if not wanted:
             return result
         try:
-            peer = await self._peers.get(source_address, deadline - time.monotonic())
-        except Unavailable as exc:
-            log.warning("pull from %s: %s", source_address, exc)
+            if not grant:
+                if self._grants is None:
+                    raise PermissionDenied("no pull grant and no control plane to ask for one")
+                grant = await self._grants(ns, source_node_id)
+            peer = await self._peers.get(source_address, deadline - time.monotonic(), grant)
+        except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
+            log.warning("pull from %s: %s; answering MISS", source_address, exc)
             return result
         if source_node_id and peer.node_id != source_node_id:
             log.warning("pull: %s is node %s, not %s (stale route); answering MISS",
@@ -361,7 +375,7 @@ class DataPlaneCore:
             return result
 
         t0 = time.perf_counter()
-        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline)
+        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
         lookup_ms = (time.perf_counter() - t0) * 1000
         if answer is None:
             return PullResult(statuses, 0, already_local, 0, lookup_ms, 0.0)
@@ -372,7 +386,7 @@ class DataPlaneCore:
             transfer_ms = (time.perf_counter() - t1) * 1000
         finally:
             if answer.lease_id:
-                self._spawn(self._release_remote(peer, answer.lease_id))
+                self._spawn(self._release_remote(peer, answer.lease_id, grant))
         committed: list[Block] = []
         if arrived:
             intact = True
@@ -414,14 +428,17 @@ class DataPlaneCore:
         return [ok for part in parts for ok in part]
 
     async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],
-                             deadline: float) -> LookupAnswer | None:
+                             deadline: float, grant: bytes) -> LookupAnswer | None:
         remaining = deadline - time.monotonic()
         try:
             answer, block_bytes = await peer.client.lookup(
                 ns, hashes, consumer_node_id=self.node_id,
                 pending_wait_ms=max(1, min(self.config.pending_wait_ms, int(remaining * 500))),
-                lease_ms=max(1, int(remaining * 1000) + 5_000), media=media, timeout=remaining)
+                lease_ms=max(1, int(remaining * 1000) + 5_000), media=media, timeout=remaining, grant=grant)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                log.warning("pull: %s refused the lookup (%s); answering MISS", peer.address, exc.details())
+                return None
             if exc.code() in _UNREACHABLE:
                 log.warning("pull: lookup on %s failed (%s); answering MISS", peer.address, exc.code().name)
                 await self._peers.forget(peer)
@@ -467,9 +484,9 @@ class DataPlaneCore:
             await self._peers.forget(peer)
             return False
 
-    async def _release_remote(self, peer: Peer, lease_id: str) -> None:
+    async def _release_remote(self, peer: Peer, lease_id: str, grant: bytes) -> None:
         try:
-            await peer.client.release(lease_id, timeout=5.0)
+            await peer.client.release(lease_id, timeout=5.0, grant=grant)
         except grpc.aio.AioRpcError as exc:
             log.info("releasing lease %s on %s failed (%s); it will expire", lease_id, peer.address,
                      exc.code().name)

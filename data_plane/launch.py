@@ -21,6 +21,7 @@ class DataPlaneProcess:
     def __init__(self, node_id: str, flags: dict[str, object], env: dict[str, str] | None = None,
                  ready_timeout_s: float = 60.0) -> None:
         self.node_id = node_id
+        self.api_key = str(flags.get("api_key", ""))
         args = [sys.executable, "-m", "data_plane.server", "--node-id", node_id]
         for name, value in flags.items():
             args += [f"--{name.replace('_', '-')}", str(value)]

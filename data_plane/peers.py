@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvmesh.errors import FailedPrecondition, Unavailable
+from kvmesh.errors import FailedPrecondition, PermissionDenied, Unavailable
 
 from data_plane.client import DataPlaneClient
 from data_plane.transfer import Transport
@@ -34,25 +34,29 @@ class Peer:
 
 
 class PeerPool:
-    def __init__(self, node_id: str, transport: Transport, block_bytes: int) -> None:
+    def __init__(self, node_id: str, transport: Transport, block_bytes: int, node_key: str | None = None) -> None:
         self._node_id = node_id
+        self._node_key = node_key
         self._transport = transport
         self._block_bytes = block_bytes
         self._peers: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def get(self, address: str, timeout_s: float) -> Peer:
-        """The peer at ``address``; Unavailable when it cannot be reached, FailedPrecondition when incompatible."""
+    async def get(self, address: str, timeout_s: float, grant: bytes) -> Peer:
+        """The peer at ``address``; Unavailable when it cannot be reached, FailedPrecondition when incompatible,
+        PermissionDenied when it refuses this node's grant."""
         async with self._locks.setdefault(address, asyncio.Lock()):
             peer = self._peers.get(address)
             if peer is not None:
                 return peer
-            client = DataPlaneClient(address)
+            client = DataPlaneClient(address, key=self._node_key)
             try:
                 hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(),
-                                                          self._block_bytes, timeout=timeout_s)
+                                                          self._block_bytes, timeout=timeout_s, grant=grant)
             except grpc.aio.AioRpcError as exc:
                 await client.close()
+                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    raise PermissionDenied(f"peer {address} refused this node: {exc.details()}") from None
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise FailedPrecondition(f"peer {address} refused the handshake: {exc.details()}") from None
                 raise Unavailable(f"peer {address} unreachable: {exc.code().name} {exc.details()}") from None

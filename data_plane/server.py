@@ -19,6 +19,9 @@ from kvmesh.grpc_server import RunningServer, ServiceBinding, start_server
 from kvmesh.settings_cli import parse_settings
 from kvmesh.v1 import data_plane_pb2_grpc
 
+from tenancy.auth import AuthInterceptor, auth_metadata
+
+from data_plane.auth import NodeAuth
 from data_plane.config import DataPlaneConfig
 from data_plane.core import DataPlaneCore
 from data_plane.disk import DiskTier
@@ -48,7 +51,7 @@ class RunningDataPlane:
         await self.core.close()
 
 
-def build_core(config: DataPlaneConfig, events: Any | None = None) -> DataPlaneCore:
+def build_core(config: DataPlaneConfig, auth: NodeAuth, events: Any | None = None) -> DataPlaneCore:
     registry = PolicyRegistry()
     policy = registry.create(config.eviction_policy, config.num_slots)
     disk = None
@@ -64,16 +67,18 @@ def build_core(config: DataPlaneConfig, events: Any | None = None) -> DataPlaneC
         if disk is not None:
             disk.close()
         raise
-    return DataPlaneCore(config, region, policy, transport, disk=disk, events=events)
+    return DataPlaneCore(config, region, policy, transport, disk=disk, events=events,
+                         grants=auth.grant_for if config.control_plane_address else None, node_key=auth.node_key)
 
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
     """Starts the node in this event loop; returns once it is serving."""
-    core = build_core(config)
+    auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address)
+    core = build_core(config, auth)
     try:
-        binding = ServiceBinding(DataPlaneServicer(core), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
+        binding = ServiceBinding(DataPlaneServicer(core, auth), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
                                  "kvmesh.v1.DataPlane")
-        server = await start_server(config.listen, [binding])
+        server = await start_server(config.listen, [binding], interceptors=[AuthInterceptor(auth.authenticate)])
     except BaseException:
         await core.close()
         raise
@@ -84,7 +89,8 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
         from control_plane.publisher import EventPublisher, NodeInfo
 
         publisher = EventPublisher(config.control_plane_address,
-                                   NodeInfo(config.node_id, core.address, pool=config.pool), core.snapshot)
+                                   NodeInfo(config.node_id, core.address, pool=config.pool), core.snapshot,
+                                   metadata=auth_metadata(auth.node_key))
         core.events = publisher
         await publisher.start()
     return RunningDataPlane(core, server, publisher)
@@ -107,7 +113,13 @@ async def _run(config: DataPlaneConfig) -> None:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_run(parse_settings(DataPlaneConfig, argv, "kvmesh data-plane")))
+    config = parse_settings(DataPlaneConfig, argv, "kvmesh data-plane")
+    try:
+        config.node_key()
+    except (ValueError, OSError) as exc:
+        print(f"kvmesh data-plane: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_run(config))
     return 0
 
 

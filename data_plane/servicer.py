@@ -1,4 +1,8 @@
-"""The DataPlane gRPC service: proto -> domain, call the core, domain -> proto."""
+"""The DataPlane gRPC service: check the caller, proto -> domain, call the core, domain -> proto.
+
+Callers were authenticated by the interceptor (data_plane.auth): the local API
+needs this node's own key; the peer API needs a pull grant for the namespace.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +11,37 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
 
 from data_plane import wire
+from data_plane.auth import NodeAuth
 from data_plane.core import DataPlaneCore
 
 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
-    def __init__(self, core: DataPlaneCore) -> None:
+    def __init__(self, core: DataPlaneCore, auth: NodeAuth) -> None:
         self._core = core
+        self._auth = auth
 
     # ---- peer API ----
 
     @grpc_errors
     async def ExchangeAgentMetadata(self, request, context):
+        await self._auth.require_grant(context.invocation_metadata(), None)
         name, metadata = self._core.exchange_metadata(request.node_id, request.agent_metadata, request.block_bytes)
         return pb.ExchangeAgentMetadataResponse(node_id=self._core.node_id, agent_name=name,
                                                 agent_metadata=metadata, block_bytes=self._core.block_bytes)
 
     @grpc_errors
     async def Lookup(self, request, context):
+        ns = Namespace.from_proto(request.namespace)
+        await self._auth.require_grant(context.invocation_metadata(), ns)
         answer = await self._core.lookup(
-            Namespace.from_proto(request.namespace), list(request.block_hashes),
+            ns, list(request.block_hashes),
             consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,
             lease_ms=request.lease_ms, media=wire.media_from_pb(request.media))
         return wire.lookup_response(answer, self._core.block_bytes)
 
     @grpc_errors
     async def Release(self, request, context):
+        await self._auth.require_grant(context.invocation_metadata(), None)
         self._core.release(request.lease_id)
         return pb.ReleaseResponse()
 
@@ -39,20 +49,24 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
 
     @grpc_errors
     async def Pull(self, request, context):
+        self._auth.require_local("Pull")
         result = await self._core.pull(
             Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
-            source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index)
+            source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
+            grant=request.grant)
         return wire.pull_response(result)
 
     @grpc_errors
     async def DescribeTier(self, request, context):
+        self._auth.require_local("DescribeTier")
         d = self._core.describe()
         return pb.DescribeTierResponse(node_id=d.node_id, shm_path=d.shm_path, block_bytes=d.block_bytes,
                                        num_slots=d.num_slots, locked=d.locked, block_tokens=d.block_tokens)
 
     @grpc_errors
     async def Reserve(self, request, context):
+        self._auth.require_local("Reserve")
         slots = self._core.reserve(
             Namespace.from_proto(request.namespace), list(request.block_hashes),
             max_offload_tokens=request.max_offload_tokens, first_block_index=request.first_block_index,
@@ -61,20 +75,24 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
 
     @grpc_errors
     async def Commit(self, request, context):
+        self._auth.require_local("Commit")
         n = self._core.commit(Namespace.from_proto(request.namespace), list(request.block_hashes))
         return pb.CommitResponse(committed=n)
 
     @grpc_errors
     async def Abort(self, request, context):
+        self._auth.require_local("Abort")
         self._core.abort(Namespace.from_proto(request.namespace), list(request.block_hashes))
         return pb.AbortResponse()
 
     @grpc_errors
     async def Acquire(self, request, context):
+        self._auth.require_local("Acquire")
         slots, lease_id = self._core.acquire(Namespace.from_proto(request.namespace), list(request.block_hashes),
                                              wire.media_from_pb(request.media), request.lease_ms)
         return pb.AcquireResponse(slots=slots, lease_id=lease_id)
 
     @grpc_errors
     async def Ping(self, request, context):
+        self._auth.require_local("Ping")
         return common_pb2.PingResponse()

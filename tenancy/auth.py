@@ -54,6 +54,21 @@ def auth_metadata(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
+GRANT_METADATA = "kvmesh-grant"
+
+
+def grant_metadata(token: bytes) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying a pull grant (see tenancy.grants)."""
+    return ((GRANT_METADATA, token.decode()),)
+
+
+def grant_from(metadata) -> bytes:
+    for key, value in metadata or ():
+        if key == GRANT_METADATA:
+            return value.encode() if isinstance(value, str) else value
+    return b""
+
+
 class Authenticator:
     """Resolves presented keys: the bootstrap admin key, or a stored, unrevoked key."""
 
@@ -122,11 +137,15 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
     return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates every non-exempt RPC; denials are audited when a sink is given."""
+Authenticate = Callable[[str], Awaitable[Principal]]
 
-    def __init__(self, authenticator: Authenticator, audit: AuditSink | None = None) -> None:
-        self._auth = authenticator
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every non-exempt RPC with ``authenticate`` (presented key -> principal, or
+    Unauthenticated); denials are audited when a sink is given."""
+
+    def __init__(self, authenticate: Authenticate, audit: AuditSink | None = None) -> None:
+        self._authenticate = authenticate
         self._audit = audit
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
@@ -134,7 +153,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
         try:
-            principal = await self._auth.authenticate(bearer(details.invocation_metadata))
+            principal = await self._authenticate(bearer(details.invocation_metadata))
         except Unauthenticated as exc:
             await self.record_denial("-", details.method, "UNAUTHENTICATED", str(exc))
             return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, str(exc))

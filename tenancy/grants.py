@@ -10,6 +10,7 @@ grants. Token: ``base64url(json payload) "." base64url(signature)``.
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -19,7 +20,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kvmesh.errors import PermissionDenied
-from tenancy import api_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +76,12 @@ class GrantVerifier:
         self._key = Ed25519PublicKey.from_public_bytes(public_key)
         self._node_id = node_id
 
-    def verify(self, token: bytes, *, presented_key: str, namespace_fingerprint: str,
+    def verify(self, token: bytes, *, key_id: str, key_hash: str, namespace_fingerprint: str | None,
                now_ms: int | None = None) -> Grant:
+        """``key_id``/``key_hash``: the key the caller authenticated with. ``namespace_fingerprint``
+        None: any namespace (calls that name none, e.g. the NIXL handshake)."""
+        if not token:
+            raise PermissionDenied("this call needs a pull grant from the control plane")
         try:
             payload_b64, sig_b64 = token.decode().split(".")
             payload = _unb64(payload_b64)
@@ -90,9 +94,8 @@ class GrantVerifier:
             raise PermissionDenied("pull grant expired")
         if grant.source_node_id != self._node_id:
             raise PermissionDenied("pull grant is for another source node")
-        if grant.namespace_fingerprint != namespace_fingerprint:
+        if namespace_fingerprint is not None and grant.namespace_fingerprint != namespace_fingerprint:
             raise PermissionDenied("pull grant is for another namespace")
-        key_id, secret = api_keys.parse(presented_key)
-        if key_id != grant.consumer_key_id or not api_keys.matches(secret, grant.consumer_key_hash):
+        if key_id != grant.consumer_key_id or not hmac.compare_digest(key_hash, grant.consumer_key_hash):
             raise PermissionDenied("pull grant was issued to another node")
         return grant

@@ -92,7 +92,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "source_node_id", "source_address", "timeout_ms", "source_media", "first_block_index")
+    __slots__ = ("namespace", "block_hashes", "source_node_id", "source_address", "timeout_ms", "source_media", "first_block_index", "grant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class PullRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_MEDIA_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     source_node_id: str
@@ -107,7 +108,8 @@ class PullRequest(_message.Message):
     timeout_ms: int
     source_media: _containers.RepeatedScalarFieldContainer[_common_pb2.Medium]
     first_block_index: int
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., source_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., source_media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., first_block_index: _Optional[int] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., source_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., source_media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., first_block_index: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("blocks_pulled", "blocks_already_local", "bytes_pulled", "statuses", "lookup_ms", "transfer_ms")

@@ -3,7 +3,9 @@ in-process data planes on free ports, and real data-plane processes."""
 
 from __future__ import annotations
 
+import base64
 import os
+import time
 import shutil
 import uuid
 from pathlib import Path
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.namespace import CacheConfig, Namespace
+from tenancy import api_keys
+from tenancy.grants import Grant, GrantSigner
 
 from data_plane.config import DataPlaneConfig
 from data_plane.launch import DataPlaneProcess
@@ -39,14 +43,39 @@ def shm_dir() -> Path:
     shutil.rmtree(path, ignore_errors=True)  # a killed process leaves its region file behind
 
 
+@pytest.fixture(scope="session")
+def grant_signer() -> GrantSigner:
+    """Stands in for the control plane's signing key where a test runs data planes without one."""
+    return GrantSigner.generate()
+
+
 @pytest.fixture
-def config(shm_dir, tmp_path):
+def grant(grant_signer):
+    """Signs a pull grant for ``consumer_key`` to pull ``ns`` from ``source_node_id``."""
+
+    def sign(consumer_key: str, consumer_node_id: str, source_node_id: str, ns: Namespace,
+             ttl_ms: int = 60_000) -> bytes:
+        key_id, secret = api_keys.parse(consumer_key)
+        return grant_signer.sign(Grant(ns.tenant, ns.fingerprint, consumer_node_id, key_id,
+                                       api_keys.hash_secret(secret), source_node_id,
+                                       int(time.time() * 1000) + ttl_ms))
+
+    return sign
+
+
+@pytest.fixture
+def grant_public_key(grant_signer) -> str:
+    return base64.b64encode(grant_signer.public_key).decode()
+
+
+@pytest.fixture
+def config(shm_dir, tmp_path, grant_public_key):
     """Builds a DataPlaneConfig for an in-process node (overrides as keyword arguments)."""
 
     def build(**overrides) -> DataPlaneConfig:
         fields = dict(node_id=f"n-{uuid.uuid4().hex[:6]}", listen="127.0.0.1:0", shm_dir=shm_dir,
                       block_bytes=BLOCK_BYTES, capacity_bytes=16 * BLOCK_BYTES, lock_memory=False,
-                      lease_sweep_ms=20)
+                      lease_sweep_ms=20, api_key=api_keys.new_key()[1], grant_public_key=grant_public_key)
         fields.update(overrides)
         return DataPlaneConfig(**fields)
 
@@ -69,13 +98,14 @@ async def local_node(config):
 
 
 @pytest.fixture
-def dp_process(shm_dir, tmp_path):
+def dp_process(shm_dir, tmp_path, grant_public_key):
     """Starts `python -m data_plane.server` processes; kills leftovers after the test."""
     procs: list[DataPlaneProcess] = []
 
     def start(node_id: str, **flags) -> DataPlaneProcess:
         merged = dict(listen="127.0.0.1:0", shm_dir=shm_dir, block_bytes=BLOCK_BYTES,
-                      capacity_bytes=64 * BLOCK_BYTES, lease_sweep_ms=50)
+                      capacity_bytes=64 * BLOCK_BYTES, lease_sweep_ms=50, api_key=api_keys.new_key()[1],
+                      grant_public_key=grant_public_key)
         merged.update(flags)
         proc = DataPlaneProcess(node_id, merged)
         procs.append(proc)

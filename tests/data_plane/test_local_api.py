@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2, data_plane_pb2_grpc
 
@@ -41,7 +42,7 @@ class RecordingSink:
 @pytest.fixture
 async def node(local_node):
     running = await local_node()
-    client = DataPlaneClient(running.address)
+    client = DataPlaneClient(running.address, key=running.core.config.node_key())
     tier = SharedTier.open(await client.describe_tier())
     yield running, client, tier
     tier.close()
@@ -108,7 +109,7 @@ async def test_hit_pending_becomes_hit_when_committed_in_time(node, ns):
 
 async def test_pending_wait_is_capped_by_the_server(local_node, ns):
     running = await local_node(max_pending_wait_ms=100, pending_wait_ms=50)
-    async with DataPlaneClient(running.address) as client:
+    async with DataPlaneClient(running.address, key=running.core.config.node_key()) as client:
         hashes = make_hashes(1)
         await client.reserve(ns, hashes)
         t0 = time.monotonic()
@@ -118,7 +119,7 @@ async def test_pending_wait_is_capped_by_the_server(local_node, ns):
 
 async def test_lookup_pins_under_a_lease_that_expires(local_node, ns):
     running = await local_node(capacity_bytes=2 * BLOCK_BYTES)
-    async with DataPlaneClient(running.address) as client:
+    async with DataPlaneClient(running.address, key=running.core.config.node_key()) as client:
         hashes = make_hashes(2)
         await client.reserve(ns, hashes)
         await client.commit(ns, hashes)
@@ -141,7 +142,7 @@ async def test_disk_tier_demotes_and_promotes(local_node, ns, tmp_path):
     running = await local_node(capacity_bytes=2 * BLOCK_BYTES, disk_dir=tmp_path, disk_capacity_bytes=8 * BLOCK_BYTES)
     sink = RecordingSink()
     running.core.events = sink
-    async with DataPlaneClient(running.address) as client:
+    async with DataPlaneClient(running.address, key=running.core.config.node_key()) as client:
         tier = SharedTier.open(await client.describe_tier())
         first, rest = make_hashes(2), make_hashes(2)
         blocks = await store(client, tier, ns, first, seed=10)
@@ -162,7 +163,7 @@ async def test_disk_tier_demotes_and_promotes(local_node, ns, tmp_path):
 
 async def test_corrupt_disk_block_is_a_miss(local_node, ns, tmp_path):
     running = await local_node(capacity_bytes=BLOCK_BYTES, disk_dir=tmp_path, disk_capacity_bytes=4 * BLOCK_BYTES)
-    async with DataPlaneClient(running.address) as client:
+    async with DataPlaneClient(running.address, key=running.core.config.node_key()) as client:
         tier = SharedTier.open(await client.describe_tier())
         h = make_hashes(2)
         await store(client, tier, ns, h[:1])
@@ -186,7 +187,7 @@ async def test_corrupt_disk_block_is_a_miss(local_node, ns, tmp_path):
 async def test_bad_inputs_are_clear_errors(local_node, ns, mutate, code, message):
     running = await local_node(max_hashes_per_request=64, block_tokens=32)
     bad_ns, bad_hashes = mutate(ns, make_hashes(1))
-    async with DataPlaneClient(running.address) as client:
+    async with DataPlaneClient(running.address, key=running.core.config.node_key()) as client:
         for call in (lambda: client.reserve(bad_ns, bad_hashes), lambda: client.lookup(bad_ns, bad_hashes),
                      lambda: client.acquire(bad_ns, bad_hashes)):
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -207,12 +208,12 @@ async def test_commit_errors_name_the_problem(node, ns):
 
 
 async def test_lookup_of_an_unknown_namespace_is_a_miss_and_gpu_is_not_a_tier(node, ns):
-    _, client, _ = node
+    running, client, _ = node
     answer, _ = await client.lookup(ns, make_hashes(2))
     assert answer.statuses == [LookupStatus.MISS] * 2
-    async with grpc.aio.insecure_channel(client.address) as channel:
+    async with channel(client.address, running.core.config.node_key()) as channel_:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await data_plane_pb2_grpc.DataPlaneStub(channel).Lookup(data_plane_pb2.LookupRequest(
+            await data_plane_pb2_grpc.DataPlaneStub(channel_).Lookup(data_plane_pb2.LookupRequest(
                 namespace=ns.to_proto(), block_hashes=make_hashes(1), media=[common_pb2.MEDIUM_GPU]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "MEDIUM_GPU" in err.value.details()
 

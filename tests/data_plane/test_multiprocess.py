@@ -24,9 +24,15 @@ def make_hashes(n: int) -> list[bytes]:
 class Node:
     """A data-plane process with a client and its tier mapped in this (engine) process."""
 
-    def __init__(self, proc, client: DataPlaneClient, tier: SharedTier) -> None:
-        self.proc, self.client, self.tier = proc, client, tier
+    def __init__(self, proc, client: DataPlaneClient, tier: SharedTier, grant) -> None:
+        self.proc, self.client, self.tier, self._grant = proc, client, tier, grant
         self.node_id, self.address = proc.node_id, proc.address
+
+    async def pull(self, ns, hashes, source: "Node", source_node_id: str | None = None, **kw):
+        """Pulls from ``source`` with a grant for this node (as the control plane would issue)."""
+        node_id = source.node_id if source_node_id is None else source_node_id
+        grant = self._grant(self.proc.api_key, self.node_id, node_id, ns)
+        return await self.client.pull(ns, hashes, node_id, source.address, grant=grant, **kw)
 
     async def store(self, ns, hashes: list[bytes], seed: int) -> dict[bytes, np.ndarray]:
         slots = await self.client.reserve(ns, hashes)
@@ -52,13 +58,13 @@ class Node:
 
 
 @pytest.fixture
-async def nodes(dp_process):
+async def nodes(dp_process, grant):
     started: list[Node] = []
 
     async def start(node_id: str, **flags) -> Node:
         proc = await asyncio.to_thread(dp_process, node_id, **flags)
-        client = DataPlaneClient(proc.address)
-        node = Node(proc, client, SharedTier.open(await client.describe_tier()))
+        client = DataPlaneClient(proc.address, key=proc.api_key)
+        node = Node(proc, client, SharedTier.open(await client.describe_tier()), grant)
         started.append(node)
         return node
 
@@ -72,11 +78,11 @@ async def test_two_nodes_pull_verified_bytes(nodes, ns):
     a, b = await nodes("a"), await nodes("b")
     hashes = make_hashes(16)
     data = await a.store(ns, hashes, seed=1)
-    result = await b.client.pull(ns, hashes + make_hashes(2), a.node_id, a.address)
+    result = await b.pull(ns, hashes + make_hashes(2), a)
     assert result.pulled == 16 and result.bytes_pulled == 16 * b.tier.block_bytes
     assert result.statuses == [LookupStatus.HIT] * 16 + [LookupStatus.MISS] * 2
     assert await b.holds(ns, data)
-    again = await b.client.pull(ns, hashes, a.node_id, a.address)
+    again = await b.pull(ns, hashes, a)
     assert (again.pulled, again.already_local) == (0, 16)
     # the source's pins were released: all its blocks are evictable again
     for _ in range(4):
@@ -89,11 +95,11 @@ async def test_three_nodes_pull_and_relay(nodes, ns):
     from_a, from_b = make_hashes(8), make_hashes(8)
     data_a = await a.store(ns, from_a, seed=2)
     data_b = await b.store(ns, from_b, seed=3)
-    ra, rb = await asyncio.gather(c.client.pull(ns, from_a, a.node_id, a.address),
-                                  c.client.pull(ns, from_b, b.node_id, b.address))
+    ra, rb = await asyncio.gather(c.pull(ns, from_a, a),
+                                  c.pull(ns, from_b, b))
     assert ra.pulled == rb.pulled == 8
     assert await c.holds(ns, {**data_a, **data_b})
-    relay = await b.client.pull(ns, from_a, c.node_id, c.address)  # a block pulled by c serves b
+    relay = await b.pull(ns, from_a, c)  # a block pulled by c serves b
     assert relay.pulled == 8 and await b.holds(ns, data_a)
 
 
@@ -101,7 +107,7 @@ async def test_pull_stops_at_the_first_miss(nodes, ns):
     a, b = await nodes("a"), await nodes("b")
     hashes = make_hashes(6)
     data = await a.store(ns, hashes[:2] + hashes[3:], seed=4)  # hashes[2] missing on the source
-    result = await b.client.pull(ns, hashes, a.node_id, a.address)
+    result = await b.pull(ns, hashes, a)
     assert result.pulled == 2 and result.statuses[:3] == [LookupStatus.HIT, LookupStatus.HIT, LookupStatus.MISS]
     assert await b.holds(ns, {h: data[h] for h in hashes[:2]})
 
@@ -112,7 +118,7 @@ async def test_hit_pending_on_the_source_is_bounded_then_miss(nodes, ns):
     hashes = make_hashes(2)
     await a.client.reserve(ns, hashes)  # announced, never committed
     t0 = time.monotonic()
-    result = await b.client.pull(ns, hashes, a.node_id, a.address)
+    result = await b.pull(ns, hashes, a)
     assert result.statuses == [LookupStatus.MISS] * 2 and 0.25 < time.monotonic() - t0 < 3
 
 
@@ -128,7 +134,7 @@ async def test_source_killed_mid_pull_yields_miss_without_corrupt_slots(nodes, n
 
     async def pull_all():
         for chunk in chunks:
-            results.append(await b.client.pull(ns, chunk, a.node_id, a.address, timeout_ms=5000))
+            results.append(await b.pull(ns, chunk, a, timeout_ms=5000))
 
     stream = asyncio.ensure_future(pull_all())
     while len(results) < 2:
@@ -152,14 +158,14 @@ async def test_restarted_source_is_handshaked_again(nodes, ns, dp_process):
     a, b = await nodes("a"), await nodes("b")
     first = make_hashes(2)
     await a.store(ns, first, seed=6)
-    assert (await b.client.pull(ns, first, a.node_id, a.address)).pulled == 2
+    assert (await b.pull(ns, first, a)).pulled == 2
     a.proc.stop()
     a2 = await nodes("a", listen=a.address)  # same id and address, new NIXL agent
     second = make_hashes(2)
     data = await a2.store(ns, second, seed=7)
-    result = await b.client.pull(ns, second, a2.node_id, a2.address)
+    result = await b.pull(ns, second, a2)
     if result.pulled == 0:  # the first attempt may only discover the stale agent
-        result = await b.client.pull(ns, second, a2.node_id, a2.address)
+        result = await b.pull(ns, second, a2)
     assert result.pulled == 2 and await b.holds(ns, data)
 
 
@@ -167,7 +173,7 @@ async def test_block_size_mismatch_between_peers_is_refused(nodes, ns, block_byt
     a, b = await nodes("a"), await nodes("b", block_bytes=block_bytes * 2)
     await a.store(ns, make_hashes(1), seed=8)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await b.client.pull(ns, make_hashes(1), a.node_id, a.address)
+        await b.pull(ns, make_hashes(1), a)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "block_bytes" in err.value.details()
 
 
@@ -175,5 +181,5 @@ async def test_stale_route_to_another_node_is_a_miss(nodes, ns):
     a, b = await nodes("a"), await nodes("b")
     hashes = make_hashes(1)
     await a.store(ns, hashes, seed=9)
-    result = await b.client.pull(ns, hashes, "someone-else", a.address)
+    result = await b.pull(ns, hashes, a, source_node_id="someone-else")
     assert result.statuses == [LookupStatus.MISS]
