@@ -36,6 +36,7 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     tls_cert_file: str | None = Field(None, description="server certificate (PEM): serve TLS")
     tls_key_file: str | None = Field(None, description="its private key (PEM)")
     tls_client_ca_file: str | None = Field(None, description="CA for client certificates: require mutual TLS")
+    metrics_listen: str = Field("", description="host:port of the Prometheus /metrics endpoint (empty: off)")
 
     def bootstrap_admin_key(self) -> str:
         """The admin key from admin_key or admin_key_file; ValueError when neither gives one."""

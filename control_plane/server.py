@@ -14,7 +14,10 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from kvmesh.grpc_server import RunningServer, ServiceBinding, server_tls, start_server
+from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
 from kvmesh.settings_cli import parse_settings
 from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
 from tenancy.auth import AuthInterceptor, Authenticator
@@ -25,6 +28,7 @@ from tenancy.store import RedisTenantStore
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.core import ControlPlane
+from control_plane.metrics import MeteredBlockMap, RouteCollector
 from control_plane.redis_block_map import RedisBlockMap
 from control_plane.routing.router import Router
 from control_plane.routing.stats import RedisStatsStore
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 class RunningControlPlane:
     core: ControlPlane
     server: RunningServer
+    metrics: MetricsEndpoint
 
     @property
     def port(self) -> int:
@@ -44,6 +49,7 @@ class RunningControlPlane:
 
     async def stop(self) -> None:
         await self.server.stop()
+        self.metrics.stop()
         await self.core.close()
 
 
@@ -54,8 +60,10 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     redis_auth = dict(username=config.redis_username, password=config.redis_password)
     tenants = RedisTenantStore(config.redis_url, key_prefix=config.key_prefix, **redis_auth)
     signer = GrantSigner.from_pem(await tenants.grant_signing_key(lambda: GrantSigner.generate().to_pem()))
-    block_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
-                              tenant_credentials=tenants.redis_credentials, **redis_auth)
+    registry = CollectorRegistry()
+    block_map = MeteredBlockMap(RedisBlockMap(config.redis_url, lease_ms=config.lease_ms,
+                                              key_prefix=config.key_prefix,
+                                              tenant_credentials=tenants.redis_credentials, **redis_auth), registry)
     authz = Authorizer(tenants, tenants.audit, config.policy_ttl_s)
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
@@ -67,15 +75,21 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
         ServiceBinding(TenantAdminServicer(tenants, authz), tenant_admin_pb2_grpc.add_TenantAdminServicer_to_server,
                        "kvmesh.v1.TenantAdmin"),
     ]
-    server = await start_server(config.listen, services, interceptors=[auth], tls=tls)
+    registry.register(RouteCollector(core.router.counters))
+    interceptors = [RpcMetricsInterceptor(registry, "control-plane"), auth]
+    server = await start_server(config.listen, services, interceptors=interceptors, tls=tls)
     core.start_background()
-    return RunningControlPlane(core, server)
+    host, _, port = config.metrics_listen.rpartition(":")
+    metrics = MetricsEndpoint(registry, host or "127.0.0.1", int(port or 0))
+    return RunningControlPlane(core, server, metrics)
 
 
 async def _run(config: ControlPlaneConfig) -> None:
     running = await serve(config)
     host = config.listen.rsplit(":", 1)[0]
     log.info("control plane serving on %s:%d (redis %s)", host, running.port, config.redis_url)
+    if running.metrics.port:
+        log.info("metrics on http://%s:%d/metrics", config.metrics_listen.rpartition(":")[0], running.metrics.port)
     print(f"kvmesh control-plane listening on {host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -66,6 +66,7 @@ class DataPlaneConfig(BaseSettings):
     api_key: str | None = Field(None, description="this node's API key (role node): local callers must present it, "
                                                   "and it authenticates the node to the control plane and to peers")
     api_key_file: str | None = Field(None, description="file holding the API key, if api_key is unset")
+    metrics_listen: str = Field("", description="host:port of the Prometheus /metrics endpoint (empty: off)")
     grant_public_key: str = Field("", description="base64 Ed25519 key that verifies pull grants (unset: fetched "
                                                   "from the control plane)")
 

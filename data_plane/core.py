@@ -27,9 +27,13 @@ from collections import defaultdict
 from typing import Awaitable, Callable, Iterable, Iterator
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kvmesh import tracing
 from kvmesh.namespace import Namespace
+from kvmesh.tracing import ATTR
 
 from data_plane.client import TierDescription
 from data_plane.config import DataPlaneConfig
@@ -37,6 +41,7 @@ from data_plane.disk import DiskTier
 from data_plane.events import EventSink, NoEvents
 from data_plane.eviction import BlockInfo, EvictionPolicy
 from data_plane.leases import Clock, LeaseTable, SystemClock
+from data_plane.metrics import DataPlaneMetrics
 from data_plane.peers import Peer, PeerPool
 from data_plane.shm import SharedRegion
 from data_plane.tier import Block, MemoryTier
@@ -74,6 +79,7 @@ class DataPlaneCore:
         clock: Clock | None = None,
         grants: GrantSource | None = None,
         node_key: str | None = None,
+        metrics: DataPlaneMetrics | None = None,
     ) -> None:
         """``grants`` gets a pull grant (namespace, source node id) when a Pull brings none;
         ``node_key`` authenticates this node to its peers."""
@@ -89,6 +95,7 @@ class DataPlaneCore:
         self._clock = clock or SystemClock()
         self._leases: LeaseTable[Block] = LeaseTable(self._clock)
         self._grants = grants
+        self.metrics = metrics or DataPlaneMetrics()
         self._peers = PeerPool(self.node_id, transport, self.block_bytes, node_key)
         self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
@@ -187,6 +194,7 @@ class DataPlaneCore:
             del self._writers[block.key]
         if todo:
             self.events.stored(ns, [b.key.block_hash for b in todo], Medium.CPU)
+            self.metrics.bytes("written", len(todo) * self.block_bytes)
         return len(todo)
 
     def abort(self, ns: Namespace, hashes: list[bytes]) -> None:
@@ -206,11 +214,12 @@ class DataPlaneCore:
         pinned: list[Block] = []
         if self._known(ns):
             for h in hashes:
-                block = self._resident(ns, BlockKey(ns.fingerprint, h), media)
+                block = self._resident(ns, BlockKey(ns.fingerprint, h), media, "local")
                 if block is None:
                     break
                 self.tier.pin(block)
                 pinned.append(block)
+        self.metrics.found("local", "miss", len(hashes) - len(pinned))
         return [b.slot for b in pinned], self._lease(holder, pinned, lease_ms)
 
     def release(self, lease_id: str) -> None:
@@ -223,16 +232,23 @@ class DataPlaneCore:
         ttl = self._bounded(lease_ms, self.config.lease_ms, self.config.max_lease_ms)
         return self._leases.grant(holder, blocks, ttl)
 
-    def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium]) -> Block | None:
+    def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium], caller: str) -> Block | None:
         """The committed CPU block, promoted from disk if needed and allowed; None otherwise."""
         block = self.tier.get(key)
+        if block is not None and block.committed:
+            self.metrics.found(caller, "cpu")
+        elif block is None and Medium.DISK in media and self.disk is not None and self.disk.get(key) is not None:
+            block = self._promote(ns, key)
+            if block is not None:
+                self.metrics.found(caller, "disk")
+        else:
+            block = None
         if block is not None:
-            return block if block.committed else None
-        if Medium.DISK in media and self.disk is not None and self.disk.get(key) is not None:
-            return self._promote(ns, key)
-        return None
+            self.metrics.read(key)
+        return block
 
     def _promote(self, ns: Namespace, key: BlockKey) -> Block | None:
+        start = time.perf_counter()
         disk_block = self.disk.get(key)
         block = self.tier.reserve(ns, key, disk_block.info)
         if block is None:
@@ -244,12 +260,14 @@ class DataPlaneCore:
         self.tier.mark_written(block, disk_block.checksum)
         self.tier.commit(block)
         self.events.stored(ns, [key.block_hash], Medium.CPU)
+        self.metrics.promotion(time.perf_counter() - start)
         return block
 
     def _demote(self, block: Block) -> None:
         """Eviction hook: the block leaves the CPU tier; keep a copy on disk when there is one."""
         ns, h = block.namespace, block.key.block_hash
         self.events.removed(ns, [h], Medium.CPU)
+        self.metrics.evicted("cpu", block.key)
         if self.disk is None or self.disk.get(block.key) is not None:
             return
         try:
@@ -259,6 +277,7 @@ class DataPlaneCore:
             return
         for gone in evicted:
             self.events.removed(gone.namespace, [gone.key.block_hash], Medium.DISK)
+            self.metrics.evicted("disk", gone.key)
         self.events.stored(ns, [h], Medium.DISK)
 
     # ---- peer API ----
@@ -292,13 +311,14 @@ class DataPlaneCore:
                 if current is not None and not current.committed:
                     pending.append(i)
                     continue
-                block = self._resident(ns, key, media)
+                block = self._resident(ns, key, media, "peer")
                 if block is not None:
                     self.tier.pin(block)
                     blocks[i] = block
         if pending:
             wait = self._bounded(pending_wait_ms, self.config.pending_wait_ms, self.config.max_pending_wait_ms)
-            deadline = time.monotonic() + wait
+            started = time.monotonic()
+            deadline = started + wait
             for i in pending:
                 key = BlockKey(ns.fingerprint, hashes[i])
                 current = self.tier.get(key)
@@ -307,8 +327,13 @@ class DataPlaneCore:
                 current = self.tier.get(key)
                 if current is not None and current.committed:
                     self.tier.pin(current)
+                    self.metrics.found("peer", "cpu")
+                    self.metrics.read(key)
                     blocks[i] = current
+            self.metrics.pending_wait(time.monotonic() - started)
         pinned = [b for b in blocks if b is not None]
+        self.metrics.found("peer", "miss", n - len(pinned))
+        self.metrics.bytes("served", len(pinned) * self.block_bytes)
         lease_id = self._lease(consumer or "peer", pinned, lease_ms)
         return LookupAnswer(
             statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
@@ -410,6 +435,11 @@ class DataPlaneCore:
         for block in committed:
             statuses[index[block.key.block_hash]] = LookupStatus.HIT
         n = len(committed)
+        trace.get_current_span().set_attributes({  # the Pull server span this task inherited
+            ATTR.TENANT: ns.tenant, ATTR.NAMESPACE: ns.fingerprint, ATTR.BLOCKS: n, ATTR.BYTES: n * self.block_bytes,
+            ATTR.SOURCE_NODE: source_node_id, ATTR.OUTCOME: "pulled" if n else "miss"})
+        self.metrics.bytes("pulled", n * self.block_bytes)
+        self.metrics.pull((lookup_ms + transfer_ms) / 1000, n, len(wanted) - n)
         return PullResult(statuses, n, already_local, n * self.block_bytes, lookup_ms, transfer_ms)
 
     async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
@@ -472,17 +502,26 @@ class DataPlaneCore:
     async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float) -> bool:
         if not blocks:
             return False
-        try:
-            await self.transport.read(peer.agent_name, [self.region.offset(b.slot) for b in blocks], remote_addrs,
-                                      self.block_bytes, max(0.0, deadline - time.monotonic()))
-            return True
-        except TransferFailed as exc:
-            log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
-            for block in blocks:
-                self._writers.pop(block.key, None)
-                (self.tier.quarantine if exc.may_still_write else self.tier.abort)(block)
-            await self._peers.forget(peer)
-            return False
+        ns = blocks[0].namespace
+        attributes = {ATTR.TENANT: ns.tenant, ATTR.NAMESPACE: ns.fingerprint, ATTR.BLOCKS: len(blocks),
+                      ATTR.BYTES: len(blocks) * self.block_bytes, ATTR.TIER: "cpu", ATTR.SOURCE_NODE: peer.node_id,
+                      "kvmesh.transport": "nixl-ucx"}
+        with tracing.tracer("kvmesh.data_plane").start_as_current_span(
+                "kvmesh.nixl.read", kind=SpanKind.CLIENT, attributes=attributes) as span:
+            try:
+                await self.transport.read(peer.agent_name, [self.region.offset(b.slot) for b in blocks],
+                                          remote_addrs, self.block_bytes, max(0.0, deadline - time.monotonic()))
+                span.set_attribute(ATTR.OUTCOME, "ok")
+                return True
+            except TransferFailed as exc:
+                span.set_attribute(ATTR.OUTCOME, "quarantined" if exc.may_still_write else "failed")
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
+                for block in blocks:
+                    self._writers.pop(block.key, None)
+                    (self.tier.quarantine if exc.may_still_write else self.tier.abort)(block)
+                await self._peers.forget(peer)
+                return False
 
     async def _release_remote(self, peer: Peer, lease_id: str, grant: bytes) -> None:
         try:

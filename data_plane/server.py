@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.grpc_server import RunningServer, ServiceBinding, start_server
+from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
 from kvmesh.settings_cli import parse_settings
 from kvmesh.v1 import data_plane_pb2_grpc
 
@@ -26,6 +27,7 @@ from data_plane.config import DataPlaneConfig
 from data_plane.core import DataPlaneCore
 from data_plane.disk import DiskTier
 from data_plane.eviction import PolicyRegistry
+from data_plane.metrics import DataPlaneMetrics
 from data_plane.shm import SharedRegion
 from data_plane.servicer import DataPlaneServicer
 from data_plane.transfer import NixlTransport
@@ -38,6 +40,7 @@ class RunningDataPlane:
     core: DataPlaneCore
     server: RunningServer
     publisher: Any | None  # control_plane.publisher.EventPublisher
+    metrics: MetricsEndpoint
 
     @property
     def address(self) -> str:
@@ -45,13 +48,14 @@ class RunningDataPlane:
 
     async def stop(self) -> None:
         await self.server.stop()
+        self.metrics.stop()
         if self.publisher is not None:
             await self.publisher.flush(timeout=2.0)
             await self.publisher.stop()
         await self.core.close()
 
 
-def build_core(config: DataPlaneConfig, auth: NodeAuth, events: Any | None = None) -> DataPlaneCore:
+def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetrics) -> DataPlaneCore:
     registry = PolicyRegistry()
     policy = registry.create(config.eviction_policy, config.num_slots)
     disk = None
@@ -67,18 +71,20 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, events: Any | None = Non
         if disk is not None:
             disk.close()
         raise
-    return DataPlaneCore(config, region, policy, transport, disk=disk, events=events,
+    return DataPlaneCore(config, region, policy, transport, disk=disk, metrics=metrics,
                          grants=auth.grant_for if config.control_plane_address else None, node_key=auth.node_key)
 
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
     """Starts the node in this event loop; returns once it is serving."""
     auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address)
-    core = build_core(config, auth)
+    metrics = DataPlaneMetrics()
+    core = build_core(config, auth, metrics)
     try:
         binding = ServiceBinding(DataPlaneServicer(core, auth), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
                                  "kvmesh.v1.DataPlane")
-        server = await start_server(config.listen, [binding], interceptors=[AuthInterceptor(auth.authenticate)])
+        interceptors = [RpcMetricsInterceptor(metrics.registry, "data-plane"), AuthInterceptor(auth.authenticate)]
+        server = await start_server(config.listen, [binding], interceptors=interceptors)
     except BaseException:
         await core.close()
         raise
@@ -93,7 +99,9 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
                                    metadata=auth_metadata(auth.node_key))
         core.events = publisher
         await publisher.start()
-    return RunningDataPlane(core, server, publisher)
+    host, _, port = config.metrics_listen.rpartition(":")
+    endpoint = MetricsEndpoint(metrics.registry, host or "127.0.0.1", int(port or 0))
+    return RunningDataPlane(core, server, publisher, endpoint)
 
 
 async def _run(config: DataPlaneConfig) -> None:

@@ -1,21 +1,26 @@
-"""``KvmeshConnector``: vLLM 0.32 KV connector (V1 API) backed by a :class:`BlockStore`.
+"""``KvmeshConnector``: vLLM 0.32 KV connector (V1 API) over the node's kvmesh data plane.
 
-Enable it out of tree::
+Enable it out of tree (or through the ``kvmesh`` vLLM plugin, which registers the name)::
 
     KVTransferConfig(
         kv_connector="KvmeshConnector",
         kv_connector_module_path="engine_connector.connector",
         kv_role="kv_both",                       # kv_consumer: load only; kv_producer: save only
         kv_load_failure_policy="recompute",      # vLLM's default "fail" errors the request instead
-        kv_connector_extra_config={"store_path": "/dev/shm/kvmesh-<model>", "store_slots": 4096},
+        kv_connector_extra_config={
+            "data_plane_address": "127.0.0.1:7100",   # this node's data plane
+            "api_key_file": "/etc/kvmesh/node.key",   # the node's API key
+            "control_plane_address": "cp:50051",      # optional: auto_source, source resolution
+            "tenant": "acme", "weight_version": "rev1",
+            "auto_source": True,
+        },
     )
 
 vLLM builds one instance per role: the scheduler role (in the engine core, delegating to
-:class:`SchedulerSide`) and the worker role (next to the KV cache, delegating to
-:class:`WorkerSide`). Each opens its own handle on the store. Per-request options arrive in
-``request.kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": ...})``,
-see :class:`TransferParams`); a per-request report comes back on
-``RequestOutput.kv_transfer_params["kvmesh"]``.
+:class:`SchedulerSide`: lookups, pulls, pins) and the worker role (next to the KV cache,
+delegating to :class:`WorkerSide`: memory copies, saves). Each has its own :class:`NodeLink`.
+Per-request options arrive in ``request.kv_transfer_params`` (see :mod:`engine_connector.params`);
+a per-request report comes back on ``RequestOutput.kv_transfer_params["kvmesh"]``.
 
 Only single-KV-cache-group models (plain full attention) are supported: the hybrid
 allocator must be off, which vLLM arranges for connectors without ``SupportsHMA``.
@@ -23,8 +28,6 @@ allocator must be off, which vLLM arranges for connectors without ``SupportsHMA`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,8 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine_connector.block_store import ShmBlockStore
+from kvmesh import tracing
+
+from engine_connector.config import ConnectorConfig
 from engine_connector.metadata import KvmeshConnectorMetadata
+from engine_connector.node_link import NodeLink
 from engine_connector.scheduler_side import SchedulerSide
 from engine_connector.worker_side import WorkerSide
 
@@ -51,25 +57,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-DEFAULT_STORE_SLOTS = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """``kv_connector_extra_config`` of the connector: the store directory and its slot count."""
-
-    store_path: str
-    store_slots: int = DEFAULT_STORE_SLOTS
-
-    @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> "StoreConfig":
-        if "store_path" not in extra:
-            raise ValueError("KvmeshConnector needs kv_connector_extra_config['store_path']")
-        return cls(store_path=str(extra["store_path"]), store_slots=int(extra.get("store_slots", DEFAULT_STORE_SLOTS)))
-
-
-def store_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
-    """Bytes of one block across all layers, as the store holds it."""
+def engine_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of one block across all layers: the data plane's slot size must equal it."""
     if len(kv_cache_config.kv_cache_groups) != 1:
         raise ValueError(
             f"KvmeshConnector supports one KV cache group, the model has {len(kv_cache_config.kv_cache_groups)}"
@@ -79,27 +68,35 @@ def store_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
 
 
 class KvmeshConnector(KVConnectorBase_V1):
-    """Loads prompt prefixes from, and saves full blocks to, a shared block store."""
+    """Loads prompt prefixes from this node's tier or a peer's, and saves full blocks to the node's tier."""
 
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        config = StoreConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self._store = ShmBlockStore(
-            config.store_path, block_nbytes=store_block_nbytes(kv_cache_config), num_slots=config.store_slots
-        )
+        tracing.configure("kvmesh-engine-connector")
+        config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        ns = config.namespace(vllm_config)
+        self._link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address,
+                              config.rpc_timeout_s)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(
-                self._store,
-                vllm_config.cache_config.block_size,
-                can_load=self._kv_transfer_config.is_kv_consumer,
-                can_save=self._kv_transfer_config.is_kv_producer,
-            )
-        else:
-            self._worker = WorkerSide(self._store)
+        try:
+            slot_bytes = self._link.describe_tier().block_bytes
+            if kv_cache_config is not None and slot_bytes != engine_block_nbytes(kv_cache_config):
+                raise ValueError(f"the data plane at {config.data_plane_address} has {slot_bytes}-byte slots; this "
+                                 f"engine's KV blocks are {engine_block_nbytes(kv_cache_config)} bytes")
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = SchedulerSide(
+                    self._link, ns, config, vllm_config.cache_config.block_size,
+                    can_load=self._kv_transfer_config.is_kv_consumer,
+                    can_save=self._kv_transfer_config.is_kv_producer,
+                )
+            else:
+                self._worker = WorkerSide(self._link, ns)
+        except BaseException:
+            self._link.close()
+            raise
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -131,7 +128,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         return self._worker_side().take_failed_block_ids()
 
     def shutdown(self) -> None:
-        self._store.close()
+        if self._worker is not None:
+            self._worker.close()
+        self._link.close()
 
     # ---- scheduler role ----
 

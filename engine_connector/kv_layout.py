@@ -6,8 +6,8 @@ contiguous tensor of shape ``[num_blocks, num_kv_heads, block_size, 2 * head_siz
 rows ``0..block_size-1`` of each head are K and the rest are V. Block ``b`` of a layer is
 therefore the contiguous slice ``kv[b]``.
 
-A store block is the concatenation of ``kv[b]``'s bytes over the layers in registration
-order; :class:`PagedKVLayout` copies between that form and the engine's cache.
+A data-plane slot holds the concatenation of ``kv[b]``'s bytes over the layers in
+registration order; :class:`PagedKVLayout` copies between that form and the engine's cache.
 Not thread-safe; the worker connector calls it from the model runner's thread.
 """
 
@@ -48,9 +48,12 @@ class PagedKVLayout:
         self.num_blocks = num_blocks
         self.block_nbytes = int(self._offsets[-1])
 
-    def read_block(self, block_id: int) -> np.ndarray:
-        """Return a copy of block ``block_id`` for all layers as ``block_nbytes`` bytes."""
-        out = np.empty(self.block_nbytes, dtype=np.uint8)
+    def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Copy block ``block_id`` for all layers into ``out`` (``block_nbytes`` bytes; a new array if None)."""
+        if out is None:
+            out = np.empty(self.block_nbytes, dtype=np.uint8)
+        elif out.nbytes != self.block_nbytes:
+            raise ValueError(f"buffer is {out.nbytes} bytes, cache blocks are {self.block_nbytes}")
         for view, start, end in zip(self._views, self._offsets, self._offsets[1:]):
             out[start:end] = view[block_id]
         return out

@@ -1,57 +1,41 @@
-"""What the scheduler-side connector tells the worker side each step, and per-request options.
+"""What the scheduler-side connector tells the worker side each step.
 
-Everything here crosses a process boundary (scheduler -> worker) by pickling, so it is
-plain data.
+It crosses a process boundary (scheduler -> worker) by pickling, so it is plain data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-# Key of this connector's entry in a request's ``kv_transfer_params``.
-PARAMS_KEY = "kvmesh"
-
 
 @dataclass(frozen=True, slots=True)
-class BlockTransfer:
-    """Copy one block between the engine's block ``block_id`` and the store entry ``block_hash``."""
+class BlockLoad:
+    """Copy data-plane slot ``slot`` (pinned under the request's lease) into engine block ``block_id``."""
 
     req_id: str
     block_id: int
-    block_hash: bytes
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRun:
+    """Save one request's consecutive full blocks: ``block_ids[i]`` holds chain block ``first_index + i``."""
+
+    req_id: str
+    first_index: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    max_offload_tokens: int = 0
+    protected_blocks: int = 0
 
 
 @dataclass(slots=True)
 class KvmeshConnectorMetadata(KVConnectorMetadata):
-    """One step's work: ``loads`` run before the forward, ``saves`` after it."""
+    """One step's work: ``loads`` run before the forward, ``saves`` after it; ``leases`` are
+    released once the loads are copied."""
 
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class TransferParams:
-    """Per-request options, from ``SamplingParams(extra_args={"kv_transfer_params": {"kvmesh": {...}}})``.
-
-    ``load``: look up and load the prompt's prefix from the store (default true).
-    ``save``: save the request's full blocks to the store (default true).
-    """
-
-    load: bool = True
-    save: bool = True
-
-    @classmethod
-    def from_request_params(cls, params: Mapping[str, Any] | None) -> "TransferParams":
-        """Parse ``request.kv_transfer_params``; other keys are ignored.
-
-        Never raises: it runs in the engine's scheduler, where an exception would kill
-        the engine rather than fail one request.
-        """
-        ours = (params or {}).get(PARAMS_KEY)
-        if not isinstance(ours, Mapping):
-            return cls()
-        return cls(load=bool(ours.get("load", True)), save=bool(ours.get("save", True)))
+    loads: list[BlockLoad] = field(default_factory=list)
+    leases: list[str] = field(default_factory=list)
+    saves: list[SaveRun] = field(default_factory=list)

@@ -1,26 +1,41 @@
-"""Scheduler half of the connector: decides which blocks to load and save each step.
+"""Scheduler half of the connector: finds prefixes (local or at a peer), plans loads and saves.
 
-Runs in vLLM's engine-core process, on the scheduler's thread; vLLM calls it serially, so
-it holds no locks. It sees requests, their block hashes and their block ids, never KV
-bytes: it only asks the store which prefixes exist (:meth:`BlockStore.lookup`).
+Runs in vLLM's engine-core process, on the scheduler's thread; vLLM calls it serially, so it
+holds no locks. It is the only side that asks questions of the node: it pulls from peers and
+pins blocks (``Acquire``) before vLLM allocates, and hands the pinned slot numbers and their
+lease to the worker in the step's metadata. It never touches KV bytes.
 
 Block identity: ``request.block_hashes`` is filled by vLLM's engine core (a block hasher is
-installed whenever a KV connector is configured, even with prefix caching off), one hash
-per full block of ``block_size`` tokens, chained over the prefix. They are the store keys.
+installed whenever a KV connector is configured), one hash per full block, chained over the
+prefix, with the algorithm and seed of the namespace (config.py); they are the data plane's keys.
 
-Loads are synchronous: a hit is loaded by the worker in the same step that computes the
-rest of the prompt, before the forward (``get_num_new_matched_tokens`` returns
-``(tokens, False)``).
+Loads are synchronous (``get_num_new_matched_tokens`` returns ``(tokens, False)``): the pull
+runs inside that call, bounded by ``pull_timeout_ms``, and the worker copies the slots before
+the forward of the same step. On this CPU build the scheduler thread and the forward share
+the same cores, so an asynchronous load would not overlap compute with the transfer; what it
+would buy is scheduling other requests during a pull (see docs/engine_connector.md).
+
+Failure policy: any RPC failure, a dead or stale source, a grant refusal or contradictory
+``kv_transfer_params`` load nothing more (vLLM computes the rest); nothing here raises into vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine_connector.block_store import BlockStore
-from engine_connector.metadata import PARAMS_KEY, BlockTransfer, KvmeshConnectorMetadata, TransferParams
+import grpc
+
+from kvmesh import tracing
+from kvmesh.namespace import Namespace
+from kvmesh.tracing import ATTR
+
+from engine_connector.config import ConnectorConfig
+from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata, SaveRun
+from engine_connector.node_link import NodeLink
+from engine_connector.params import NO_TRANSFER, PARAMS_KEY, InvalidTransferParams, PeerSource, TransferParams
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -29,76 +44,226 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+_RPC_ERRORS = (grpc.aio.AioRpcError, TimeoutError)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """The latest answer for a waiting request: pinned leading blocks from ``first``."""
+
+    first: int
+    slots: list[int]
+    lease: str
+    peer: tuple[int, int]  # [start, end) of ``slots`` that the pull just brought from a peer
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What one request's loads did; returned in ``RequestOutput.kv_transfer_params["kvmesh"]``."""
+
+    loaded_tokens: int = 0
+    local_tokens: int = 0  # loaded from this node's tiers
+    peer_tokens: int = 0  # loaded after a pull from a peer
+    failed_blocks: int = 0
+    stored_blocks: int = 0
+    bytes_pulled: int = 0
+    pull_ms: float = 0.0  # the Pull RPC as the scheduler saw it
+    peer_lookup_ms: float = 0.0  # the source's Lookup, inside the pull
+    transfer_ms: float = 0.0  # the NIXL READ, inside the pull
+    lookup_ms: float = 0.0  # LookupPrefix (auto_source) and Acquire
+    source: str = ""  # node pulled from
+    outcome: str = "none"
+    error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 @dataclass(slots=True)
 class _RequestState:
     request: "Request"
     params: TransferParams
-    # Leading blocks of the request known to be in the store (saved or found there).
-    stored_blocks: int = 0
-    # Block id -> block index, for blocks loaded at the latest admission.
-    loading: dict[int, int] = field(default_factory=dict)
-    loaded_tokens: int = 0
-    failed_blocks: int = 0
+    report: LoadReport = field(default_factory=LoadReport)
+    stored_blocks: int = 0  # leading blocks known to be in the node's tier (saved or loaded)
+    loading: dict[int, int] = field(default_factory=dict)  # block id -> chain index, latest admission
 
 
 class SchedulerSide:
-    """Plans loads and saves; see the module docstring for threading and identity."""
-
-    def __init__(self, store: BlockStore, block_size: int, *, can_load: bool, can_save: bool) -> None:
-        self._store = store
+    def __init__(self, link: NodeLink, ns: Namespace, config: ConnectorConfig, block_size: int, *,
+                 can_load: bool, can_save: bool) -> None:
+        self._link = link
+        self._ns = ns
+        self._config = config
         self._block_size = block_size
         self._can_load = can_load
         self._can_save = can_save
+        self._node_id = link.describe_tier().node_id
         self._kv_cache_manager: "KVCacheManager | None" = None
-        # req_id -> (first block, hit blocks) of the latest lookup, consumed at allocation.
-        self._lookups: dict[str, tuple[int, int]] = {}
+        self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, _RequestState] = {}
-        self._pending_loads: list[BlockTransfer] = []
+        self._pending_loads: list[BlockLoad] = []
+        self._pending_leases: list[str] = []
+        self._tracer = tracing.tracer("kvmesh.engine_connector")
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         self._kv_cache_manager = kv_cache_manager
 
+    # ---- admission ----
+
+    def _state(self, request: "Request") -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            try:
+                params = TransferParams.parse(request.kv_transfer_params)
+                error = ""
+            except InvalidTransferParams as exc:
+                params, error = NO_TRANSFER, str(exc)
+                logger.error("request %s: rejected kv_transfer_params: %s; running it without transfers",
+                             request.request_id, exc)
+            state = self._requests[request.request_id] = _RequestState(request, params)
+            if error:
+                state.report.outcome, state.report.error = "rejected", error
+        return state
+
     def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` (block-aligned) that the store can supply.
+        """Tokens beyond ``num_computed_tokens`` (block-aligned) this node can supply now, pinned.
 
         Never the whole prompt: vLLM must compute at least one token to sample from.
         """
-        if not (self._can_load and TransferParams.from_request_params(request.kv_transfer_params).load):
+        state = self._state(request)
+        self._forget_lookup(request.request_id)
+        if not (self._can_load and state.params.load):
             return 0
         first = num_computed_tokens // self._block_size
         usable = (request.num_tokens - 1) // self._block_size
-        hits = self._store.lookup(request.block_hashes[first:usable]) if usable > first else 0
-        self._lookups[request.request_id] = (first, hits)
-        return hits * self._block_size
+        if usable <= first:
+            return 0
+        hashes = list(request.block_hashes[first:usable])
+        with self._tracer.start_as_current_span("kvmesh.connector.load") as span:
+            tracing.set_attributes(span, {ATTR.REQUEST_ID: request.request_id, ATTR.TENANT: self._ns.tenant,
+                                          ATTR.NAMESPACE: self._ns.fingerprint, "kvmesh.blocks_wanted": len(hashes)})
+            lookup = self._find(state, hashes, first)
+            hit = len(lookup.slots) if lookup else 0
+            tier = "peer" if lookup and lookup.peer[1] > lookup.peer[0] else ("local" if hit else "none")
+            tracing.set_attributes(span, {ATTR.BLOCKS: hit, ATTR.TIER: tier, ATTR.OUTCOME: state.report.outcome,
+                                          ATTR.BYTES: state.report.bytes_pulled,
+                                          ATTR.SOURCE_NODE: state.report.source or None})
+        if lookup is None:
+            return 0
+        self._lookups[request.request_id] = lookup
+        return hit * self._block_size
+
+    def _find(self, state: _RequestState, hashes: list[bytes], first: int) -> _Lookup | None:
+        report, params, req_id = state.report, state.params, state.request.request_id
+        started = time.perf_counter()
+        peer = (0, 0)
+        try:
+            source = self._source(state, hashes)
+        except _RPC_ERRORS as exc:
+            source = None
+            report.outcome, report.error = "control_plane_error", _describe(exc)
+            logger.warning("request %s: no source: %s", req_id, report.error)
+        if source is not None:
+            try:
+                peer = self._pull(state, hashes, first, *source)
+            except _RPC_ERRORS as exc:
+                report.outcome, report.error = "pull_failed", _describe(exc)
+                logger.warning("request %s: pull from %s failed: %s; vLLM computes what is missing", req_id,
+                               source[0], report.error)
+        try:
+            slots, lease = self._link.acquire(self._ns, hashes, params.local_media, self._config.lease_ms)
+        except _RPC_ERRORS as exc:
+            report.outcome, report.error = "data_plane_error", _describe(exc)
+            logger.warning("request %s: %s; vLLM computes the prefix", req_id, report.error)
+            return None
+        report.lookup_ms += (time.perf_counter() - started) * 1e3 - report.pull_ms
+        if not slots:
+            if report.outcome == "none":
+                report.outcome = "miss"
+            return None
+        if report.outcome in ("none", "miss"):
+            report.outcome = "hit"
+        return _Lookup(first, slots, lease, peer)
+
+    def _source(self, state: _RequestState, hashes: list[bytes]) -> tuple[str, str] | None:
+        """(node id, address) of the peer to pull from, or None."""
+        params, report = state.params, state.report
+        if not params.peer_media:
+            return None  # kv_load_tiers allows no peer tier
+        if params.source is not None:
+            node_id = params.source.node_id or self._resolve(state, params.source)
+            return (node_id, params.source.address) if node_id else None
+        if not self._config.auto_source:
+            return None
+        holders = self._link.holders(self._ns, hashes)
+        local = next((h.leading_blocks for h in holders if h.node_id == self._node_id), 0)
+        best = next((h for h in holders if h.node_id != self._node_id), None)
+        if best is None or best.leading_blocks - local < self._config.min_pull_blocks:
+            return None
+        return best.node_id, best.address
+
+    def _resolve(self, state: _RequestState, source: PeerSource) -> str:
+        node_id = self._link.node_at(source.address) if self._link.has_control_plane else ""
+        report = state.report
+        if not node_id:
+            report.outcome = "unknown_source"
+            report.error = (f"{source.kind} {source.address} names no live node (give remote_node_id, or "
+                            "configure control_plane_address)")
+            logger.warning("request %s: %s", state.request.request_id, report.error)
+        return node_id
+
+    def _pull(self, state: _RequestState, hashes: list[bytes], first: int, node_id: str,
+              address: str) -> tuple[int, int]:
+        """Pull from the peer; [start, end) of ``hashes`` it brought."""
+        report = state.report
+        if node_id == self._node_id:
+            return 0, 0  # the source is this node: a local hit
+        started = time.perf_counter()
+        result = self._link.pull(self._ns, hashes, node_id, address, timeout_ms=self._config.pull_timeout_ms,
+                                 source_media=state.params.peer_media, first_block_index=first)
+        report.pull_ms += (time.perf_counter() - started) * 1e3
+        report.source = node_id
+        report.bytes_pulled += result.bytes_pulled
+        report.peer_lookup_ms += result.lookup_ms
+        report.transfer_ms += result.transfer_ms
+        report.outcome = "pulled" if result.pulled else "pull_missed"
+        logger.info("request %s: pulled %d block(s) from %s (%d already here) in %.1f ms", state.request.request_id,
+                    result.pulled, node_id, result.already_local, (time.perf_counter() - started) * 1e3)
+        return result.already_local, result.already_local + result.pulled
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        """Record the request and queue loads for its ``num_external_tokens`` external tokens."""
-        req_id = request.request_id
-        state = self._requests.get(req_id)
-        if state is None:
-            params = TransferParams.from_request_params(request.kv_transfer_params)
-            state = self._requests[req_id] = _RequestState(request=request, params=params)
-            if self._can_save and params.save:
-                state.stored_blocks = self._store.lookup(request.block_hashes)
-        first, hits = self._lookups.pop(req_id, (0, 0))
+        """Queue the copies of the ``num_external_tokens`` vLLM accepted; their lease goes with them."""
+        state = self._state(request)
+        lookup = self._lookups.pop(request.request_id, None)
         state.loading = {}
-        if num_external_tokens == 0:
+        if lookup is None or num_external_tokens == 0:
+            if lookup is not None:
+                self._link.release(lookup.lease)
             return
         num_blocks = num_external_tokens // self._block_size
-        if num_external_tokens % self._block_size or num_blocks > hits:
-            raise AssertionError(f"vLLM allocated {num_external_tokens} external tokens, lookup found {hits} blocks")
+        if num_external_tokens % self._block_size or num_blocks > len(lookup.slots):
+            raise AssertionError(f"vLLM allocated {num_external_tokens} external tokens, "
+                                 f"{len(lookup.slots)} blocks were pinned")
         (block_ids,) = blocks.get_block_ids()
-        for index in range(first, first + num_blocks):
-            self._pending_loads.append(BlockTransfer(req_id, block_ids[index], request.block_hashes[index]))
+        for k in range(num_blocks):
+            index = lookup.first + k
+            self._pending_loads.append(BlockLoad(request.request_id, block_ids[index], lookup.slots[k]))
             state.loading[block_ids[index]] = index
-        state.loaded_tokens += num_external_tokens
+        self._pending_leases.append(lookup.lease)
+        peer = max(0, min(lookup.peer[1], num_blocks) - lookup.peer[0])
+        report = state.report
+        report.loaded_tokens += num_external_tokens
+        report.peer_tokens += peer * self._block_size
+        report.local_tokens += (num_blocks - peer) * self._block_size
+        # Blocks before ``first`` were in vLLM's own prefix cache: computed (and saved) here earlier.
+        state.stored_blocks = max(state.stored_blocks, lookup.first + num_blocks)
+
+    # ---- steps ----
 
     def build_meta(self, scheduler_output: "SchedulerOutput") -> KvmeshConnectorMetadata:
-        """This step's loads (queued at allocation) and saves (blocks this step completes)."""
-        meta = KvmeshConnectorMetadata(loads=self._pending_loads)
-        self._pending_loads = []
+        """This step's loads (queued at allocation) and saves (full blocks this step completes)."""
+        meta = KvmeshConnectorMetadata(loads=self._pending_loads, leases=self._pending_leases)
+        self._pending_loads, self._pending_leases = [], []
         if not self._can_save:
             return meta
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
@@ -109,41 +274,63 @@ class SchedulerSide:
             request = state.request
             # num_computed_tokens excludes this step; block_hashes covers only known tokens.
             full = min((request.num_computed_tokens + num_scheduled) // self._block_size, len(request.block_hashes))
+            cap = 0 if state.params.decoder else (state.params.max_offload_tokens or self._config.max_offload_tokens)
+            if cap:
+                full = min(full, cap // self._block_size)
             if full <= state.stored_blocks:
                 continue
             (block_ids,) = self._kv_cache_manager.get_block_ids(req_id)
-            meta.saves.extend(
-                BlockTransfer(req_id, block_ids[i], request.block_hashes[i]) for i in range(state.stored_blocks, full)
-            )
+            first = state.stored_blocks
+            meta.saves.append(SaveRun(req_id, first, list(block_ids[first:full]), list(request.block_hashes[first:full]),
+                                      cap, state.params.protected_blocks))
             state.stored_blocks = full
+            state.report.stored_blocks = full
         return meta
 
     def on_connector_output(self, output: "KVConnectorOutput") -> None:
-        """Account failed loads; their blocks are recomputed by vLLM and saved again."""
+        """Account failed loads; vLLM recomputes them and they are saved again."""
         if not output.invalid_block_ids:
             return
         for state in self._requests.values():
             failed = [index for block_id, index in state.loading.items() if block_id in output.invalid_block_ids]
             if failed:
-                state.failed_blocks += len(failed)
+                state.report.failed_blocks += len(failed)
                 state.stored_blocks = min(state.stored_blocks, min(failed))
-                logger.warning(
-                    "request %s: %d block(s) failed to load; vLLM recomputes from block %d",
-                    state.request.request_id,
-                    len(failed),
-                    min(failed),
-                )
+                logger.warning("request %s: %d block(s) failed to load; vLLM recomputes from block %d",
+                               state.request.request_id, len(failed), min(failed))
 
     def finished(self, request: "Request") -> dict[str, Any]:
-        """Forget the request; return its ``kv_transfer_params`` report for the output."""
-        self._lookups.pop(request.request_id, None)
+        """Forget the request; its report (and, for a decoder, where to pull its blocks) for the output."""
+        self._forget_lookup(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None:
-            return {PARAMS_KEY: {"loaded_tokens": 0, "failed_blocks": 0, "stored_blocks": 0}}
-        return {
-            PARAMS_KEY: {
-                "loaded_tokens": state.loaded_tokens,
-                "failed_blocks": state.failed_blocks,
-                "stored_blocks": state.stored_blocks,
-            }
-        }
+            return {PARAMS_KEY: LoadReport().as_dict()}
+        state.report.stored_blocks = state.stored_blocks
+        out: dict[str, Any] = {PARAMS_KEY: state.report.as_dict()}
+        if state.params.decoder is not None:
+            out["remote_kv_source"] = self._for_decoder(state)
+        return out
+
+    def _for_decoder(self, state: _RequestState) -> dict[str, Any]:
+        """``remote_kv_source`` naming this node, for the decoder the producer keeps the blocks for."""
+        address = ""
+        if self._link.has_control_plane:
+            try:
+                address = self._link.address_of(self._node_id)
+            except _RPC_ERRORS:
+                address = ""
+        host, _, port = (address or self._config.data_plane_address).rpartition(":")
+        return {"kv_request_id": str(state.params.decoder.get("kv_request_id", state.request.request_id)),
+                "remote_host": host.strip("[]"), "remote_port": int(port), "remote_node_id": self._node_id,
+                "cached_tokens": state.stored_blocks * self._block_size}
+
+    def _forget_lookup(self, req_id: str) -> None:
+        lookup = self._lookups.pop(req_id, None)
+        if lookup is not None:
+            self._link.release(lookup.lease)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"data plane RPC failed: {exc.code().name} {exc.details()}"
+    return f"data plane RPC timed out ({type(exc).__name__})"

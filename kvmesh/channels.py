@@ -1,4 +1,4 @@
-"""Client channels to kvmesh services: credentials in metadata, optional (mutual) TLS.
+"""Client channels to kvmesh services: credentials and trace context in metadata, optional (mutual) TLS.
 
 Every kvmesh RPC carries ``authorization: Bearer <key>``; :func:`channel` adds it
 to each call so client code never has to. With ``tls`` the channel verifies the
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from kvmesh import tracing
 from kvmesh.grpc_server import channel_options
 
 
@@ -61,8 +62,12 @@ class _StreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
 
 
 def channel(address: str, key: str | None, tls: ClientTLS | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to ``address`` that authenticates every call with ``key``."""
+    """An asyncio channel to ``address`` that authenticates every call with ``key``.
+
+    When tracing is on (kvmesh.tracing), each call also carries the caller's W3C trace context.
+    """
     interceptors = [cls(key) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] if key else []
+    interceptors += tracing.client_interceptors()
     options = channel_options()
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh import tracing
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -76,8 +78,13 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: ServerTLS | None = None,
 ) -> RunningServer:
-    """Start an aio server on ``address`` ("host:port", port 0 picks a free one)."""
-    server = grpc.aio.server(interceptors=list(interceptors), options=channel_options())
+    """Start an aio server on ``address`` ("host:port", port 0 picks a free one).
+
+    Tracing (kvmesh.tracing, from env) wraps every other interceptor, so a denied call is traced too;
+    health probes and reflection are not traced.
+    """
+    traced = tracing.server_interceptors(services[0].full_name if services else "kvmesh")
+    server = grpc.aio.server(interceptors=[*traced, *interceptors], options=channel_options())
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

@@ -4,6 +4,7 @@
     kvmesh admin [--control-plane H:P] [--key K | --key-file F] COMMAND ...
       tenants create ID [--name N] [policy flags] | list | get ID | delete ID | policy ID [policy flags]
       keys issue --role admin|scheduler|node [--tenant T] [--node N] [--pool P] [--description D]
+                 [--secret-out FILE]
       keys list [--tenant T] | rotate KEY_ID | revoke KEY_ID
       redis rotate ID
       audit [--limit N]
@@ -72,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     issue.add_argument("--node", default="")
     issue.add_argument("--pool", default="")
     issue.add_argument("--description", default="")
+    issue.add_argument("--secret-out", help="also write the secret alone to this file (mode 600)")
     keys.add_parser("list").add_argument("--tenant", default="")
     for name in ("rotate", "revoke"):
         keys.add_parser(name).add_argument("key_id")
@@ -127,5 +129,9 @@ def main(argv: list[str]) -> int:
     except grpc.aio.AioRpcError as exc:
         print(f"kvmesh admin: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    if getattr(a, "secret_out", None):
+        out = Path(a.secret_out)
+        out.touch(mode=0o600)
+        out.write_text(reply.secret + "\n")
     print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
     return 0

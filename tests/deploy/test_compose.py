@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict = COMPOSE["services"]
 # Images without a shell or client inside: documented in docker-compose.yml, started-only dependencies.
-NO_HEALTHCHECK = {"otel-collector", "jaeger", "model-init"}
+NO_HEALTHCHECK = {"otel-collector", "jaeger"}
+# One-shot jobs (restart "no"): dependents wait for them to complete successfully.
+ONE_SHOT = {n for n, s in SERVICES.items() if s.get("restart") == "no"}
 
 
 def test_valid_against_the_compose_spec():
@@ -44,12 +46,14 @@ def test_depends_on_targets_exist_and_wait_for_health():
     for name, service in SERVICES.items():
         for target, cond in (service.get("depends_on") or {}).items():
             assert target in SERVICES, f"{name} depends on unknown service {target}"
-            if target not in NO_HEALTHCHECK:
+            if target in ONE_SHOT:
+                assert cond["condition"] == "service_completed_successfully", f"{name} should wait for {target}"
+            elif target not in NO_HEALTHCHECK:
                 assert cond["condition"] == "service_healthy", f"{name} should wait for {target} to be healthy"
 
 
 def test_every_long_running_service_has_a_healthcheck():
-    missing = [n for n, s in SERVICES.items() if n not in NO_HEALTHCHECK and "healthcheck" not in s]
+    missing = [n for n, s in SERVICES.items() if n not in NO_HEALTHCHECK | ONE_SHOT and "healthcheck" not in s]
     assert not missing
 
 

@@ -1,31 +1,49 @@
-"""SchedulerSide planning against stand-ins for vLLM's Request and KV cache manager."""
+"""SchedulerSide against a real fleet (control plane, two data planes) and stand-ins for vLLM's
+Request and KV cache manager: local hits, pulls from a named or discovered peer, dead sources,
+contradictory parameters, saves and the per-request report."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from engine_connector.block_store import ShmBlockStore
+from kvmesh.fleet import Fleet
+from kvmesh.hashing import BlockHasher
+from kvmesh.namespace import CacheConfig, Namespace
+
+from data_plane.client import DataPlaneClient, SharedTier
+from engine_connector.config import KV_LAYOUT, ConnectorConfig
+from engine_connector.node_link import NodeLink
 from engine_connector.scheduler_side import SchedulerSide
 
 BS = 32
+_ids = itertools.count()
+
+
+def namespace(fleet: Fleet) -> Namespace:
+    return Namespace(fleet.tenant, "tiny", "rev1", CacheConfig(block_size=BS, kv_dtype="float32",
+                                                               kv_layout=KV_LAYOUT)).validate()
 
 
 @dataclass
 class FakeRequest:
-    request_id: str
+    """What the scheduler side reads of vLLM's Request; hashes are vLLM's (kvmesh.hashing)."""
+
     num_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
     num_computed_tokens: int = 0
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     block_hashes: list[bytes] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.block_hashes = [i.to_bytes(32, "big") for i in range(self.num_tokens // BS)]
+        base = 10_000 * next(_ids)
+        self.block_hashes = BlockHasher().block_hashes(list(range(base, base + self.num_tokens)), BS)
 
 
 class FakeBlocks:
@@ -36,65 +54,155 @@ class FakeBlocks:
         return (self._ids,)
 
 
+def store(fleet: Fleet, node: str, hashes: list[bytes]) -> None:
+    """Save blocks on ``node`` the way an engine does: Reserve, write the slots, Commit."""
+
+    async def run() -> None:
+        async with DataPlaneClient(fleet.data_planes[node].address, key=fleet.node_keys[node]) as client:
+            tier = SharedTier.open(await client.describe_tier())
+            for i, slot in enumerate(await client.reserve(namespace(fleet), hashes)):
+                tier.slot(slot)[:] = np.uint8(i + 1)
+            tier.close()
+            await client.commit(namespace(fleet), hashes)
+
+    asyncio.run(run())
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> ShmBlockStore:
-    s = ShmBlockStore(tmp_path, block_nbytes=64, num_slots=64)
-    yield s
-    s.close()
+def side(small_fleet: Fleet):
+    """A SchedulerSide of an engine on dp2 (factory: keyword overrides of the connector config)."""
+    links = []
+
+    def make(**overrides) -> SchedulerSide:
+        extra = {**small_fleet.connector_config("dp2"), **overrides}
+        config = ConnectorConfig.from_extra_config(extra)
+        link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address)
+        links.append(link)
+        s = SchedulerSide(link, namespace(small_fleet), config, BS, can_load=True, can_save=True)
+        s.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),)))
+        return s
+
+    yield make
+    for link in links:
+        link.close()
 
 
-def _fill(store: ShmBlockStore, hashes: list[bytes]) -> None:
-    for h in hashes:
-        store.write(h, np.zeros(64, dtype=np.uint8))
-    store.commit()
+def source(fleet: Fleet, node: str, with_node_id: bool = True) -> dict[str, Any]:
+    host, port = fleet.data_planes[node].address.rsplit(":", 1)
+    src = {"kv_request_id": "prev", "remote_host": host, "remote_port": int(port)}
+    return {**src, "remote_node_id": node} if with_node_id else src
 
 
-def test_full_prompt_hit_leaves_the_last_token_to_compute(store: ShmBlockStore) -> None:
-    side = SchedulerSide(store, BS, can_load=True, can_save=True)
-    request = FakeRequest("r", num_tokens=4 * BS)
-    _fill(store, request.block_hashes)
-    assert side.num_new_matched_tokens(request, 0) == 3 * BS
-    assert side.num_new_matched_tokens(request, BS) == 2 * BS
+def test_pull_from_named_source_then_pinned_slots_go_to_the_worker(small_fleet: Fleet, side) -> None:
+    s = side()
+    request = FakeRequest(6 * BS + 5, {"remote_kv_source": source(small_fleet, "dp1")})
+    store(small_fleet, "dp1", request.block_hashes[:4])
+
+    assert s.num_new_matched_tokens(request, 0) == 4 * BS
+    s.after_alloc(request, FakeBlocks(list(range(100, 107))), 4 * BS)
+    request.num_computed_tokens = 4 * BS  # vLLM counts the loaded tokens as computed
+    meta = s.build_meta(SimpleNamespace(num_scheduled_tokens={request.request_id: 2 * BS + 5}))
+
+    assert [load.block_id for load in meta.loads] == [100, 101, 102, 103]
+    assert len(set(load.slot for load in meta.loads)) == 4 and len(meta.leases) == 1
+    # The blocks computed in this step (4, 5) are saved; the loaded ones are already in the tier.
+    assert [(run.first_index, run.block_ids) for run in meta.saves] == [(4, [104, 105])]
+    report = s.finished(request)["kvmesh"]
+    assert report["peer_tokens"] == 4 * BS and report["local_tokens"] == 0
+    assert report["outcome"] == "pulled" and report["source"] == "dp1" and report["bytes_pulled"] == 4 * 1024
 
 
-def test_loads_follow_local_hits_and_saves_start_after_stored_blocks(store: ShmBlockStore) -> None:
-    side = SchedulerSide(store, BS, can_load=True, can_save=True)
-    request = FakeRequest("r", num_tokens=5 * BS + 3)
-    _fill(store, request.block_hashes[:3])
-    block_ids = [10, 11, 12, 13, 14, 15]
-    side.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (block_ids,)))
+def test_second_request_hits_the_local_tier_without_pulling(small_fleet: Fleet, side) -> None:
+    s = side()
+    first = FakeRequest(3 * BS, {"remote_kv_source": source(small_fleet, "dp1")})
+    store(small_fleet, "dp1", first.block_hashes)
+    assert s.num_new_matched_tokens(first, 0) == 2 * BS  # the last block holds the token to compute
+    s.finished(first)
 
-    assert side.num_new_matched_tokens(request, BS) == 2 * BS  # block 0 is a local hit
-    side.after_alloc(request, FakeBlocks(block_ids), 2 * BS)
-    request.num_computed_tokens = 3 * BS
-    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 2 * BS + 3}))
-
-    assert [(t.block_id, t.block_hash) for t in meta.loads] == [(11, request.block_hashes[1]), (12, request.block_hashes[2])]
-    assert [(t.block_id, t.block_hash) for t in meta.saves] == [(13, request.block_hashes[3]), (14, request.block_hashes[4])]
-    assert side.finished(request) == {"kvmesh": {"loaded_tokens": 2 * BS, "failed_blocks": 0, "stored_blocks": 5}}
+    again = FakeRequest(3 * BS)
+    again.block_hashes = first.block_hashes
+    assert s.num_new_matched_tokens(again, 0) == 2 * BS
+    s.after_alloc(again, FakeBlocks([1, 2, 3, 4]), 2 * BS)
+    report = s.finished(again)["kvmesh"]
+    assert report["local_tokens"] == 2 * BS and report["peer_tokens"] == 0 and report["outcome"] == "hit"
 
 
-def test_failed_loads_are_saved_again_after_recompute(store: ShmBlockStore) -> None:
-    side = SchedulerSide(store, BS, can_load=True, can_save=True)
-    request = FakeRequest("r", num_tokens=3 * BS + 1)
-    _fill(store, request.block_hashes)
-    block_ids = [7, 8, 9, 10]
-    side.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (block_ids,)))
-    side.after_alloc(request, FakeBlocks(block_ids), side.num_new_matched_tokens(request, 0))
-    side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 1}))
+def test_source_without_node_id_is_resolved_through_the_control_plane(small_fleet: Fleet, side) -> None:
+    s = side()
+    request = FakeRequest(3 * BS + 1, {"remote_kv_source": source(small_fleet, "dp1", with_node_id=False)})
+    store(small_fleet, "dp1", request.block_hashes[:2])
+    assert s.num_new_matched_tokens(request, 0) == 2 * BS
+    assert s.finished(request)["kvmesh"]["source"] == "dp1"
 
-    side.on_connector_output(SimpleNamespace(invalid_block_ids={8}))
+
+def test_auto_source_pulls_from_the_holder_the_control_plane_names(small_fleet: Fleet, side) -> None:
+    s = side(auto_source=True)
+    request = FakeRequest(5 * BS + 1)
+    store(small_fleet, "dp1", request.block_hashes)  # dp1 publishes BlockStored to the control plane
+    for _ in range(50):  # events are asynchronous
+        if s.num_new_matched_tokens(request, 0) == 5 * BS:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    report = s.finished(request)["kvmesh"]
+    assert report["source"] == "dp1" and report["peer_tokens"] == 0  # counted at allocation, none here
+    assert report["outcome"] == "pulled"
+
+
+def test_a_dead_source_loads_nothing_and_never_raises(small_fleet: Fleet, side) -> None:
+    s = side()
+    dead = {"kv_request_id": "x", "remote_host": "127.0.0.1", "remote_port": 1, "remote_node_id": "dp1"}
+    request = FakeRequest(3 * BS + 1, {"remote_kv_source": dead})
+    assert s.num_new_matched_tokens(request, 0) == 0
+    report = s.finished(request)["kvmesh"]
+    assert report["outcome"] in ("pull_missed", "miss") and report["loaded_tokens"] == 0
+
+
+def test_contradictory_params_run_the_request_without_transfers(small_fleet: Fleet, side) -> None:
+    s = side()
+    request = FakeRequest(3 * BS + 1, {"remote_kv_source": source(small_fleet, "dp1"),
+                                       "remote_prefiller": source(small_fleet, "dp1")})
+    assert s.num_new_matched_tokens(request, 0) == 0
+    s.after_alloc(request, FakeBlocks([1, 2, 3, 4]), 0)
+    meta = s.build_meta(SimpleNamespace(num_scheduled_tokens={request.request_id: 3 * BS + 1}))
+    assert meta.saves == [] and meta.loads == []
+    report = s.finished(request)["kvmesh"]
+    assert report["outcome"] == "rejected" and "contradictory" in report["error"]
+
+
+def test_decoder_gets_a_source_naming_this_node(small_fleet: Fleet, side) -> None:
+    s = side(max_offload_tokens=BS)  # the cap does not apply to blocks kept for a decoder
+    request = FakeRequest(3 * BS + 1, {"remote_decoder": {"kv_request_id": "dec-1"},
+                                       "remote_kv_source": source(small_fleet, "dp1")})
+    s.num_new_matched_tokens(request, 0)
+    s.after_alloc(request, FakeBlocks([1, 2, 3, 4]), 0)
+    meta = s.build_meta(SimpleNamespace(num_scheduled_tokens={request.request_id: 3 * BS + 1}))
+    assert [run.block_ids for run in meta.saves] == [[100, 101, 102]]
+    out = s.finished(request)
+    host, port = small_fleet.data_planes["dp2"].address.rsplit(":", 1)
+    assert out["remote_kv_source"] == {"kv_request_id": "dec-1", "remote_host": host, "remote_port": int(port),
+                                       "remote_node_id": "dp2", "cached_tokens": 3 * BS}
+
+
+def test_offload_cap_and_load_tiers(small_fleet: Fleet, side) -> None:
+    s = side()
+    request = FakeRequest(4 * BS + 1, {"remote_kv_source": source(small_fleet, "dp1"), "kv_load_tiers": "cpu:local",
+                                       "kvmesh": {"max_offload_tokens": 2 * BS}})
+    store(small_fleet, "dp1", request.block_hashes)
+    assert s.num_new_matched_tokens(request, 0) == 0  # peers are not an allowed tier: no pull
+    s.after_alloc(request, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    meta = s.build_meta(SimpleNamespace(num_scheduled_tokens={request.request_id: 4 * BS + 1}))
+    assert [run.block_ids for run in meta.saves] == [[100, 101]]
+    assert s.finished(request)["kvmesh"]["outcome"] == "miss"
+
+
+def test_failed_loads_are_saved_again_after_recompute(small_fleet: Fleet, side) -> None:
+    s = side()
+    request = FakeRequest(3 * BS + 1, {"remote_kv_source": source(small_fleet, "dp1")})
+    store(small_fleet, "dp1", request.block_hashes)
+    s.after_alloc(request, FakeBlocks([7, 8, 9, 10]), s.num_new_matched_tokens(request, 0))
+    s.build_meta(SimpleNamespace(num_scheduled_tokens={request.request_id: BS + 1}))
+    s.on_connector_output(SimpleNamespace(invalid_block_ids={8}))
     request.num_computed_tokens = BS  # vLLM truncates at the failed block
-    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 2 * BS + 1}))
-
-    assert [t.block_id for t in meta.saves] == [8, 9]
-    assert side.finished(request)["kvmesh"]["failed_blocks"] == 1
-
-
-def test_kv_transfer_params_and_role_gate_loading(store: ShmBlockStore) -> None:
-    request = FakeRequest("r", num_tokens=3 * BS, kv_transfer_params={"kvmesh": {"load": False}})
-    _fill(store, request.block_hashes)
-    assert SchedulerSide(store, BS, can_load=True, can_save=True).num_new_matched_tokens(request, 0) == 0
-    request.kv_transfer_params = {"other_connector": 1, "kvmesh": "garbage"}
-    assert SchedulerSide(store, BS, can_load=True, can_save=True).num_new_matched_tokens(request, 0) == 2 * BS
-    assert SchedulerSide(store, BS, can_load=False, can_save=True).num_new_matched_tokens(request, 0) == 0
+    meta = s.build_meta(SimpleNamespace(num_scheduled_tokens={request.request_id: 2 * BS + 1}))
+    assert [run.block_ids for run in meta.saves] == [[101, 102]]
+    assert s.finished(request)["kvmesh"]["failed_blocks"] == 1

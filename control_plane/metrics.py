@@ -1,0 +1,109 @@
+"""Control-plane metrics: a BlockMap wrapper for lookups and ingest, and the router's counters.
+
+Metrics live in a wrapper around the block map (no backend carries metrics
+code) and in a collector over :class:`RouteCounters`; control_plane.server
+composes them with the RPC interceptor.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvmesh.metrics import LATENCY_BUCKETS
+from kvmesh.namespace import Namespace
+
+from control_plane.block_map import BlockMap
+from control_plane.model import Ack, Cleared, EventBatch, Medium, PrefixMatch, Stored
+from control_plane.routing.router import RouteCounters
+
+
+class MeteredBlockMap(BlockMap):
+    """Forwards every call to ``inner`` and records lookups (blocks asked, matched, by tier) and ingest."""
+
+    def __init__(self, inner: BlockMap, registry: CollectorRegistry) -> None:
+        self._inner = inner
+        self._lookup_seconds = Histogram("kvmesh_cp_lookup_seconds", "LookupPrefix time in the block map",
+                                         registry=registry, buckets=LATENCY_BUCKETS)
+        self._lookup_blocks = Counter(
+            "kvmesh_cp_lookup_blocks", "blocks asked about, and leading blocks the best holder had, by tier",
+            ["result"], registry=registry)
+        self._batches = Counter("kvmesh_cp_event_batches", "event batches by outcome", ["status"], registry=registry)
+        self._event_blocks = Counter("kvmesh_cp_event_blocks", "blocks in applied events", ["op"], registry=registry)
+
+    async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
+        start = time.perf_counter()
+        match = await self._inner.lookup_prefix(ns, block_hashes, tiers)
+        self._lookup_seconds.observe(time.perf_counter() - start)
+        self._lookup_blocks.labels("queried").inc(len(block_hashes))
+        self._lookup_blocks.labels("matched").inc(match.longest)
+        for medium in Medium:
+            best = max((h.per_tier.get(medium, 0) for h in match.holders), default=0)
+            self._lookup_blocks.labels(f"matched_{medium.name.lower()}").inc(best)
+        return match
+
+    async def apply_batch(self, batch: EventBatch) -> Ack:
+        ack = await self._inner.apply_batch(batch)
+        self._batches.labels(ack.status.name.lower()).inc()
+        for event in batch.events:
+            if not isinstance(event, Cleared):
+                self._event_blocks.labels("stored" if isinstance(event, Stored) else "removed").inc(
+                    len(event.block_hashes))
+        return ack
+
+    async def skip_batch(self, batch: EventBatch) -> Ack:
+        self._batches.labels("refused").inc()
+        return await self._inner.skip_batch(batch)
+
+    async def register_node(self, node):
+        return await self._inner.register_node(node)
+
+    async def heartbeat(self, node_id, incarnation):
+        return await self._inner.heartbeat(node_id, incarnation)
+
+    async def deregister_node(self, node_id, incarnation):
+        return await self._inner.deregister_node(node_id, incarnation)
+
+    async def list_nodes(self):
+        return await self._inner.list_nodes()
+
+    async def count_new(self, ns, block_hashes):
+        return await self._inner.count_new(ns, block_hashes)
+
+    async def collect_garbage(self):
+        return await self._inner.collect_garbage()
+
+    async def close(self):
+        await self._inner.close()
+
+    def __getattr__(self, name):  # backend-specific helpers (e.g. for tests) pass through
+        return getattr(self._inner, name)
+
+
+class RouteCollector:
+    """Exports the router's per-replica counters, including stale routes."""
+
+    def __init__(self, counters: RouteCounters) -> None:
+        self._c = counters
+
+    def collect(self):
+        decisions = CounterMetricFamily("kvmesh_cp_route_decisions", "Route decisions", labels=["policy", "reason"])
+        for (policy, reason), n in self._c.decisions.items():
+            decisions.add_metric([policy, reason], n)
+        yield decisions
+        sources = CounterMetricFamily("kvmesh_cp_route_sources", "Route source decisions", labels=["decision"])
+        for decision, n in self._c.source_decisions.items():
+            sources.add_metric([decision], n)
+        yield sources
+        yield CounterMetricFamily("kvmesh_cp_route_pull_tokens", "tokens routes asked engines to pull",
+                                  value=self._c.routed_pull_tokens)
+        yield CounterMetricFamily("kvmesh_cp_pulls_reported", "pull outcomes reported", value=self._c.pulls_reported)
+        yield CounterMetricFamily("kvmesh_cp_stale_routes",
+                                  "reported pulls whose named source no longer held what was routed",
+                                  value=self._c.stale_pulls)
+        yield CounterMetricFamily("kvmesh_cp_routed_blocks_missed", "routed blocks the source did not have",
+                                  value=self._c.blocks_missed)
+        yield GaugeMetricFamily("kvmesh_cp_stale_route_rate", "stale routes / pulls reported",
+                                value=self._c.stale_route_rate)

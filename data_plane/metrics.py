@@ -1,0 +1,67 @@
+"""Data-plane metrics (Prometheus), recorded by the core at each tier change.
+
+Hit rate by tier (local acquires and peer lookups: CPU hit, disk hit, miss),
+bytes written by the engine, read by peers and pulled from them, pull and
+promotion times, pending waits, and evictions — with evictions of blocks that
+were never read since they were stored ("evicted before reuse").
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kvmesh.metrics import LATENCY_BUCKETS
+
+from data_plane.types import BlockKey
+
+
+class DataPlaneMetrics:
+    """One node's metrics in ``registry``. Event-loop thread only."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self._blocks = Counter("kvmesh_dp_blocks", "blocks asked for, by who asked and where they were found",
+                               ["caller", "result"], registry=r)
+        self._bytes = Counter("kvmesh_dp_bytes", "bytes by direction", ["direction"], registry=r)
+        self._pull_seconds = Histogram("kvmesh_dp_pull_seconds", "whole pulls", registry=r, buckets=LATENCY_BUCKETS)
+        self._pull_blocks = Counter("kvmesh_dp_pull_blocks", "blocks of pulls by outcome", ["outcome"], registry=r)
+        self._promotion_seconds = Histogram("kvmesh_dp_promotion_seconds", "disk to CPU-tier promotions",
+                                            registry=r, buckets=LATENCY_BUCKETS)
+        self._pending = Histogram("kvmesh_dp_pending_wait_seconds", "waits on HIT_PENDING blocks", registry=r,
+                                  buckets=LATENCY_BUCKETS)
+        self._evictions = Counter("kvmesh_dp_evictions", "blocks evicted from a tier", ["tier"], registry=r)
+        self._unused = Counter("kvmesh_dp_evictions_before_reuse",
+                               "blocks evicted from the CPU tier without having been read since stored", registry=r)
+        self._read_since_stored: set[BlockKey] = set()
+
+    def found(self, caller: str, result: str, n: int = 1) -> None:
+        """``caller``: local | peer; ``result``: cpu | disk | miss."""
+        if n:
+            self._blocks.labels(caller, result).inc(n)
+
+    def read(self, key: BlockKey) -> None:
+        self._read_since_stored.add(key)
+
+    def bytes(self, direction: str, n: int) -> None:
+        """``direction``: written (by the engine) | served (read by peers) | pulled (from peers)."""
+        if n:
+            self._bytes.labels(direction).inc(n)
+
+    def pull(self, seconds: float, pulled: int, missed: int) -> None:
+        self._pull_seconds.observe(seconds)
+        self._pull_blocks.labels("pulled").inc(pulled)
+        self._pull_blocks.labels("miss").inc(missed)
+
+    def promotion(self, seconds: float) -> None:
+        self._promotion_seconds.observe(seconds)
+
+    def pending_wait(self, seconds: float) -> None:
+        self._pending.observe(seconds)
+
+    def evicted(self, tier: str, key: BlockKey) -> None:
+        self._evictions.labels(tier).inc()
+        if tier == "cpu":
+            if key not in self._read_since_stored:
+                self._unused.inc()
+            self._read_since_stored.discard(key)

@@ -1,0 +1,116 @@
+"""The connector's configuration (``kv_connector_extra_config``) and the namespace it derives.
+
+Everything a block's identity depends on comes from vLLM's own configuration (block size,
+KV dtype, parallel layout, hash algorithm, ``PYTHONHASHSEED``) plus three names the operator
+gives (tenant, model, weight version); a misconfiguration fails when the engine starts, never
+per request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.hashing import HashAlgo
+from kvmesh.namespace import CacheConfig, Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# Bumped when the byte layout of a block in a data-plane slot changes (see kv_layout.py).
+KV_LAYOUT = "vllm-paged-all-layers-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` keys (all strings/numbers, JSON-friendly).
+
+    ``data_plane_address``: host:port of this node's data plane (required).
+    ``api_key`` / ``api_key_file``: the node's API key (the data plane's local API and the
+    control plane need it). ``control_plane_address``: for ``auto_source`` and for resolving a
+    ``remote_kv_source`` given without ``remote_node_id``. ``tenant``, ``model``,
+    ``weight_version``: the namespace (``model`` defaults to vLLM's served model name).
+    ``auto_source``: with no ``remote_kv_source`` on a request, ask the control plane which
+    peer holds the longest prefix and pull from it when it holds more than this node.
+    ``pull_timeout_ms``: bound of one pull (the scheduler waits at most this long).
+    ``min_pull_blocks``: pull only when the peer would add at least this many blocks.
+    ``max_offload_tokens``: default per-request cap of saved tokens (0: none).
+    ``lease_ms``: how long acquired blocks stay pinned for the worker's copy.
+    ``rpc_timeout_s``: deadline of every other RPC.
+    """
+
+    data_plane_address: str
+    api_key: str = ""
+    api_key_file: str = ""
+    control_plane_address: str = ""
+    tenant: str = "default"
+    model: str = ""
+    weight_version: str = ""
+    auto_source: bool = False
+    pull_timeout_ms: int = 5_000
+    min_pull_blocks: int = 1
+    max_offload_tokens: int = 0
+    lease_ms: int = 30_000
+    rpc_timeout_s: float = 5.0
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> "ConnectorConfig":
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"KvmeshConnector: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(known)}")
+        if not extra.get("data_plane_address"):
+            raise ValueError("KvmeshConnector needs kv_connector_extra_config['data_plane_address']")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            kind = known[name].type
+            if kind == "bool":
+                values[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            elif kind == "int":
+                values[name] = int(value)
+            elif kind == "float":
+                values[name] = float(value)
+            else:
+                values[name] = str(value)
+        config = cls(**values)
+        if config.auto_source and not config.control_plane_address:
+            raise ValueError("KvmeshConnector: auto_source needs control_plane_address")
+        if config.pull_timeout_ms <= 0 or config.lease_ms <= 0 or config.rpc_timeout_s <= 0:
+            raise ValueError("KvmeshConnector: pull_timeout_ms, lease_ms and rpc_timeout_s must be positive")
+        return config
+
+    def key(self) -> str:
+        """The node's API key (``api_key``, else the contents of ``api_key_file``)."""
+        if self.api_key:
+            return self.api_key.strip()
+        if self.api_key_file:
+            return Path(self.api_key_file).read_text().strip()
+        raise ValueError("KvmeshConnector needs the node's API key: set api_key or api_key_file in "
+                         "kv_connector_extra_config")
+
+    def namespace(self, vllm_config: "VllmConfig") -> Namespace:
+        """The namespace of this engine's blocks, from vLLM's configuration."""
+        cache = vllm_config.cache_config
+        parallel = vllm_config.parallel_config
+        model = self.model or vllm_config.model_config.served_model_name or vllm_config.model_config.model
+        if isinstance(model, (list, tuple)):
+            model = model[0]
+        dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(vllm_config.model_config.dtype)
+        return Namespace(
+            tenant=self.tenant,
+            model=str(model),
+            weight_version=self.weight_version,
+            cache_config=CacheConfig(
+                block_size=cache.block_size,
+                kv_dtype=dtype.removeprefix("torch."),
+                kv_layout=KV_LAYOUT,
+                parallel_layout=f"tp{parallel.tensor_parallel_size}-pp{parallel.pipeline_parallel_size}",
+                hash_algo=HashAlgo.parse(cache.prefix_caching_hash_algo),
+                # vLLM seeds NONE_HASH with PYTHONHASHSEED when set (kvmesh.hashing).
+                hash_seed=os.environ.get("PYTHONHASHSEED", ""),
+            ),
+        ).validate()

@@ -1,0 +1,175 @@
+"""A local kvmesh fleet as processes on loopback: Redis, the control plane, data planes, vLLM engines.
+
+Shared by ``kvmesh up``, ``kvmesh demo`` and the end-to-end tests. :meth:`Fleet.start` starts
+Redis (AOF on, in ``workdir``) and the control plane with a bootstrap admin key, creates the
+tenant, issues one node key per data plane through the TenantAdmin API and starts the data
+planes with their keys (they publish tier changes and fetch pull grants with them). Engines
+(:mod:`kvmesh.engine_host`) are started on demand, attached to a node's data plane.
+
+With ``trace_dir`` every process writes its spans to ``<trace_dir>/<process>.jsonl``
+(``KVMESH_TRACE_EXPORTER=file``, see kvmesh.tracing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvmesh.channels import channel
+from kvmesh.engine_host import EngineProcess
+from kvmesh.procs import ServiceProcess
+from kvmesh.redis_server import RedisServer
+from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
+
+DEFAULT_BLOCK_BYTES = 2 * 1024 * 1024
+
+
+class Fleet:
+    """The started processes, stopped in reverse order. Not thread-safe."""
+
+    def __init__(self, workdir: Path, data_planes: int, admin_key: str, *, tenant: str = "demo",
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, block_tokens: int = 0, capacity: str = "256MiB",
+                 trace_dir: Path | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.admin_key = admin_key
+        self.tenant = tenant
+        self.block_bytes = block_bytes
+        self.block_tokens = block_tokens
+        self.capacity = capacity
+        self.trace_dir = trace_dir
+        self.redis = RedisServer(self.workdir / "redis")
+        tmpfs = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-", dir=tmpfs))
+        self.control_plane: ServiceProcess | None = None
+        self.data_planes: dict[str, ServiceProcess] = {}
+        self.node_keys: dict[str, str] = {}
+        self.engines: dict[str, EngineProcess] = {}
+        self._wanted_data_planes = data_planes
+
+    # ---- lifecycle ----
+
+    def start(self) -> "Fleet":
+        try:
+            self.redis.start()
+            self.control_plane = ServiceProcess(
+                ["control-plane", "--listen", "127.0.0.1:0", "--redis-url", self.redis.url],
+                env={"KVMESH_CP_ADMIN_KEY": self.admin_key, **self._trace_env("control-plane")},
+                log_path=self.workdir / "control-plane.log").start()
+            if self._wanted_data_planes and importlib.util.find_spec("data_plane.server") is not None:
+                nodes = [f"dp{i}" for i in range(1, self._wanted_data_planes + 1)]
+                self.node_keys = asyncio.run(self._provision(nodes))
+                for node in nodes:
+                    self.data_planes[node] = self._start_data_plane(node)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _provision(self, nodes: list[str]) -> dict[str, str]:
+        """Create the tenant and issue a node key per data plane (admin API)."""
+        async with channel(self.control_plane.address, self.admin_key) as ch:
+            admin = ta_grpc.TenantAdminStub(ch)
+            await admin.CreateTenant(ta_pb.CreateTenantRequest(tenant_id=self.tenant,
+                                                               display_name="the local fleet's tenant"))
+            keys = {}
+            for node in nodes:
+                reply = await admin.IssueKey(ta_pb.IssueKeyRequest(role=ta_pb.ROLE_NODE, node_id=node,
+                                                                   description=f"local fleet node {node}"))
+                keys[node] = reply.secret
+            return keys
+
+    def _start_data_plane(self, node: str) -> ServiceProcess:
+        args = ["data-plane", "--node-id", node, "--listen", "127.0.0.1:0", "--control-plane-address",
+                self.control_plane.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", self.capacity,
+                "--block-bytes", str(self.block_bytes), "--block-tokens", str(self.block_tokens),
+                "--no-lock-memory"]
+        env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), "KVMESH_DP_API_KEY": self.node_keys[node],
+               **self._trace_env(f"data-plane-{node}")}
+        return ServiceProcess(args, env=env, log_path=self.workdir / f"{node}.log").start()
+
+    def stop(self) -> None:
+        for engine in reversed(list(self.engines.values())):
+            engine.stop()
+        for proc in reversed(list(self.data_planes.values())):
+            proc.stop()
+        if self.control_plane is not None:
+            self.control_plane.stop()
+        self.redis.stop()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    def __enter__(self) -> "Fleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- engines ----
+
+    def connector_config(self, node: str, **overrides: Any) -> dict[str, Any]:
+        """``kv_connector_extra_config`` for an engine co-located with ``node``.
+
+        The key goes by file: vLLM logs its engine arguments, extra config included.
+        """
+        key_file = self.workdir / "keys" / f"{node}.key"
+        if not key_file.exists():
+            key_file.parent.mkdir(mode=0o700, exist_ok=True)
+            key_file.touch(mode=0o600)
+            key_file.write_text(self.node_keys[node])
+        return {"data_plane_address": self.data_planes[node].address, "api_key_file": str(key_file),
+                "control_plane_address": self.control_plane.address, "tenant": self.tenant,
+                "weight_version": "random-init", **overrides}
+
+    def start_engine(self, name: str, model: Path, node: str | None, **spec: Any) -> EngineProcess:
+        """Launch engine ``name`` on ``model`` attached to ``node`` (None: no connector); returns at once.
+
+        ``spec`` may set ``connector`` (extra-config overrides), ``enable_prefix_caching``,
+        ``max_model_len``. Call :meth:`EngineProcess.wait_ready` before using it. Each engine
+        takes ~3 GiB and ~40 s to start on 2 cores: keep two alive at most.
+        """
+        overrides = spec.pop("connector", {}) or {}
+        full = {"model": str(model), "connector": self.connector_config(node, **overrides) if node else None,
+                **spec}
+        work = self.workdir / "vllm"
+        (work / "rpc").mkdir(parents=True, exist_ok=True)
+        env = {
+            "VLLM_CACHE_ROOT": str(work / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
+            "VLLM_RPC_BASE_PATH": str(work / "rpc"),
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+            **self._trace_env(f"engine-{name}"),
+        }
+        engine = EngineProcess(name, full, env, self.workdir / f"engine-{name}.log").start()
+        self.engines[name] = engine
+        return engine
+
+    def stop_engine(self, name: str) -> None:
+        engine = self.engines.pop(name, None)
+        if engine is not None:
+            engine.stop()
+
+    # ---- helpers ----
+
+    def _trace_env(self, process: str) -> dict[str, str]:
+        if self.trace_dir is None:
+            return {}
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        return {"KVMESH_TRACE_EXPORTER": "file", "KVMESH_TRACE_FILE": str(self.trace_dir / f"{process}.jsonl"),
+                "OTEL_SERVICE_NAME": f"kvmesh-{process}"}
+
+    def addresses(self) -> dict:
+        return {
+            "redis": self.redis.url,
+            "control_plane": self.control_plane.address if self.control_plane else "",
+            "data_planes": {node: p.address for node, p in self.data_planes.items()},
+            "node_keys": dict(self.node_keys),
+            "tenant": self.tenant,
+            "admin_key": self.admin_key,
+            "workdir": str(self.workdir),
+        }
