@@ -28,7 +28,7 @@ from control_plane.block_map import BlockMap
 from control_plane.keys import Keys
 from control_plane.model import (
     ALL_TIERS, Ack, AckStatus, Cleared, EventBatch, Medium, NodeInfo, NodePrefix, NodeStatus,
-    PrefixMatch, Registration, Removed, Stored,
+    PrefixMatch, Registration, Stored,
 )
 
 log = logging.getLogger(__name__)

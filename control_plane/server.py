@@ -8,17 +8,14 @@ the ControlPlane and TenantAdmin services, health, reflection and TLS.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-import sys
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from kvmesh.grpc_server import RunningServer, ServiceBinding, server_tls, start_server
+from kvmesh.grpc_server import RunningServer, ServiceBinding, wait_for_signal, server_tls, start_server
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
-from kvmesh.settings_cli import parse_settings
+from kvmesh.settings_cli import service_main
 from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
 from tenancy.auth import AuthInterceptor, Authenticator
 from tenancy.authz import Authorizer
@@ -91,21 +88,9 @@ async def _run(config: ControlPlaneConfig) -> None:
     if running.metrics.port:
         log.info("metrics on http://%s:%d/metrics", config.metrics_listen.rpartition(":")[0], running.metrics.port)
     print(f"kvmesh control-plane listening on {host}:{running.port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_signal()
     await running.stop()
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = parse_settings(ControlPlaneConfig, argv, "kvmesh control-plane")
-    try:
-        config.bootstrap_admin_key()
-    except (ValueError, OSError) as exc:
-        print(f"kvmesh control-plane: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(_run(config))
-    return 0
+    return service_main(ControlPlaneConfig, argv, "kvmesh control-plane", _run, check=ControlPlaneConfig.bootstrap_admin_key)

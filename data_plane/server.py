@@ -8,16 +8,14 @@ scripts and tests wait for.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.grpc_server import RunningServer, ServiceBinding, start_server
+from kvmesh.grpc_server import RunningServer, ServiceBinding, wait_for_signal, start_server
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
-from kvmesh.settings_cli import parse_settings
+from kvmesh.settings_cli import service_main
 from kvmesh.v1 import data_plane_pb2_grpc
 
 from tenancy.auth import AuthInterceptor, auth_metadata
@@ -111,24 +109,12 @@ async def _run(config: DataPlaneConfig) -> None:
              tier.num_slots, tier.block_bytes, tier.shm_path, "on" if tier.locked else "off",
              f"{config.disk_slots} slots" if config.disk_dir else "off", config.eviction_policy)
     print(f"kvmesh data-plane {config.node_id} listening on {running.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_signal()
     await running.stop()
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = parse_settings(DataPlaneConfig, argv, "kvmesh data-plane")
-    try:
-        config.node_key()
-    except (ValueError, OSError) as exc:
-        print(f"kvmesh data-plane: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(_run(config))
-    return 0
+    return service_main(DataPlaneConfig, argv, "kvmesh data-plane", _run, check=DataPlaneConfig.node_key)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ class SchedulerSide:
 
     def _source(self, state: _RequestState, hashes: list[bytes]) -> tuple[str, str] | None:
         """(node id, address) of the peer to pull from, or None."""
-        params, report = state.params, state.report
+        params = state.params
         if not params.peer_media:
             return None  # kv_load_tiers allows no peer tier
         if params.source is not None:

@@ -6,6 +6,8 @@ behaviour (authentication, tracing, metrics) is composed here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -63,6 +65,31 @@ class RunningServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+    """The same RPC handler with its behavior replaced by ``wrap(behavior, streaming_response)``.
+
+    The one place server interceptors (authentication, metrics) rebuild a handler, whatever its kind.
+    """
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **kwargs)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kwargs)
+
+
+async def wait_for_signal() -> None:
+    """Returns on SIGINT or SIGTERM (a service's main loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def channel_options() -> list[tuple[str, int]]:

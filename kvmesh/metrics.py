@@ -14,6 +14,8 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from kvmesh.grpc_server import rewrap_handler
+
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -61,15 +63,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
             return unary
 
-        kwargs = dict(request_deserializer=handler.request_deserializer,
-                      response_serializer=handler.response_serializer)
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), **kwargs)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **kwargs)
-        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kwargs)
+        return rewrap_handler(handler, wrap)
 
 
 class MetricsEndpoint:

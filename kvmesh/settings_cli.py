@@ -8,8 +8,10 @@ variables, which override defaults. Invalid values exit with a clear message.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
-from typing import TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
@@ -32,3 +34,19 @@ def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
     except ValidationError as exc:
         print(f"{prog}: invalid configuration:\n{exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def service_main(cls: type[S], argv: list[str], prog: str, run: Callable[[S], Awaitable[None]],
+                 check: Callable[[S], object] | None = None) -> int:
+    """A service's ``main``: logging, settings from flags and env, a start-up ``check`` whose
+    ValueError/OSError exits 2 with its message, then ``run`` until it returns."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_settings(cls, argv, prog)
+    if check is not None:
+        try:
+            check(config)
+        except (ValueError, OSError) as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
+    asyncio.run(run(config))
+    return 0

@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from kvmesh.errors import PermissionDenied, Unauthenticated
+from kvmesh.grpc_server import rewrap_handler
 from tenancy import api_keys
 from tenancy.model import AuditEntry, Principal, Role
 
@@ -94,47 +95,33 @@ class Authenticator:
         return Principal.from_key(key)
 
 
-def _wrap(behavior, is_stream_response: bool, principal: Principal):
-    if is_stream_response:
-        async def stream(request, context):
+def _with_principal(principal: Principal):
+    def wrap(behavior, streaming: bool):
+        if streaming:
+            async def stream(request, context):
+                _principal.set(principal)
+                async for item in behavior(request, context):
+                    yield item
+
+            return stream
+
+        async def unary(request, context):
             _principal.set(principal)
-            async for item in behavior(request, context):
-                yield item
+            return await behavior(request, context)
 
-        return stream
+        return unary
 
-    async def unary(request, context):
-        _principal.set(principal)
-        return await behavior(request, context)
-
-    return unary
+    return wrap
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, False, principal), **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, True, principal), **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, False, principal), **kwargs)
-    return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, True, principal), **kwargs)
+def _denial(code: grpc.StatusCode, message: str):
+    def wrap(behavior, streaming: bool):
+        async def abort(request, context):
+            await context.abort(code, message)
 
+        return abort
 
-def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    async def abort(request, context):
-        await context.abort(code, message)
-
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+    return wrap
 
 
 Authenticate = Callable[[str], Awaitable[Principal]]
@@ -156,11 +143,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             principal = await self._authenticate(bearer(details.invocation_metadata))
         except Unauthenticated as exc:
             await self.record_denial("-", details.method, "UNAUTHENTICATED", str(exc))
-            return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            return rewrap_handler(handler, _denial(grpc.StatusCode.UNAUTHENTICATED, str(exc)))
         except Exception:  # noqa: BLE001 - the key store is down: fail closed, and say so
             log.warning("could not check credentials", exc_info=True)
-            return _deny(handler, grpc.StatusCode.UNAVAILABLE, "credential store unavailable")
-        return _rebuild(handler, principal)
+            return rewrap_handler(handler, _denial(grpc.StatusCode.UNAVAILABLE, "credential store unavailable"))
+        return rewrap_handler(handler, _with_principal(principal))
 
     async def record_denial(self, actor: str, method: str, outcome: str, detail: str) -> None:
         if self._audit is None:
