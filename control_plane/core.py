@@ -167,6 +167,19 @@ class ControlPlane:
                       source_node_id, expires)
         return self.signer.sign(grant), expires
 
+    async def tenant_limits(self, principal: Principal, tenant_id: str) -> int:
+        """The CPU-tier bytes the calling node may hold for ``tenant_id`` (0: no limit)."""
+        if principal.role is Role.ADMIN:
+            tenant = await self.authz.tenant(tenant_id)
+        elif principal.role is Role.NODE and await self.authz.node_may_hold(principal, tenant_id):
+            tenant = await self.authz.tenant(tenant_id)
+        else:
+            tenant = None
+        if tenant is None:
+            raise await self.authz.deny(principal, "GetTenantLimits", tenant_id,
+                                        f"this node may not hold blocks of tenant {tenant_id!r}")
+        return tenant.policy.max_cpu_tier_bytes_per_node
+
     async def _allows(self, policy, node_id: str) -> bool:
         """Does the tenant policy allow the node? Pools are looked up only when the policy names any."""
         if policy.allows_node(node_id, ""):

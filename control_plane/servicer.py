@@ -74,6 +74,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.PullGrant(token=token, expires_unix_ms=expires)
 
     @grpc_errors
+    async def GetTenantLimits(self, request, context):
+        limit = await self._core.tenant_limits(current_principal(), request.tenant)
+        return pb.TenantLimits(max_cpu_tier_bytes_per_node=limit)
+
+    @grpc_errors
     async def GetGrantKey(self, request, context):
         current_principal()
         return pb.GetGrantKeyResponse(ed25519_public_key=self._core.signer.public_key)

@@ -29,6 +29,7 @@ from tenancy.grants import Grant, GrantVerifier
 from tenancy.model import Principal, Role
 
 GRANT_REFRESH_MARGIN_MS = 5_000
+LIMITS_TTL_S = 10.0
 
 
 class NodeAuth:
@@ -40,6 +41,7 @@ class NodeAuth:
         self._cp_address = control_plane_address
         self._verifier = GrantVerifier(base64.b64decode(grant_public_key), node_id) if grant_public_key else None
         self._grants: dict[tuple[str, str], tuple[bytes, int]] = {}
+        self._limits: dict[str, tuple[float, int | None]] = {}
 
     async def authenticate(self, presented: str) -> Principal:
         key_id, secret = api_keys.parse(presented)
@@ -85,6 +87,25 @@ class NodeAuth:
         reply = await self._call(lambda stub: stub.IssuePullGrant(request, timeout=5.0))
         self._grants[key] = (reply.token, reply.expires_unix_ms)
         return reply.token
+
+    async def tenant_limit(self, tenant: str) -> int | None:
+        """CPU-tier bytes this node may hold for ``tenant`` (None: no limit), from the control plane,
+        cached for LIMITS_TTL_S. PermissionDenied: the tenant's policy does not allow this node.
+        Without a control plane no tenant policy is enforced here; while it is unreachable the last
+        known limit applies (or none)."""
+        if not self._cp_address:
+            return None
+        cached = self._limits.get(tenant)
+        if cached and time.monotonic() - cached[0] < LIMITS_TTL_S:
+            return cached[1]
+        request = cp_pb.GetTenantLimitsRequest(tenant=tenant)
+        try:
+            reply = await self._call(lambda stub: stub.GetTenantLimits(request, timeout=5.0))
+        except Unavailable:
+            return cached[1] if cached else None
+        limit = reply.max_cpu_tier_bytes_per_node or None
+        self._limits[tenant] = (time.monotonic(), limit)
+        return limit
 
     async def _call(self, rpc):
         try:

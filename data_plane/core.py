@@ -30,7 +30,9 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kvmesh.errors import (
+    FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
+)
 from kvmesh import tracing
 from kvmesh.namespace import Namespace
 from kvmesh.tracing import ATTR
@@ -158,11 +160,23 @@ class DataPlaneCore:
                                self.region.locked, self.config.block_tokens)
 
     def reserve(self, ns: Namespace, hashes: list[bytes], *, max_offload_tokens: int = 0,
-                first_block_index: int = 0, protected_blocks: int = 0) -> list[int]:
-        """A slot per hash to write, or -1: already stored, beyond the offload cap, or no evictable slot."""
+                first_block_index: int = 0, protected_blocks: int = 0,
+                tenant_limit_bytes: int | None = None) -> list[int]:
+        """A slot per hash to write, or -1: already stored, beyond the offload cap, or no evictable slot.
+
+        ResourceExhausted, with nothing reserved, when the new blocks would take the tenant past
+        ``tenant_limit_bytes`` on this node (its policy's max_cpu_tier_bytes_per_node)."""
         hashes = self._check(ns, hashes)
-        self._namespaces.setdefault(ns.fingerprint, ns)
         block_size = ns.cache_config.block_size
+        if tenant_limit_bytes is not None:
+            new = sum(1 for i, h in enumerate(hashes) if self.tier.get(BlockKey(ns.fingerprint, h)) is None and not (
+                max_offload_tokens and (first_block_index + i + 1) * block_size > max_offload_tokens))
+            held = self.tier.tenant_slots(ns.tenant)
+            if (held + new) * self.block_bytes > tenant_limit_bytes:
+                raise ResourceExhausted(
+                    f"tenant {ns.tenant!r} may hold {tenant_limit_bytes} bytes of CPU tier on this node: {held} "
+                    f"blocks of {self.block_bytes} bytes are held and {new} more were asked for; nothing was reserved")
+        self._namespaces.setdefault(ns.fingerprint, ns)
         slots = []
         for i, h in enumerate(hashes):
             position = first_block_index + i
@@ -346,7 +360,7 @@ class DataPlaneCore:
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: frozenset[Medium] = frozenset(Medium),
-                   first_block_index: int = 0, grant: bytes = b"") -> PullResult:
+                   first_block_index: int = 0, grant: bytes = b"", tenant_limit_bytes: int | None = None) -> PullResult:
         """Copies the leading blocks the source holds into this node's CPU tier; MISS for the rest.
 
         Runs to completion (within its own bound) even if the caller goes away, so
@@ -360,14 +374,14 @@ class DataPlaneCore:
         timeout = self._bounded(timeout_ms, self.config.pull_timeout_ms, self.config.max_pull_timeout_ms)
         task = asyncio.ensure_future(
             self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
-                       source_media, first_block_index, grant))
+                       source_media, first_block_index, grant, tenant_limit_bytes))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)
 
     async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
                     deadline: float, source_media: frozenset[Medium], first_block_index: int,
-                    grant: bytes) -> PullResult:
+                    grant: bytes, tenant_limit_bytes: int | None) -> PullResult:
         self._namespaces.setdefault(ns.fingerprint, ns)
         statuses = [LookupStatus.MISS] * len(hashes)
         already_local = 0
@@ -405,7 +419,8 @@ class DataPlaneCore:
         if answer is None:
             return PullResult(statuses, 0, already_local, 0, lookup_ms, 0.0)
         try:
-            blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, answer, first_block_index)
+            blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, answer, first_block_index,
+                                                                     tenant_limit_bytes)
             t1 = time.perf_counter()
             arrived = await self._transfer(peer, blocks, remote_addrs, deadline)
             transfer_ms = (time.perf_counter() - t1) * 1000
@@ -483,11 +498,15 @@ class DataPlaneCore:
         return answer
 
     def _reserve_for_pull(self, ns: Namespace, hashes: list[bytes], wanted: list[int], answer: LookupAnswer,
-                          first_block_index: int) -> tuple[list[Block], list[int], list[int]]:
-        """Local slots for the leading HITs of the answer (as many as fit)."""
+                          first_block_index: int, tenant_limit_bytes: int | None
+                          ) -> tuple[list[Block], list[int], list[int]]:
+        """Local slots for the leading HITs of the answer (as many as fit, within the tenant's limit)."""
         blocks, addrs, checksums = [], [], []
         for j, i in enumerate(wanted):
             if answer.statuses[j] is not LookupStatus.HIT:
+                break
+            if tenant_limit_bytes is not None and \
+                    (self.tier.tenant_slots(ns.tenant) + 1) * self.block_bytes > tenant_limit_bytes:
                 break
             key = BlockKey(ns.fingerprint, hashes[i])
             block = self.tier.reserve(ns, key, _info(first_block_index + i))

@@ -6,6 +6,7 @@ needs this node's own key; the peer API needs a pull grant for the namespace.
 
 from __future__ import annotations
 
+from kvmesh.errors import PermissionDenied
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
@@ -50,11 +51,16 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Pull(self, request, context):
         self._auth.require_local("Pull")
+        ns = Namespace.from_proto(request.namespace)
+        try:
+            limit = await self._auth.tenant_limit(ns.tenant)
+        except PermissionDenied:
+            limit = 0  # this node may hold none of the tenant's blocks: the pull answers MISS
         result = await self._core.pull(
-            Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
+            ns, list(request.block_hashes), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
-            grant=request.grant)
+            grant=request.grant, tenant_limit_bytes=limit)
         return wire.pull_response(result)
 
     @grpc_errors
@@ -67,8 +73,10 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Reserve(self, request, context):
         self._auth.require_local("Reserve")
+        ns = Namespace.from_proto(request.namespace)
+        limit = await self._auth.tenant_limit(ns.tenant)
         slots = self._core.reserve(
-            Namespace.from_proto(request.namespace), list(request.block_hashes),
+            ns, list(request.block_hashes), tenant_limit_bytes=limit,
             max_offload_tokens=request.max_offload_tokens, first_block_index=request.first_block_index,
             protected_blocks=request.protected_blocks)
         return pb.ReserveResponse(slots=slots)

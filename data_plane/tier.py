@@ -21,6 +21,7 @@ only caller; waiters use asyncio events of that loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class MemoryTier:
         self._on_evict = on_evict
         self._blocks: dict[BlockKey, Block] = {}
         self._free = list(range(region.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._per_tenant: collections.Counter[str] = collections.Counter()  # slots held, by tenant
         self.quarantined = 0
 
     # ---- queries ----
@@ -91,6 +93,10 @@ class MemoryTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def tenant_slots(self, tenant: str) -> int:
+        """Slots the tenant's blocks occupy (any state)."""
+        return self._per_tenant[tenant]
+
     # ---- transitions ----
 
     def reserve(self, namespace: Namespace, key: BlockKey, info: BlockInfo) -> Block | None:
@@ -101,6 +107,7 @@ class MemoryTier:
             return None
         block = Block(key, namespace, self._free.pop(), info)
         self._blocks[key] = block
+        self._per_tenant[namespace.tenant] += 1
         return block
 
     def _evict_one(self) -> bool:
@@ -114,6 +121,7 @@ class MemoryTier:
         self._policy.remove(victim.key, evicted=True)
         self._on_evict(victim)
         del self._blocks[victim.key]
+        self._per_tenant[victim.namespace.tenant] -= 1
         self._free.append(victim.slot)
         return True
 
@@ -144,6 +152,7 @@ class MemoryTier:
     def _drop(self, block: Block) -> None:
         if self._blocks.get(block.key) is block:
             del self._blocks[block.key]
+            self._per_tenant[block.namespace.tenant] -= 1
         self._settle(block)
 
     def pin(self, block: Block) -> None:

@@ -422,3 +422,15 @@ class ReportStatsRequest(_message.Message):
 class ReportStatsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetTenantLimitsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class TenantLimits(_message.Message):
+    __slots__ = ("max_cpu_tier_bytes_per_node",)
+    MAX_CPU_TIER_BYTES_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    max_cpu_tier_bytes_per_node: int
+    def __init__(self, max_cpu_tier_bytes_per_node: _Optional[int] = ...) -> None: ...

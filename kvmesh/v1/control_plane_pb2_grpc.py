@@ -80,6 +80,11 @@ class ControlPlaneStub:
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.FromString,
                 _registered_method=True)
+        self.GetTenantLimits = channel.unary_unary(
+                '/kvmesh.v1.ControlPlane/GetTenantLimits',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetTenantLimitsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.TenantLimits.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/kvmesh.v1.ControlPlane/Ping',
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.PingRequest.SerializeToString,
@@ -167,6 +172,14 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTenantLimits(self, request, context):
+        """What the calling node may hold for a tenant (PERMISSION_DENIED: nothing;
+        the tenant's policy does not allow this node, or there is no such tenant).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """Does nothing: the baseline cost of one RPC to this server.
         """
@@ -237,6 +250,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.GetGrantKey,
                     request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.SerializeToString,
+            ),
+            'GetTenantLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTenantLimits,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetTenantLimitsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.TenantLimits.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
@@ -497,6 +515,33 @@ class ControlPlane:
             '/kvmesh.v1.ControlPlane/GetGrantKey',
             kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.SerializeToString,
             kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTenantLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.ControlPlane/GetTenantLimits',
+            kvmesh_dot_v1_dot_control__plane__pb2.GetTenantLimitsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.TenantLimits.FromString,
             options,
             channel_credentials,
             insecure,

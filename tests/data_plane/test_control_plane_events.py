@@ -59,3 +59,34 @@ async def test_commit_pull_and_eviction_are_published(control_plane, local_node,
         assert await holders(cp, admin_key, ns, hashes) == {"cp-b": 3}
         snapshot = list(a.core.snapshot())
         assert [(m, len(h)) for _, m, h in snapshot] == [(common_pb2.MEDIUM_CPU, 2)]
+
+
+async def test_tenant_cpu_tier_quota_and_node_policy_hold_on_the_node(control_plane, local_node, ns, block_bytes):
+    import grpc
+
+    await control_plane.core.tenants.set_policy(ns.tenant, TenantPolicy(
+        allowed_nodes=("cp-a", "cp-b"), max_cpu_tier_bytes_per_node=2 * block_bytes))
+    cp = f"127.0.0.1:{control_plane.port}"
+    keys = {n: (await control_plane.core.tenants.issue_key(Role.NODE, node_id=n))[1] for n in ("cp-a", "cp-b", "cp-x")}
+    node = dict(control_plane_address=cp, capacity_bytes=8 * block_bytes, grant_public_key="")
+    a = await local_node(node_id="cp-a", api_key=keys["cp-a"], **node)
+    b = await local_node(node_id="cp-b", api_key=keys["cp-b"], **node)
+    x = await local_node(node_id="cp-x", api_key=keys["cp-x"], **node)
+    hashes = [os.urandom(32) for _ in range(3)]
+    async with DataPlaneClient(a.address, key=keys["cp-a"]) as ca, DataPlaneClient(b.address, key=keys["cp-b"]) as cb, \
+            DataPlaneClient(x.address, key=keys["cp-x"]) as cx:
+        assert -1 not in await ca.reserve(ns, hashes[:2])
+        await ca.commit(ns, hashes[:2])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ca.reserve(ns, hashes[2:])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "nothing was reserved" in err.value.details()
+        slots, lease = await ca.acquire(ns, hashes[:2])  # nothing already stored was lost
+        assert len(slots) == 2
+        await ca.release(lease)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # cp-x is outside the tenant's policy
+            await cx.reserve(ns, hashes)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        await cb.reserve(ns, hashes[2:])  # the quota is per node: cp-b holds one, may pull one more
+        await cb.commit(ns, hashes[2:])
+        result = await cb.pull(ns, hashes[:2], "cp-a", a.address)
+        assert result.pulled == 1  # the second would pass the limit: MISS, not an error
