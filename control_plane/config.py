@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.routing.config import RoutingSettings
+from tenancy import api_keys
 
 
 class ControlPlaneConfig(RoutingSettings, BaseSettings):
@@ -40,9 +40,8 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
 
     def bootstrap_admin_key(self) -> str:
         """The admin key from admin_key or admin_key_file; ValueError when neither gives one."""
-        if self.admin_key:
-            return self.admin_key.strip()
-        if self.admin_key_file:
-            return Path(self.admin_key_file).read_text().strip()
+        key = api_keys.from_setting(self.admin_key, self.admin_key_file)
+        if key:
+            return key
         raise ValueError("no admin key: set KVMESH_CP_ADMIN_KEY or --admin-key-file "
                          "(`kvmesh admin new-key` prints a fresh one)")

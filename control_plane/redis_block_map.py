@@ -198,12 +198,10 @@ class RedisBlockMap(BlockMap):
         await self._redis.sadd(self._keys.node_namespaces(node_id), ns_key)
         self._known_ns.add((node_id, ns_key))
 
-    async def apply_batch(self, batch: EventBatch) -> Ack:
-        k = self._keys
-        reply = await self._eval(
-            "begin_batch", self._reg_keys(batch.node_id),
-            [batch.incarnation, batch.seq, 1 if batch.reset else 0, MAX_SLOTS],
-        )
+    async def _begin(self, batch: EventBatch, reset: bool) -> int | Ack:
+        """The sequence decision (begin_batch.lua): the slot to apply under, or the Ack to answer now."""
+        reply = await self._eval("begin_batch", self._reg_keys(batch.node_id),
+                                 [batch.incarnation, batch.seq, 1 if reset else 0, MAX_SLOTS])
         status = _s(reply[0])
         if status == "duplicate":
             return Ack(batch.seq, AckStatus.DUPLICATE)
@@ -211,7 +209,13 @@ class RedisBlockMap(BlockMap):
             return Ack(batch.seq, AckStatus.RESYNC_REQUIRED, expected_seq=int(reply[1]))
         if status != "apply":
             self._raise_for(reply, batch.node_id)
-        slot = int(reply[1])
+        return int(reply[1])
+
+    async def apply_batch(self, batch: EventBatch) -> Ack:
+        k = self._keys
+        slot = await self._begin(batch, batch.reset)
+        if isinstance(slot, Ack):
+            return slot
         tenant = batch.namespace.tenant
         ns_key = k.blocks(batch.namespace)
         await self._remember_namespace(batch.node_id, ns_key)
@@ -233,15 +237,9 @@ class RedisBlockMap(BlockMap):
         return Ack(batch.seq, AckStatus.APPLIED, blocks_applied=batch.block_count)
 
     async def skip_batch(self, batch: EventBatch) -> Ack:
-        reply = await self._eval("begin_batch", self._reg_keys(batch.node_id),
-                                 [batch.incarnation, batch.seq, 0, MAX_SLOTS])
-        status = _s(reply[0])
-        if status == "duplicate":
-            return Ack(batch.seq, AckStatus.DUPLICATE)
-        if status == "gap":
-            return Ack(batch.seq, AckStatus.RESYNC_REQUIRED, expected_seq=int(reply[1]))
-        if status != "apply":
-            self._raise_for(reply, batch.node_id)
+        decided = await self._begin(batch, reset=False)
+        if isinstance(decided, Ack):
+            return decided
         await self._eval("end_batch", [self._keys.node(batch.node_id)], [batch.incarnation, batch.seq])
         return Ack(batch.seq, AckStatus.APPLIED)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 from pydantic import ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tenancy import api_keys
+
 MIB = 1 << 20
 
 
@@ -72,10 +74,9 @@ class DataPlaneConfig(BaseSettings):
 
     def node_key(self) -> str:
         """The node's API key; ValueError when neither api_key nor api_key_file gives one."""
-        if self.api_key:
-            return self.api_key.strip()
-        if self.api_key_file:
-            return Path(self.api_key_file).read_text().strip()
+        key = api_keys.from_setting(self.api_key, self.api_key_file)
+        if key:
+            return key
         raise ValueError("no API key: set KVMESH_DP_API_KEY or --api-key-file (an admin issues node keys: "
                          "`kvmesh admin keys issue --role node --node <node_id>`)")
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.hashing import HashAlgo
 from kvmesh.namespace import CacheConfig, Namespace
+from tenancy import api_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,10 +85,9 @@ class ConnectorConfig:
 
     def key(self) -> str:
         """The node's API key (``api_key``, else the contents of ``api_key_file``)."""
-        if self.api_key:
-            return self.api_key.strip()
-        if self.api_key_file:
-            return Path(self.api_key_file).read_text().strip()
+        key = api_keys.from_setting(self.api_key, self.api_key_file)
+        if key:
+            return key
         raise ValueError("KvmeshConnector needs the node's API key: set api_key or api_key_file in "
                          "kv_connector_extra_config")
 

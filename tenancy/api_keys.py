@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets as _secrets  # the standard library module
+from pathlib import Path
 
 from kvmesh.errors import Unauthenticated
 
@@ -39,3 +40,12 @@ def parse(key: str) -> tuple[str, str]:
 
 def matches(secret: str, stored_hash: str) -> bool:
     return hmac.compare_digest(hash_secret(secret), stored_hash)
+
+
+def from_setting(key: str | None, key_file: str | None) -> str | None:
+    """A key given inline, else read from a file (settings offer both); None when neither is set."""
+    if key:
+        return key.strip()
+    if key_file:
+        return Path(key_file).read_text().strip()
+    return None
