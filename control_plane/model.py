@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.namespace import Namespace
+from kvmesh.namespace import Namespace, validate_node_id  # noqa: F401  (re-exported)
 
-_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
@@ -38,14 +37,6 @@ def tier_mask(media: "list[Medium] | tuple[Medium, ...]") -> int:
     for medium in media:
         mask |= medium.bit
     return mask or ALL_TIERS
-
-
-def validate_node_id(node_id: str) -> str:
-    if not _NODE_ID_RE.match(node_id):
-        raise InvalidArgument(
-            f"node_id {node_id!r} is not valid: 1-128 characters of letters, digits, '_', '.', ':', '-'"
-        )
-    return node_id
 
 
 def validate_address(address: str, what: str = "data_plane_address") -> str:

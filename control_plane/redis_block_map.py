@@ -25,7 +25,7 @@ from kvmesh.redis_client import connect
 from redis.asyncio.cluster import RedisCluster
 
 from control_plane.block_map import BlockMap
-from control_plane.keys import Keys
+from kvmesh.redis_keys import Keys
 from control_plane.model import (
     ALL_TIERS, Ack, AckStatus, Cleared, EventBatch, Medium, NodeInfo, NodePrefix, NodeStatus,
     PrefixMatch, Registration, Stored,

@@ -17,6 +17,7 @@ from kvmesh.hashing import BlockHasher, HashAlgo
 from kvmesh.v1 import common_pb2 as pb
 
 _TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 MAX_BLOCK_SIZE = 4096
 MAX_FIELD_LEN = 256
 
@@ -40,6 +41,14 @@ def validate_tenant(tenant: str) -> str:
             "starting with a letter or digit"
         )
     return tenant
+
+
+def validate_node_id(node_id: str) -> str:
+    if not _NODE_ID_RE.fullmatch(node_id):
+        raise InvalidArgument(
+            f"node_id {node_id!r} is not valid: 1-128 characters of letters, digits, '_', '.', ':', '-'"
+        )
+    return node_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from kvmesh.errors import AlreadyExists, InvalidArgument, NotFound
 from kvmesh.namespace import validate_tenant
 from kvmesh.redis_client import connect
 
-from control_plane.keys import Keys
-from control_plane.model import validate_node_id
+from kvmesh.redis_keys import Keys
+from kvmesh.namespace import validate_node_id
 from tenancy import api_keys
 from tenancy.keys import TenantKeys
 from tenancy.model import ApiKey, AuditEntry, Role, Tenant, TenantPolicy

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.redis_server import RedisCluster, RedisServer
+from kvmesh_apps.redis_server import RedisCluster, RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 
 
 def run_kvmesh(*args: str, timeout: float = 300) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", *args], capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -26,11 +26,11 @@ def test_bench_control_plane_ends_with_its_json():
 
 
 def test_usage_and_unknown_commands():
-    ok = subprocess.run([sys.executable, "-m", "kvmesh.cli", "--help"], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "bench NAME" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "kvmesh.cli", "frobnicate"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "frobnicate"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
-    bad_flag = subprocess.run([sys.executable, "-m", "kvmesh.cli", "control-plane", "--lease-ms", "5"],
+    bad_flag = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "control-plane", "--lease-ms", "5"],
                               capture_output=True, text=True, timeout=60)
     assert bad_flag.returncode == 2 and "invalid configuration" in bad_flag.stderr
 

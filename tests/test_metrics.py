@@ -8,7 +8,7 @@ import urllib.request
 
 from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
-from kvmesh.redis_server import free_port
+from kvmesh_apps.redis_server import free_port
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc
 from tenancy import api_keys
 from tenancy.model import TenantPolicy

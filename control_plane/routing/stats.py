@@ -47,7 +47,7 @@ class RedisStatsStore(StatsStore):
     def __init__(self, url: str, *, key_prefix: str = "kvm", alpha: float = 0.3, refresh_ms: int = 1000,
                  username: str | None = None, password: str | None = None) -> None:
         self._redis = connect(url, username=username, password=password)
-        reg = f"{key_prefix}:{{{key_prefix}-reg}}"  # control_plane.keys.Keys' registry tag
+        reg = f"{key_prefix}:{{{key_prefix}-reg}}"  # kvmesh.redis_keys.Keys' registry tag
         self.link_key = f"{reg}:stats:link-bw"
         self.engine_key = f"{reg}:stats:prefill-tps"
         self._alpha = alpha

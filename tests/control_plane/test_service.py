@@ -182,7 +182,7 @@ async def test_two_replicas_answer_identically_and_a_restart_loses_nothing(cp_co
 
 
 async def test_redis_down_is_unavailable_not_a_hang(cp_config, tmp_path, admin_key):
-    from kvmesh.redis_server import RedisServer
+    from kvmesh_apps.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     config = cp_config.model_copy(update={"redis_url": server.url})

@@ -17,7 +17,7 @@ from tenancy import api_keys
 from tenancy.grants import Grant, GrantSigner
 
 from data_plane.config import DataPlaneConfig
-from data_plane.launch import DataPlaneProcess
+from kvmesh_apps.dp_process import DataPlaneProcess
 from data_plane.server import serve
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

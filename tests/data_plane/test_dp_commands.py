@@ -11,7 +11,7 @@ import pytest
 
 def test_data_plane_refuses_a_wildcard_without_advertise_address(shm_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "data-plane", "--node-id", "x", "--listen", "0.0.0.0:0",
+        [sys.executable, "-m", "kvmesh_apps.cli", "data-plane", "--node-id", "x", "--listen", "0.0.0.0:0",
          "--shm-dir", str(shm_dir)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "not an address peers can reach; set advertise_address" in proc.stderr
@@ -20,7 +20,7 @@ def test_data_plane_refuses_a_wildcard_without_advertise_address(shm_dir):
 @pytest.mark.nixl
 @pytest.mark.slow
 def test_bench_pull_json():
-    proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "pull", "--json", "--rounds", "1"],
+    proc = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "bench", "pull", "--json", "--rounds", "1"],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

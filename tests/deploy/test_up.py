@@ -18,7 +18,7 @@ def serving(address: str) -> bool:
 
 
 def test_up_starts_serves_and_stops(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--data-planes", "1", "--json",
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh_apps.cli", "up", "--data-planes", "1", "--json",
                              "--workdir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.fleet import Fleet
-from kvmesh.tiny_model import build_tiny_llama
+from kvmesh_apps.fleet import Fleet
+from kvmesh_apps.tiny_model import build_tiny_llama
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 

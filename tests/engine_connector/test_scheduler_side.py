@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvmesh.fleet import Fleet
+from kvmesh_apps.fleet import Fleet
 from kvmesh.hashing import BlockHasher
 from kvmesh.namespace import CacheConfig, Namespace
 

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvmesh.fleet import Fleet
-from kvmesh.tiny_model import TinyLlamaSpec
+from kvmesh_apps.fleet import Fleet
+from kvmesh_apps.tiny_model import TinyLlamaSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(900)]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.replay.sim import Lru, variants
-from kvmesh.replay.trace import BlockHashes, TraceRequest, load_window
+from kvmesh_apps.replay.sim import Lru, variants
+from kvmesh_apps.replay.trace import BlockHashes, TraceRequest, load_window
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 NAMES = {"cost-aware+p2p", "token-aware+p2p", "load-aware+p2p", "affinity+p2p", "cost-aware-nop2p",
@@ -47,7 +47,7 @@ def test_nine_variants():
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not present")
 def test_replay_ends_with_its_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "replay", "--trace", str(TRACE),
+    out = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "bench", "replay", "--trace", str(TRACE),
                           "--requests", "120", "--engines", "4", "--out", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -50,7 +50,7 @@ async def cp_stub(control_plane, ns, admin_key):
 
 @pytest.fixture
 async def scheduler(control_plane, cp_stub, ns, admin_key):
-    from kvmesh.scheduler_client import SchedulerClient
+    from control_plane.scheduler_client import SchedulerClient
 
     async with SchedulerClient(f"127.0.0.1:{control_plane.port}", ns, api_key=admin_key) as client:
         yield client

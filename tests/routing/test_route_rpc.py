@@ -12,7 +12,7 @@ from kvmesh.v1 import control_plane_pb2 as pb
 from control_plane.model import Medium
 from control_plane.routing.stats import RedisStatsStore
 from control_plane.routing.types import Policy, Reason, SourceDecision
-from kvmesh.scheduler_client import Candidate, EngineSample, LinkSample, PullOutcome
+from control_plane.scheduler_client import Candidate, EngineSample, LinkSample, PullOutcome
 
 BLOCK = 32
 

@@ -126,7 +126,7 @@ async def test_redis_credentials_rotate_without_interruption(fleet, control_plan
 
 
 async def test_admin_cli(control_plane, admin_key):
-    base = [sys.executable, "-m", "kvmesh.cli", "admin", "--control-plane", f"127.0.0.1:{control_plane.port}",
+    base = [sys.executable, "-m", "kvmesh_apps.cli", "admin", "--control-plane", f"127.0.0.1:{control_plane.port}",
             "--key", admin_key]
 
     async def run(*args):  # a child process, while this event loop keeps serving the control plane
@@ -141,5 +141,5 @@ async def test_admin_cli(control_plane, admin_key):
     assert rc == 0 and json.loads(out)["secret"].startswith("kvm_")
     rc, _, err = await run("tenants", "get", "ghost")
     assert rc == 1 and "NOT_FOUND" in err
-    new = subprocess.run([sys.executable, "-m", "kvmesh.cli", "admin", "new-key"], capture_output=True, text=True)
+    new = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "admin", "new-key"], capture_output=True, text=True)
     assert new.stdout.startswith("kvm_")

@@ -61,7 +61,7 @@ async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix(fleet):
 
 
 async def test_identical_tokens_in_two_tenants_never_share_a_key(control_plane):
-    from control_plane.keys import Keys
+    from kvmesh.redis_keys import Keys
 
     a = Namespace("tenant-a", "m", "v1", CacheConfig(32))
     b = Namespace("tenant-b", "m", "v1", CacheConfig(32))

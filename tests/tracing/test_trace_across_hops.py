@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.fleet import Fleet
+from kvmesh_apps.fleet import Fleet
 from kvmesh.hashing import BlockHasher
 from kvmesh.namespace import CacheConfig, Namespace
 

@@ -15,14 +15,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "data-plane": ("data_plane.server", "main", "run one node's data-plane gRPC service"),
     "vllm-events": ("control_plane.vllm_events", "main", "feed a stock vLLM's ZMQ KV events into the control plane"),
     "admin": ("tenancy.cli", "main", "tenant administration: tenants, keys, policies, audit"),
-    "demo": ("kvmesh.demo", "main", "start a local fleet on embedded defaults and run a scenario"),
-    "up": ("kvmesh.up", "main", "run the docker-compose topology as local processes (Ctrl-C stops it)"),
+    "demo": ("kvmesh_apps.demo", "main", "start a local fleet on embedded defaults and run a scenario"),
+    "up": ("kvmesh_apps.up", "main", "run the docker-compose topology as local processes (Ctrl-C stops it)"),
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {
-    "control-plane": ("control_plane.bench", "main", "block-map lookup latency, ingest rate, Redis bytes per block"),
-    "pull": ("data_plane.bench", "main", "NIXL peer pull throughput against memcpy"),
-    "replay": ("kvmesh.replay.bench", "main", "policies compared on a Mooncake trace through real Route calls"),
+    "control-plane": ("kvmesh_apps.bench.control_plane", "main", "block-map lookup latency, ingest rate, Redis bytes per block"),
+    "pull": ("kvmesh_apps.bench.pull", "main", "NIXL peer pull throughput against memcpy"),
+    "replay": ("kvmesh_apps.replay.bench", "main", "policies compared on a Mooncake trace through real Route calls"),
 }
 
 

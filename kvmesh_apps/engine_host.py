@@ -1,6 +1,6 @@
 """One vLLM engine (CPU build) in a child process, driven over stdin/stdout, for the local fleet.
 
-``python -m kvmesh.engine_host SPEC_JSON`` builds ``vllm.LLM`` from the spec, then answers one
+``python -m kvmesh_apps.engine_host SPEC_JSON`` builds ``vllm.LLM`` from the spec, then answers one
 JSON request per stdin line with one stdout line prefixed ``kvmesh-engine ``. vLLM logs go to
 the same stdout; :class:`EngineProcess` keeps the prefixed lines and writes the rest to the log.
 
@@ -113,7 +113,7 @@ class EngineProcess:
 
     def start(self) -> "EngineProcess":
         """Launch the child (returns at once; :meth:`wait_ready` waits for the engine)."""
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvmesh.engine_host", json.dumps(self.spec)],
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvmesh_apps.engine_host", json.dumps(self.spec)],
                                       env={**os.environ, **self._env, "PYTHONUNBUFFERED": "1"},
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)

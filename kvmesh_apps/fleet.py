@@ -4,7 +4,7 @@ Shared by ``kvmesh up``, ``kvmesh demo`` and the end-to-end tests. :meth:`Fleet.
 Redis (AOF on, in ``workdir``) and the control plane with a bootstrap admin key, creates the
 tenant, issues one node key per data plane through the TenantAdmin API and starts the data
 planes with their keys (they publish tier changes and fetch pull grants with them). Engines
-(:mod:`kvmesh.engine_host`) are started on demand, attached to a node's data plane.
+(:mod:`kvmesh_apps.engine_host`) are started on demand, attached to a node's data plane.
 
 With ``trace_dir`` every process writes its spans to ``<trace_dir>/<process>.jsonl``
 (``KVMESH_TRACE_EXPORTER=file``, see kvmesh.tracing).
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.channels import channel
-from kvmesh.engine_host import EngineProcess
-from kvmesh.procs import ServiceProcess
-from kvmesh.redis_server import RedisServer
+from kvmesh_apps.engine_host import EngineProcess
+from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.redis_server import RedisServer
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 
 DEFAULT_BLOCK_BYTES = 2 * 1024 * 1024

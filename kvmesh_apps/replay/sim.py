@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from kvmesh.namespace import CacheConfig, Namespace
-from kvmesh.replay.profile import Profile
-from kvmesh.replay.trace import BlockHashes, TraceRequest
-from kvmesh.scheduler_client import Candidate, EngineSample, LinkSample, PullOutcome, SchedulerClient
+from kvmesh_apps.replay.profile import Profile
+from kvmesh_apps.replay.trace import BlockHashes, TraceRequest
+from control_plane.scheduler_client import Candidate, EngineSample, LinkSample, PullOutcome, SchedulerClient
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
 from control_plane.model import Medium

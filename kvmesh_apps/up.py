@@ -1,6 +1,6 @@
 """``kvmesh up``: the docker-compose.yml topology as local processes, without Docker.
 
-Starts a :class:`kvmesh.fleet.Fleet`: Redis (AOF on, in ``--workdir``), the control
+Starts a :class:`kvmesh_apps.fleet.Fleet`: Redis (AOF on, in ``--workdir``), the control
 plane, a tenant and ``--data-planes`` data-plane nodes with their node keys, on free
 loopback ports; prints their addresses and keys, and stops everything on Ctrl-C.
 Engines are not started (they need a model): the printed ``vllm serve`` line attaches
@@ -17,7 +17,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from kvmesh.fleet import Fleet
+from kvmesh_apps.fleet import Fleet
 from tenancy.api_keys import new_key
 
 ENGINE_HINT = (

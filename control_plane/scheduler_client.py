@@ -2,7 +2,7 @@
 
 Example::
 
-    from kvmesh.scheduler_client import Candidate, SchedulerClient
+    from control_plane.scheduler_client import Candidate, SchedulerClient
 
     async with SchedulerClient("cp:50051", namespace, api_key=key) as client:
         decision = await client.route(

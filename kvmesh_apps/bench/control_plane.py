@@ -23,8 +23,8 @@ from pathlib import Path
 import redis
 
 from kvmesh.channels import channel
-from kvmesh.procs import ServiceProcess
-from kvmesh.redis_server import RedisServer
+from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.redis_server import RedisServer
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
 from tenancy.api_keys import new_key

@@ -1,7 +1,7 @@
 """``kvmesh bench replay --trace PATH [--engines 8] [--json]``: policies compared on a real trace.
 
 A real redis-server and a real control-plane process; this process simulates
-the engines (:mod:`kvmesh.replay.sim`) for every variant at once, each in its
+the engines (:mod:`kvmesh_apps.replay.sim`) for every variant at once, each in its
 own namespace and node ids, so one control plane serves them all concurrently.
 The trace is sampled as one contiguous window (``--start``, ``--requests``)
 replayed at its own pace (``--time-scale`` > 1 compresses it). Writes
@@ -22,12 +22,12 @@ from pathlib import Path
 import grpc
 
 from kvmesh.grpc_server import channel_options
-from kvmesh.procs import ServiceProcess
-from kvmesh.redis_server import RedisServer
-from kvmesh.replay.profile import Profile
-from kvmesh.replay.sim import Simulation, Totals, Variant, variants
-from kvmesh.replay.trace import BlockHashes, load_window
-from kvmesh.scheduler_client import SchedulerClient
+from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.redis_server import RedisServer
+from kvmesh_apps.replay.profile import Profile
+from kvmesh_apps.replay.sim import Simulation, Totals, Variant, variants
+from kvmesh_apps.replay.trace import BlockHashes, load_window
+from control_plane.scheduler_client import SchedulerClient
 from kvmesh.v1 import control_plane_pb2_grpc as pb_grpc, tenant_admin_pb2, tenant_admin_pb2_grpc
 from tenancy.api_keys import new_key
 
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(json.dumps(result, indent=2) + "\n")
-    from kvmesh.replay.plot import write_plot
+    from kvmesh_apps.replay.plot import write_plot
     plot_note = write_plot(result, out / "replay.png")
     print(f"profile: {profile.name}; {args.engines} engines; {json.dumps(profile.as_dict())}")
     print(f"{'policy':<20}{'TTFT p50 ms':>12}{'p99 ms':>10}{'req/s':>8}{'good/s':>8}{'saved tok':>12}"

@@ -1,6 +1,6 @@
 """``kvmesh demo``: a local fleet with two vLLM engines that pull prompt prefixes from each other.
 
-It starts a :class:`kvmesh.fleet.Fleet` on embedded defaults (embedded Redis, the control
+It starts a :class:`kvmesh_apps.fleet.Fleet` on embedded defaults (embedded Redis, the control
 plane, two data-plane nodes, loopback, no Docker) and two vLLM CPU engines, one per node, on
 a random-weight Llama built locally (vLLM's own prefix cache off, so every reused token comes
 through kvmesh). Then it plays a router: multi-turn sessions on a shared
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from kvmesh.channels import channel
-from kvmesh.fleet import Fleet
+from kvmesh_apps.fleet import Fleet
 from kvmesh.namespace import CacheConfig, Namespace
-from kvmesh.tiny_model import DEMO_PRESET, TinyLlamaSpec, build_tiny_llama
+from kvmesh_apps.tiny_model import DEMO_PRESET, TinyLlamaSpec, build_tiny_llama
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from tenancy.api_keys import new_key
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvmesh.replay.trace import TRACE_BLOCK_TOKENS
+from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ class ServiceProcess:
 
     def start(self, timeout: float = 60.0) -> "ServiceProcess":
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *self.args], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh_apps.cli", *self.args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         found = threading.Event()
         lines: list[str] = []

@@ -30,7 +30,7 @@ from tenancy.api_keys import hash_secret, new_key, parse
 from tenancy.grants import Grant, GrantSigner
 
 from data_plane.client import DataPlaneClient, SharedTier
-from data_plane.launch import DataPlaneProcess
+from kvmesh_apps.dp_process import DataPlaneProcess
 
 CASES = (("2mib", 2 << 20, 64), ("64kib", 64 << 10, 1024))
 NS = Namespace("bench", "bench-model", "r0", CacheConfig(block_size=32))
