@@ -62,6 +62,9 @@ class DataPlaneConfig(BaseSettings):
     max_hashes_per_request: int = Field(4096, ge=1, description="most block hashes one request may carry")
     verify_pulls: bool = Field(True, description="check each pulled block's CRC-32 before committing it")
     verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32 check of one pull")
+    nixl_progress_wait_ms: int = Field(
+        100, ge=1, le=10_000, description="longest sleep of NIXL's progress thread between checks when no UCX "
+        "event wakes it (it wakes at once on one); small values cost idle CPU")
     lease_sweep_ms: int = Field(250, ge=1, description="how often expired leases are released")
     control_plane_address: str = Field("", description="host:port of the control plane (unset: publish nothing)")
     pool: str = Field("", description="pool this node registers in")

@@ -15,7 +15,12 @@ Implementor contracts:
 
 Threading model: called from the event-loop thread. ``read`` posts and polls
 the request in a worker thread so the loop keeps serving while bytes move;
-NIXL's own progress thread drives UCX.
+NIXL's own progress thread drives UCX. That thread sleeps in ``poll()`` on the
+UCX worker's event descriptor, waking when a message arrives (a peer's
+connection set-up or an active message) or after ``progress_wait_ms``: an idle
+node uses no CPU. (The nixl 1.5.1 Python wrapper hard-codes a 0 ms timeout,
+which turns that loop into a busy poll of a whole core; :func:`_nixl_agent`
+sets the timeout.)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import threading
 import time
 import uuid
 
@@ -35,6 +41,32 @@ log = logging.getLogger(__name__)
 # Polling a transfer: spin first (small reads finish in microseconds), then sleep between checks.
 _SPINS_BEFORE_SLEEP = 200
 _POLL_SLEEP_S = 0.0002
+
+
+_AGENT_CONFIG_LOCK = threading.Lock()
+
+
+def _nixl_agent(name: str, progress_wait_ms: int):
+    """A NIXL agent (UCX backend) whose progress thread waits up to ``progress_wait_ms`` per ``poll()``.
+
+    ``nixl_agent`` builds its core config itself and sets the progress-thread delay to 0; the
+    binding's config class is swapped, only while this agent is built, for one that keeps ours.
+    """
+    from nixl import _api
+
+    real = _api.nixlBind.nixlAgentConfig
+    delay_us = progress_wait_ms * 1000
+
+    class _Config(real):
+        def __setattr__(self, field: str, value) -> None:
+            super().__setattr__(field, delay_us if field == "pthrDelay" else value)
+
+    with _AGENT_CONFIG_LOCK:
+        _api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            _api.nixlBind.nixlAgentConfig = real
 
 
 class TransferFailed(Exception):
@@ -70,12 +102,10 @@ class Transport(abc.ABC):
 class NixlTransport(Transport):
     """NIXL agent with the UCX backend, the node's region registered as DRAM."""
 
-    def __init__(self, node_id: str, region: SharedRegion) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
+    def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100) -> None:
         # A fresh name per start: peers holding the old incarnation's metadata must re-handshake.
         self.agent_name = f"{node_id}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self._agent = _nixl_agent(self.agent_name, progress_wait_ms)
         self._region = region
         self._reg = self._agent.register_memory([(region.base_addr, region.size, 0, "")], "DRAM")
         self._peers: set[str] = set()
