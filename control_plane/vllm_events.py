@@ -77,6 +77,8 @@ class VllmEventAdapter:
             batch = msgspec.msgpack.decode(frames[2])
             events = batch[1] if isinstance(batch, list) else batch["events"]
         except (msgspec.DecodeError, IndexError, KeyError, TypeError):
+            events = None
+        if not isinstance(events, list):
             log.error("refusing an undecodable event batch (seq %d)", seq)
             self.stats.refused += 1
             return
@@ -96,7 +98,7 @@ class VllmEventAdapter:
         return "", {}
 
     def _hashes(self, raw) -> list[bytes] | None:
-        if not all(isinstance(h, bytes) and len(h) == self._digest for h in raw):
+        if not isinstance(raw, list) or not all(isinstance(h, bytes) and len(h) == self._digest for h in raw):
             log.error("refusing events with non-byte or %s-incompatible block hashes (is "
                       "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES set?)", self._ns.cache_config.hash_algo.value)
             self.stats.refused += 1
@@ -105,7 +107,8 @@ class VllmEventAdapter:
 
     def _event(self, event) -> None:
         kind, f = self._fields(event)
-        medium = _MEDIA.get(f.get("medium") or "GPU")
+        named = f.get("medium") or "GPU"
+        medium = _MEDIA.get(named) if isinstance(named, str) else None
         if kind == "BlockStored":
             if f.get("block_size") != self._ns.cache_config.block_size:
                 log.error("refusing BlockStored with block_size %s (namespace has %d)", f.get("block_size"),

@@ -60,7 +60,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             ns, list(request.block_hashes), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
-            grant=request.grant, tenant_limit_bytes=limit)
+            grant=wire.grant_token(request.grant), tenant_limit_bytes=limit)
         return wire.pull_response(result)
 
     @grpc_errors

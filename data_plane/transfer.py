@@ -34,6 +34,8 @@ import uuid
 
 import numpy as np
 
+from kvmesh.errors import InvalidArgument
+
 from data_plane.shm import SharedRegion
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,12 @@ class NixlTransport(Transport):
         return self._agent.get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
-        name = self._agent.add_remote_agent(metadata)
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes for metadata it cannot load
+            log.info("refusing agent metadata NIXL cannot load: %s", exc)
+            raise InvalidArgument("agent_metadata is not a NIXL agent's metadata (as get_agent_metadata() "
+                                  "returns it)") from None
         name = name.decode() if isinstance(name, bytes) else name
         self._peers.add(name)
         return name

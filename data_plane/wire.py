@@ -34,6 +34,20 @@ def media_from_pb(values: Iterable[int]) -> frozenset[Medium]:
     return frozenset(media)
 
 
+MAX_GRANT_BYTES = 4096
+
+
+def grant_token(raw: bytes) -> bytes:
+    """A PullRequest's grant as the data plane forwards it (call metadata): empty, or the printable-ASCII
+    token IssuePullGrant returned."""
+    if len(raw) > MAX_GRANT_BYTES:
+        raise InvalidArgument(f"grant is {len(raw)} bytes; a pull grant token is at most {MAX_GRANT_BYTES}")
+    if raw and not all(0x21 <= b <= 0x7E for b in raw):
+        raise InvalidArgument("grant must be the token IssuePullGrant returned, as is (printable ASCII, no spaces "
+                              "or control characters)")
+    return raw
+
+
 def media_to_pb(media: Iterable[Medium] | None) -> list[int]:
     return [] if media is None else sorted(int(m) for m in media)
 

@@ -67,12 +67,13 @@ class RunningServer:
         await self.server.stop(grace)
 
 
-def rewrap_handler(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
-    """The same RPC handler with its behavior replaced by ``wrap(behavior, streaming_response)``.
+def rewrap_handler(handler: grpc.RpcMethodHandler, wrap, request_deserializer=None) -> grpc.RpcMethodHandler:
+    """The same RPC handler with its behavior replaced by ``wrap(behavior, streaming_response)`` (and its
+    request deserializer, when given).
 
-    The one place server interceptors (authentication, metrics) rebuild a handler, whatever its kind.
+    The one place server interceptors (authentication, metrics, decoding) rebuild a handler, whatever its kind.
     """
-    kwargs = dict(request_deserializer=handler.request_deserializer,
+    kwargs = dict(request_deserializer=request_deserializer or handler.request_deserializer,
                   response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kwargs)
@@ -81,6 +82,78 @@ def rewrap_handler(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandle
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **kwargs)
     return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """What the request deserializer hands on when a payload is not a valid message of the RPC's type."""
+
+    message: str
+
+
+def _tolerant(deserializer):
+    """``deserializer``, answering :class:`_Undecodable` instead of raising (gRPC would answer UNKNOWN)."""
+    if deserializer is None:
+        return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    type_name = descriptor.full_name if descriptor is not None else "the request type"
+
+    def decode(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's malformed payload
+            return _Undecodable(f"request is not a valid {type_name} ({exc.__class__.__name__}: "
+                                f"{str(exc).split(': ')[-1] or 'malformed'})")
+
+    return decode
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Undecodable protobuf payloads answer INVALID_ARGUMENT naming the expected type (unary and streaming
+    requests alike), instead of gRPC's UNKNOWN with an exception class name and a logged traceback."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        if handler.request_streaming:
+            wrap = _check_each_request
+        else:
+            wrap = _check_stream_response if handler.response_streaming else _check_unary
+        return rewrap_handler(handler, lambda behavior, _: wrap(behavior),
+                              request_deserializer=_tolerant(handler.request_deserializer))
+
+
+def _check_unary(behavior):
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await behavior(request, context)
+
+    return unary
+
+
+def _check_stream_response(behavior):
+    async def stream(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        async for item in behavior(request, context):
+            yield item
+
+    return stream
+
+
+def _check_each_request(behavior):
+    async def checked(requests, context):
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            yield request
+
+    def call(requests, context):
+        return behavior(checked(requests, context), context)
+
+    return call
 
 
 async def wait_for_signal() -> None:
@@ -108,10 +181,11 @@ async def start_server(
     """Start an aio server on ``address`` ("host:port", port 0 picks a free one).
 
     Tracing (kvmesh.tracing, from env) wraps every other interceptor, so a denied call is traced too;
-    health probes and reflection are not traced.
+    health probes and reflection are not traced. The :class:`DecodeGuard` is innermost: a request that is
+    not a valid message reaches no servicer and answers INVALID_ARGUMENT.
     """
     traced = tracing.server_interceptors(services[0].full_name if services else "kvmesh")
-    server = grpc.aio.server(interceptors=[*traced, *interceptors], options=channel_options())
+    server = grpc.aio.server(interceptors=[*traced, *interceptors, DecodeGuard()], options=channel_options())
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
