@@ -100,7 +100,10 @@ class RedisTenantStore:
 
     async def _on_every_node(self, *command: str) -> None:
         if isinstance(self._redis, RedisCluster):
-            await self._redis.execute_command(*command, target_nodes=RedisCluster.ALL_NODES)
+            # Every node, replicas too (ACLs are not replicated). Named nodes, not the ALL_NODES flag:
+            # redis-py 8 ignores node flags on execute_command and then finds no key to route by.
+            await self._redis.initialize()
+            await self._redis.execute_command(*command, target_nodes=self._redis.get_nodes())
         else:
             await self._redis.execute_command(*command)
 

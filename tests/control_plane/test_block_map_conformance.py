@@ -197,15 +197,18 @@ async def test_deregistered_node_is_fenced(block_map, ns):
 
 
 async def test_lease_expiry_fences_and_heartbeat_keeps_alive(store_url, key_prefix, ns):
-    bm = RedisBlockMap(store_url, lease_ms=600, key_prefix=key_prefix)
+    # A 3 s lease and a heartbeat every 0.2 s: a loaded machine would have to stall 15x to flake it.
+    bm = RedisBlockMap(store_url, lease_ms=3000, key_prefix=key_prefix)
     try:
         hs = hashes(2)
         alive, dying = await Publisher(bm, ns, 1).register(), await Publisher(bm, ns, 2).register()
         await alive.store(hs)
         await dying.store(hs)
-        for _ in range(4):
-            await asyncio.sleep(0.25)
+        for _ in range(300):  # until node-2's lease has expired (ordering, not speed)
+            await asyncio.sleep(0.2)
             await bm.heartbeat("node-1", alive.inc)
+            if set(await holders(bm, ns, hs)) == {"node-1"}:
+                break
         assert set(await holders(bm, ns, hs)) == {"node-1"}
         with pytest.raises(errors.FailedPrecondition, match="expired"):
             await bm.heartbeat("node-2", dying.inc)

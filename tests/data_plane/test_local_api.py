@@ -114,7 +114,8 @@ async def test_pending_wait_is_capped_by_the_server(local_node, ns):
         await client.reserve(ns, hashes)
         t0 = time.monotonic()
         answer, _ = await client.lookup(ns, hashes, pending_wait_ms=60_000)
-        assert answer.statuses == [LookupStatus.MISS] and time.monotonic() - t0 < 1.0
+        # Capped at 100 ms: an uncapped wait would take 60 s (the bound is generous for a loaded machine).
+        assert answer.statuses == [LookupStatus.MISS] and time.monotonic() - t0 < 10
 
 
 async def test_lookup_pins_under_a_lease_that_expires(local_node, ns):
@@ -123,11 +124,15 @@ async def test_lookup_pins_under_a_lease_that_expires(local_node, ns):
         hashes = make_hashes(2)
         await client.reserve(ns, hashes)
         await client.commit(ns, hashes)
-        answer, _ = await client.lookup(ns, hashes, lease_ms=150)
+        answer, _ = await client.lookup(ns, hashes, lease_ms=3000)
         assert answer.statuses == [LookupStatus.HIT] * 2
         assert await client.reserve(ns, make_hashes(1)) == [-1]  # both pinned: nothing evictable
-        await asyncio.sleep(0.4)  # lease expires; the sweeper unpins
-        assert await client.reserve(ns, make_hashes(1)) != [-1]
+        for _ in range(200):  # the lease expires and the sweeper unpins (ordering, not speed)
+            if await client.reserve(ns, make_hashes(1)) != [-1]:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the expired lease never unpinned its blocks")
 
 
 async def test_selective_offload_caps_tokens_per_request(node, ns):
@@ -233,4 +238,4 @@ async def test_pull_from_itself_or_nowhere(node, ns):
     t0 = time.monotonic()
     result = await client.pull(ns, make_hashes(2), "gone", "127.0.0.1:1", timeout_ms=2000)
     assert result.statuses == [LookupStatus.MISS] * 2 and result.pulled == 0
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 7  # within the call's own deadline (timeout_ms + 5 s): a refused source is a MISS

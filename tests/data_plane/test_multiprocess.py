@@ -119,7 +119,7 @@ async def test_hit_pending_on_the_source_is_bounded_then_miss(nodes, ns):
     await a.client.reserve(ns, hashes)  # announced, never committed
     t0 = time.monotonic()
     result = await b.pull(ns, hashes, a)
-    assert result.statuses == [LookupStatus.MISS] * 2 and 0.25 < time.monotonic() - t0 < 3
+    assert result.statuses == [LookupStatus.MISS] * 2 and 0.25 < time.monotonic() - t0 < 8  # < the 10 s pull bound
 
 
 async def test_source_killed_mid_pull_yields_miss_without_corrupt_slots(nodes, ns):

@@ -1,0 +1,171 @@
+"""Failure paths the other suites do not reach: a replica dying mid-batch, publishers riding out a Redis
+outage, the publisher's answer to RESYNC_REQUIRED, and the background GC loop on its own schedule.
+
+Nothing here asserts speed: each waits (bounded, generously) for an outcome and checks what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from kvmesh.namespace import Namespace
+from kvmesh.redis_keys import Keys
+
+from control_plane.model import ALL_TIERS, AckStatus, EventBatch, Medium, NodeInfo, Stored
+from control_plane.publisher import EventPublisher
+from control_plane.redis_block_map import RedisBlockMap
+from control_plane.server import serve
+from kvmesh_apps.redis_server import RedisServer
+from tenancy.auth import auth_metadata
+from tenancy.model import Principal, Role, TenantPolicy
+
+ADMIN = Principal("bootstrap", Role.ADMIN)
+
+
+def hashes(n: int, tag: str = "") -> list[bytes]:
+    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+
+class ReplicaDied(ConnectionError):
+    """The replica's process ended between two of its Redis calls."""
+
+
+async def until(condition, timeout_s: float = 20.0, every_s: float = 0.05) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(every_s)
+
+
+async def test_a_replica_dying_after_apply_before_end_batch_is_replayed_idempotently(store_url, key_prefix, ns):
+    """Scripts applied, last_seq not advanced: the node resends the batch (same seq) to another replica,
+    which applies it again; the result is the same as one application (negative control: the batch is not
+    answered DUPLICATE, which would mean last_seq had advanced)."""
+    dying = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
+    other = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
+    real_eval = dying._eval
+
+    async def eval_until_end(name, *args, **kwargs):
+        if name == "end_batch":
+            raise ReplicaDied("replica killed after apply.lua")
+        return await real_eval(name, *args, **kwargs)
+
+    dying._eval = eval_until_end
+    try:
+        node = NodeInfo("node-1", "127.0.0.1:7001")
+        inc = (await other.register_node(node)).incarnation
+        hs = hashes(6, "mid")
+        first = EventBatch("node-1", inc, 1, ns, (Stored(tuple(hs[:4]), Medium.CPU, 32),), False).validate(1 << 20)
+        try:
+            await dying.apply_batch(first)
+            raise AssertionError("the replica should have died mid-batch")
+        except ReplicaDied:
+            pass
+        mid = await other.lookup_prefix(ns, hs, ALL_TIERS)
+        assert mid.longest == 4, "apply.lua ran before the replica died"
+        replay = await other.apply_batch(first)
+        assert replay.status is AckStatus.APPLIED, replay
+        after = await other.lookup_prefix(ns, hs, ALL_TIERS)
+        assert after.longest == 4 and after.holders[0].per_tier[Medium.CPU] == 4
+        assert (await other.apply_batch(first)).status is AckStatus.DUPLICATE  # now last_seq did advance
+        nxt = EventBatch("node-1", inc, 2, ns, (Stored(tuple(hs[4:]), Medium.CPU, 32),), False).validate(1 << 20)
+        assert (await other.apply_batch(nxt)).status is AckStatus.APPLIED
+        assert (await other.lookup_prefix(ns, hs, ALL_TIERS)).longest == 6
+    finally:
+        await dying.close()
+        await other.close()
+
+
+class Node:
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+        self.held: list[bytes] = []
+
+    def snapshot(self):
+        return [(self.ns, int(Medium.CPU), list(self.held))]
+
+
+async def _longest(running, ns, hs) -> int:
+    return (await running.core.lookup_prefix(ADMIN, ns, hs, [], None, ALL_TIERS)).longest
+
+
+async def test_publishers_queue_and_retry_while_redis_is_down(tmp_path: Path, cp_config, admin_key, ns):
+    """Redis stops (the control plane stays up and answers UNAVAILABLE): the publisher keeps its changes and
+    resends them; once Redis is back (AOF), every change is in the map."""
+    server = RedisServer(tmp_path / "redis").start()
+    running = await serve(cp_config.model_copy(update={"redis_url": server.url}))
+    await running.core.tenants.create_tenant("acme", "", TenantPolicy())
+    node, hs = Node(ns), hashes(8, "outage")
+    pub = EventPublisher(f"127.0.0.1:{running.port}", NodeInfo("node-r", "127.0.0.1:7002"), node.snapshot,
+                         metadata=auth_metadata(admin_key), retry_s=0.1)
+    await pub.start()
+    try:
+        node.held = hs[:4]
+        pub.stored(ns, hs[:4], int(Medium.CPU))
+        assert await pub.flush(10)
+        server.stop()
+        node.held = hs
+        pub.stored(ns, hs[4:], int(Medium.CPU))
+        assert not await pub.flush(1.0), "acked while Redis was down"
+        server.start()
+        assert await pub.flush(30)
+        await until(lambda: _eq(_longest(running, ns, hs), 8))
+    finally:
+        await pub.stop()
+        await running.stop()
+        server.stop()
+
+
+async def _eq(value, expected) -> bool:
+    return await value == expected
+
+
+async def test_a_gap_is_answered_resync_and_the_publisher_resyncs_its_snapshot(control_plane, admin_key, ns):
+    node, hs = Node(ns), hashes(6, "gap")
+    pub = EventPublisher(f"127.0.0.1:{control_plane.port}", NodeInfo("node-g", "127.0.0.1:7003"), node.snapshot,
+                         metadata=auth_metadata(admin_key), retry_s=0.1)
+    await pub.start()
+    try:
+        node.held = hs[:2]
+        pub.stored(ns, hs[:2], int(Medium.CPU))
+        assert await pub.flush(10)
+        first = pub.incarnation
+        pub._seq += 1  # a batch lost in transit: the next one arrives with a gap
+        node.held = hs[:5]
+        pub.stored(ns, hs[2:5], int(Medium.CPU))
+        assert await pub.flush(20)
+        assert pub.incarnation > first, "RESYNC_REQUIRED must make the node register a new incarnation"
+        assert await _longest(control_plane, ns, hs) == 5  # the snapshot, not just the batch after the gap
+    finally:
+        await pub.stop()
+
+
+async def test_the_gc_loop_sweeps_fenced_entries_on_its_own(cp_config, admin_key, ns, redis_server, caplog):
+    """No one calls collect_garbage: the loop started by the server does, and frees the fenced slot's
+    entries from Redis (negative control: before the fence the entries are there)."""
+    running = await serve(cp_config.model_copy(update={"gc_interval_s": 0.2}))
+    try:
+        await running.core.tenants.create_tenant("acme", "", TenantPolicy())
+        reg = await running.core.register_node(ADMIN, NodeInfo("node-gc", "127.0.0.1:7004"))
+        hs = hashes(5, "gc")
+        batch = EventBatch("node-gc", reg.incarnation, 1, ns, (Stored(tuple(hs), Medium.CPU, 32),), False)
+        assert (await running.core.apply_batch(ADMIN, batch)).status is AckStatus.APPLIED
+        r = aioredis.Redis.from_url(redis_server.url)
+        key = Keys(cp_config.key_prefix).blocks(ns)
+        try:
+            assert await r.hlen(key) == 5
+            with caplog.at_level(logging.INFO, logger="control_plane.core"):
+                await running.core.deregister_node(ADMIN, "node-gc", reg.incarnation)
+                assert await _longest(running, ns, hs) == 0  # fenced at once
+                await until(lambda: _eq(r.hlen(key), 0))
+            assert any("swept" in rec.getMessage() for rec in caplog.records)
+        finally:
+            await r.aclose()
+    finally:
+        await running.stop()
