@@ -67,6 +67,11 @@ class DataPlaneConfig(BaseSettings):
         "event wakes it (it wakes at once on one); small values cost idle CPU")
     lease_sweep_ms: int = Field(250, ge=1, description="how often expired leases are released")
     control_plane_address: str = Field("", description="host:port of the control plane (unset: publish nothing)")
+    control_plane_timeout_ms: int = Field(
+        2_000, ge=1, description="longest wait for one control-plane answer (tenant limits, a pull grant)")
+    control_plane_refresh_ms: int = Field(
+        10_000, ge=1, description="tenant limits stay fresh this long (then are revalidated in the background "
+        "while the old answer is served); a failed control-plane call is not retried for this long")
     pool: str = Field("", description="pool this node registers in")
     api_key: str | None = Field(None, description="this node's API key (role node): local callers must present it, "
                                                   "and it authenticates the node to the control plane and to peers")

@@ -65,8 +65,11 @@ def _info(position: int, protected: bool = False) -> BlockInfo:
     return BlockInfo(cost=1.0 + position * ATTENTION_COST_PER_BLOCK, protected=protected)
 
 
-# (namespace, source node id) -> a pull grant signed by the control plane
-GrantSource = Callable[[Namespace, str], Awaitable[bytes]]
+# (namespace, source node id, timeout in s) -> a pull grant signed by the control plane
+GrantSource = Callable[[Namespace, str, float], Awaitable[bytes]]
+# (tenant, timeout in s) -> CPU-tier bytes this node may hold for the tenant (None: no limit);
+# PermissionDenied when the tenant's policy excludes this node
+LimitSource = Callable[[str, float], Awaitable[int | None]]
 
 
 class DataPlaneCore:
@@ -82,8 +85,10 @@ class DataPlaneCore:
         grants: GrantSource | None = None,
         node_key: str | None = None,
         metrics: DataPlaneMetrics | None = None,
+        limits: LimitSource | None = None,
     ) -> None:
         """``grants`` gets a pull grant (namespace, source node id) when a Pull brings none;
+        ``limits`` a tenant's CPU-tier limit on this node (None: no limits);
         ``node_key`` authenticates this node to its peers."""
         self.config = config
         self.node_id = config.node_id
@@ -97,10 +102,14 @@ class DataPlaneCore:
         self._clock = clock or SystemClock()
         self._leases: LeaseTable[Block] = LeaseTable(self._clock)
         self._grants = grants
+        self._limits = limits
         self.metrics = metrics or DataPlaneMetrics()
         self._peers = PeerPool(self.node_id, transport, self.block_bytes, node_key)
         self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
+        # blocks an in-flight pull is bringing (claimed before its first await, so a concurrent pull or a
+        # peer's Lookup waits for them instead of fetching them again); resolved when the pull settles them
+        self._arriving: dict[BlockKey, asyncio.Future] = {}
         self._namespaces: dict[str, Namespace] = {}
         self._sweeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -322,7 +331,7 @@ class DataPlaneCore:
             for i, h in enumerate(hashes):
                 key = BlockKey(ns.fingerprint, h)
                 current = self.tier.get(key)
-                if current is not None and not current.committed:
+                if (current is not None and not current.committed) or key in self._arriving:
                     pending.append(i)
                     continue
                 block = self._resident(ns, key, media, "peer")
@@ -335,11 +344,8 @@ class DataPlaneCore:
             deadline = started + wait
             for i in pending:
                 key = BlockKey(ns.fingerprint, hashes[i])
-                current = self.tier.get(key)
-                if current is not None and not current.committed:
-                    await self.tier.wait_settled(current, max(0.0, deadline - time.monotonic()))
-                current = self.tier.get(key)
-                if current is not None and current.committed:
+                current = await self._arrival(key, deadline)
+                if current is not None:
                     self.tier.pin(current)
                     self.metrics.found("peer", "cpu")
                     self.metrics.read(key)
@@ -360,11 +366,14 @@ class DataPlaneCore:
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: frozenset[Medium] = frozenset(Medium),
-                   first_block_index: int = 0, grant: bytes = b"", tenant_limit_bytes: int | None = None) -> PullResult:
-        """Copies the leading blocks the source holds into this node's CPU tier; MISS for the rest.
+                   first_block_index: int = 0, grant: bytes = b"") -> PullResult:
+        """Copies the blocks the source holds into this node's CPU tier; MISS for the rest.
 
-        Runs to completion (within its own bound) even if the caller goes away, so
-        no transfer is left writing into slots that were handed back.
+        One deadline (``timeout_ms``, capped) covers everything: the tenant's limit, the grant,
+        the handshake, the source's Lookup, the READ and waiting for blocks another pull on this
+        node is already bringing (those are joined, not fetched twice). Runs to completion (within
+        that bound) even if the caller goes away, so no transfer is left writing into slots that
+        were handed back.
         """
         hashes = self._check(ns, hashes)
         if not source_address or not source_node_id:
@@ -374,53 +383,109 @@ class DataPlaneCore:
         timeout = self._bounded(timeout_ms, self.config.pull_timeout_ms, self.config.max_pull_timeout_ms)
         task = asyncio.ensure_future(
             self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
-                       source_media, first_block_index, grant, tenant_limit_bytes))
+                       source_media, first_block_index, grant))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)
 
     async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
                     deadline: float, source_media: frozenset[Medium], first_block_index: int,
-                    grant: bytes, tenant_limit_bytes: int | None) -> PullResult:
+                    grant: bytes) -> PullResult:
         self._namespaces.setdefault(ns.fingerprint, ns)
-        statuses = [LookupStatus.MISS] * len(hashes)
+        keys = [BlockKey(ns.fingerprint, h) for h in hashes]
         already_local = 0
-        wanted: list[int] = []  # indexes to fetch, in chain order
-        for i, h in enumerate(hashes):
-            block = self.tier.get(BlockKey(ns.fingerprint, h))
+        own: list[int] = []  # indexes this pull fetches, in chain order
+        joined: list[int] = []  # indexes another writer on this node is bringing
+        for i, key in enumerate(keys):
+            block = self.tier.get(key)
             if block is not None and block.committed:
-                statuses[i] = LookupStatus.HIT
-                if i == already_local:
-                    already_local += 1
-            elif block is not None:
-                break  # being written here already: the chain is cut at that point
+                already_local += i == already_local
+            elif block is not None or key in self._arriving:
+                joined.append(i)
             else:
-                wanted.append(i)
-        result = PullResult(statuses, 0, already_local, 0, 0.0, 0.0)
-        if not wanted:
-            return result
+                own.append(i)
+        loop = asyncio.get_running_loop()
+        claims = {keys[i]: loop.create_future() for i in own}
+        self._arriving.update(claims)
+        moved, lookup_ms, transfer_ms = 0, 0.0, 0.0
         try:
+            if own:
+                moved, lookup_ms, transfer_ms = await self._fetch(
+                    ns, hashes, own, source_node_id, source_address, deadline, source_media, first_block_index,
+                    grant)
+        finally:
+            for key, claim in claims.items():
+                if self._arriving.get(key) is claim:
+                    del self._arriving[key]
+                claim.set_result(None)
+        for i in joined:
+            await self._arrival(keys[i], deadline)
+        statuses = [LookupStatus.HIT if (b := self.tier.get(k)) is not None and b.committed else LookupStatus.MISS
+                    for k in keys]
+        leading = next((i for i, st in enumerate(statuses) if st is LookupStatus.MISS), len(statuses))
+        joined_in_lead = sum(1 for i in joined if i < leading)
+        self.metrics.joined(joined_in_lead)
+        return PullResult(statuses, leading - already_local, already_local, moved * self.block_bytes, lookup_ms,
+                          transfer_ms, joined=joined_in_lead)
+
+    async def _arrival(self, key: BlockKey, deadline: float) -> Block | None:
+        """The committed block once whoever is bringing it here settles it; None if not by ``deadline``."""
+        claim = self._arriving.get(key)
+        if claim is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(claim), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return None
+        block = self.tier.get(key)
+        if block is not None and not block.committed:
+            await self.tier.wait_settled(block, max(0.0, deadline - time.monotonic()))
+            block = self.tier.get(key)
+        return block if block is not None and block.committed else None
+
+    async def _within(self, awaitable: Awaitable, deadline: float, what: str):
+        """``awaitable`` bounded by the pull's deadline; Unavailable when it runs out."""
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise Unavailable(f"{what} did not finish within the pull's deadline") from None
+
+    async def _fetch(self, ns: Namespace, hashes: list[bytes], wanted: list[int], source_node_id: str,
+                     source_address: str, deadline: float, source_media: frozenset[Medium],
+                     first_block_index: int, grant: bytes) -> tuple[int, float, float]:
+        """Brings ``wanted`` (indexes, chain order) from the source; (blocks moved, lookup ms, transfer ms)."""
+        try:
+            limit = None
+            if self._limits is not None:
+                try:
+                    limit = await self._within(self._limits(ns.tenant, deadline - time.monotonic()), deadline,
+                                               "the tenant's limits")
+                except PermissionDenied as exc:
+                    log.info("pull: %s; answering MISS", exc)
+                    return 0, 0.0, 0.0
             if not grant:
                 if self._grants is None:
                     raise PermissionDenied("no pull grant and no control plane to ask for one")
-                grant = await self._grants(ns, source_node_id)
-            peer = await self._peers.get(source_address, deadline - time.monotonic(), grant)
+                grant = await self._within(self._grants(ns, source_node_id, deadline - time.monotonic()),
+                                           deadline, "the grant")
+            peer = await self._within(self._peers.get(source_address, deadline - time.monotonic(), grant),
+                                      deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
             log.warning("pull from %s: %s; answering MISS", source_address, exc)
-            return result
+            return 0, 0.0, 0.0
         if source_node_id and peer.node_id != source_node_id:
             log.warning("pull: %s is node %s, not %s (stale route); answering MISS",
                         source_address, peer.node_id, source_node_id)
-            return result
+            return 0, 0.0, 0.0
 
         t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
         lookup_ms = (time.perf_counter() - t0) * 1000
         if answer is None:
-            return PullResult(statuses, 0, already_local, 0, lookup_ms, 0.0)
+            return 0, lookup_ms, 0.0
+        transfer_ms = 0.0
         try:
             blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, answer, first_block_index,
-                                                                     tenant_limit_bytes)
+                                                                     limit)
             t1 = time.perf_counter()
             arrived = await self._transfer(peer, blocks, remote_addrs, deadline)
             transfer_ms = (time.perf_counter() - t1) * 1000
@@ -435,6 +500,7 @@ class DataPlaneCore:
                 if intact and not ok:
                     log.error("pull from %s: block %s failed verification; it and its successors are dropped",
                               source_address, block.key.block_hash.hex())
+                    self.metrics.verify_failed()
                     intact = False
                 if intact:
                     self.tier.mark_written(block, checksum)
@@ -446,16 +512,13 @@ class DataPlaneCore:
             self._writers.pop(block.key, None)
         if committed:
             self.events.stored(ns, [b.key.block_hash for b in committed], Medium.CPU)
-        index = {h: i for i, h in enumerate(hashes)}
-        for block in committed:
-            statuses[index[block.key.block_hash]] = LookupStatus.HIT
         n = len(committed)
         trace.get_current_span().set_attributes({  # the Pull server span this task inherited
             ATTR.TENANT: ns.tenant, ATTR.NAMESPACE: ns.fingerprint, ATTR.BLOCKS: n, ATTR.BYTES: n * self.block_bytes,
             ATTR.SOURCE_NODE: source_node_id, ATTR.OUTCOME: "pulled" if n else "miss"})
         self.metrics.bytes("pulled", n * self.block_bytes)
         self.metrics.pull((lookup_ms + transfer_ms) / 1000, n, len(wanted) - n)
-        return PullResult(statuses, n, already_local, n * self.block_bytes, lookup_ms, transfer_ms)
+        return n, lookup_ms, transfer_ms
 
     async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
         """CRC-32 of every pulled block against the source's, split over worker threads (zlib releases the GIL)."""

@@ -53,6 +53,15 @@ class DataPlaneMetrics:
         self._pull_blocks.labels("pulled").inc(pulled)
         self._pull_blocks.labels("miss").inc(missed)
 
+    def joined(self, n: int) -> None:
+        """Blocks a pull got by waiting for another in-flight pull on this node (coalesced)."""
+        if n:
+            self._pull_blocks.labels("joined").inc(n)
+
+    def verify_failed(self) -> None:
+        """A pulled block whose checksum did not match the source's (discarded)."""
+        self._pull_blocks.labels("corrupt").inc()
+
     def promotion(self, seconds: float) -> None:
         self._promotion_seconds.observe(seconds)
 

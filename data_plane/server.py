@@ -69,13 +69,17 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
         if disk is not None:
             disk.close()
         raise
+    with_cp = bool(config.control_plane_address)
     return DataPlaneCore(config, region, policy, transport, disk=disk, metrics=metrics,
-                         grants=auth.grant_for if config.control_plane_address else None, node_key=auth.node_key)
+                         grants=auth.grant_for if with_cp else None, limits=auth.tenant_limit if with_cp else None,
+                         node_key=auth.node_key)
 
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
     """Starts the node in this event loop; returns once it is serving."""
-    auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address)
+    auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address,
+                    timeout_s=config.control_plane_timeout_ms / 1000,
+                    refresh_s=config.control_plane_refresh_ms / 1000)
     metrics = DataPlaneMetrics()
     core = build_core(config, auth, metrics)
     try:

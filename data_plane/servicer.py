@@ -6,7 +6,6 @@ needs this node's own key; the peer API needs a pull grant for the namespace.
 
 from __future__ import annotations
 
-from kvmesh.errors import PermissionDenied
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
@@ -51,16 +50,11 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Pull(self, request, context):
         self._auth.require_local("Pull")
-        ns = Namespace.from_proto(request.namespace)
-        try:
-            limit = await self._auth.tenant_limit(ns.tenant)
-        except PermissionDenied:
-            limit = 0  # this node may hold none of the tenant's blocks: the pull answers MISS
         result = await self._core.pull(
-            ns, list(request.block_hashes), request.source_node_id,
+            Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
-            grant=wire.grant_token(request.grant), tenant_limit_bytes=limit)
+            grant=wire.grant_token(request.grant))
         return wire.pull_response(result)
 
     @grpc_errors

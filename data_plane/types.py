@@ -92,11 +92,12 @@ class LookupAnswer:
 @dataclass(frozen=True, slots=True)
 class PullResult:
     statuses: list[LookupStatus]  # per requested hash: HIT (committed here now) or MISS
-    pulled: int  # leading blocks transferred from the source
+    pulled: int  # leading blocks committed here now that were not before the pull
     already_local: int  # leading blocks that were committed here before the pull
-    bytes_pulled: int
+    bytes_pulled: int  # bytes this pull moved from the source (not those of joined blocks)
     lookup_ms: float
     transfer_ms: float
+    joined: int = 0  # of ``pulled``: blocks another in-flight pull on this node brought (coalesced)
 
 
 def validate_hashes(ns: Namespace, hashes: list[bytes], max_hashes: int) -> list[bytes]:

@@ -80,6 +80,7 @@ def pull_response(result: PullResult) -> pb.PullResponse:
         statuses=[STATUS_TO_PB[s] for s in result.statuses],
         lookup_ms=result.lookup_ms,
         transfer_ms=result.transfer_ms,
+        blocks_joined=result.joined,
     )
 
 
@@ -91,4 +92,5 @@ def pull_result(msg: pb.PullResponse) -> PullResult:
         bytes_pulled=msg.bytes_pulled,
         lookup_ms=msg.lookup_ms,
         transfer_ms=msg.transfer_ms,
+        joined=msg.blocks_joined,
     )

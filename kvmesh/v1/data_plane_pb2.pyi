@@ -112,20 +112,22 @@ class PullRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., source_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., source_media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., first_block_index: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("blocks_pulled", "blocks_already_local", "bytes_pulled", "statuses", "lookup_ms", "transfer_ms")
+    __slots__ = ("blocks_pulled", "blocks_already_local", "bytes_pulled", "statuses", "lookup_ms", "transfer_ms", "blocks_joined")
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_ALREADY_LOCAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_JOINED_FIELD_NUMBER: _ClassVar[int]
     blocks_pulled: int
     blocks_already_local: int
     bytes_pulled: int
     statuses: _containers.RepeatedScalarFieldContainer[BlockStatus]
     lookup_ms: float
     transfer_ms: float
-    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_already_local: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    blocks_joined: int
+    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_already_local: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., blocks_joined: _Optional[int] = ...) -> None: ...
 
 class DescribeTierRequest(_message.Message):
     __slots__ = ()
