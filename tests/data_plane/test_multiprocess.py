@@ -183,3 +183,75 @@ async def test_stale_route_to_another_node_is_a_miss(nodes, ns):
     await a.store(ns, hashes, seed=9)
     result = await b.pull(ns, hashes, a, source_node_id="someone-else")
     assert result.statuses == [LookupStatus.MISS]
+
+
+async def test_concurrent_pulls_of_one_prefix_move_its_bytes_once(nodes, ns):
+    """16 simultaneous Pulls of the same prefix on one node share one transfer: the others wait for the
+    blocks the first is bringing (joined) instead of fetching them again."""
+    a, b = await nodes("a"), await nodes("b")
+    prefix = make_hashes(32)
+    data = await a.store(ns, prefix, seed=10)
+    results = await asyncio.gather(*(b.pull(ns, prefix, a) for _ in range(16)))
+    one_prefix = len(prefix) * b.tier.block_bytes
+    assert all(r.statuses == [LookupStatus.HIT] * 32 and r.pulled + r.already_local == 32 for r in results)
+    assert sum(r.bytes_pulled for r in results) == one_prefix
+    assert sum(r.joined for r in results) + sum(r.already_local for r in results) == 15 * 32
+    assert await b.holds(ns, data)
+    # control: distinct prefixes pulled at the same time each move their own bytes
+    others = [make_hashes(8) for _ in range(4)]
+    for i, hashes in enumerate(others):
+        await a.store(ns, hashes, seed=20 + i)
+    distinct = await asyncio.gather(*(b.pull(ns, hashes, a) for hashes in others))
+    assert sum(r.bytes_pulled for r in distinct) == 4 * 8 * b.tier.block_bytes
+    assert sum(r.joined for r in distinct) == 0
+
+
+async def test_a_block_arriving_by_pull_answers_a_peer_after_the_pull(nodes, ns, grant):
+    """While b is pulling blocks from a (a frozen mid-pull), c's Lookup of them on b waits (HIT_PENDING)
+    and answers HIT once they arrive, rather than MISS at once."""
+    a, b, c = await nodes("a"), await nodes("b", max_pending_wait_ms=30_000), await nodes("c")
+    hashes, absent = make_hashes(4), make_hashes(1)
+    data = await a.store(ns, hashes, seed=11)
+    c_on_b = DataPlaneClient(b.address, key=c.proc.api_key)
+    token = grant(c.proc.api_key, "c", "b", ns)
+    try:
+        # control: a block nobody is bringing is a MISS without waiting
+        t0 = time.monotonic()
+        answer, _ = await c_on_b.lookup(ns, absent, pending_wait_ms=20_000, grant=token)
+        assert answer.statuses == [LookupStatus.MISS] and time.monotonic() - t0 < 5
+        os.kill(a.proc.proc.pid, signal.SIGSTOP)
+        try:
+            pull = asyncio.ensure_future(b.pull(ns, hashes, a, timeout_ms=30_000))
+            await asyncio.sleep(0.5)  # b has claimed the blocks and waits on frozen a
+            lookup = asyncio.ensure_future(c_on_b.lookup(ns, hashes, pending_wait_ms=25_000, grant=token))
+            await asyncio.sleep(1.0)
+            assert not lookup.done() and not pull.done()
+        finally:
+            os.kill(a.proc.proc.pid, signal.SIGCONT)
+        result = await asyncio.wait_for(pull, 40)
+        answer, _ = await asyncio.wait_for(lookup, 40)
+        assert result.pulled == 4 and answer.statuses == [LookupStatus.HIT] * 4
+        await c_on_b.release(answer.lease_id, grant=token)
+        assert await b.holds(ns, data)
+    finally:
+        await c_on_b.close()
+
+
+async def test_a_corrupted_source_block_is_discarded_never_served(nodes, ns, monkeypatch):
+    """A source block whose bytes changed after its checksum was taken fails verification on the puller:
+    it and its successors are MISS and never committed; the block before it arrives intact. Control: a
+    node that does not verify takes the corrupted bytes."""
+    a, b = await nodes("a"), await nodes("b")
+    monkeypatch.setenv("KVMESH_DP_VERIFY_PULLS", "false")
+    unchecked = await nodes("u")
+    hashes = make_hashes(3)
+    data = await a.store(ns, hashes, seed=12)
+    slots, lease = await a.client.acquire(ns, hashes[1:2])
+    a.tier.slot(slots[0])[100] ^= 0xFF  # corrupted after commit (its CRC was taken at commit)
+    await a.client.release(lease)
+    result = await b.pull(ns, hashes, a)
+    assert result.statuses == [LookupStatus.HIT, LookupStatus.MISS, LookupStatus.MISS] and result.pulled == 1
+    assert await b.holds(ns, {hashes[0]: data[hashes[0]]})
+    assert (await b.client.acquire(ns, hashes[1:]))[0] == []
+    taken = await unchecked.pull(ns, hashes, a)
+    assert taken.pulled == 3 and not await unchecked.holds(ns, {hashes[1]: data[hashes[1]]})

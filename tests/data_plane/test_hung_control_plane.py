@@ -1,0 +1,91 @@
+"""A hung control plane (SIGSTOP: sockets open, nothing answers) costs a data plane at most one bounded
+wait per refresh period, never one per call: tenant limits and grants are cached (negative caching,
+stale-while-revalidate), and one deadline covers a whole Pull (limits, grant, handshake, lookup, READ).
+Real processes: Redis, a control-plane process, two data-plane processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvmesh.namespace import Namespace
+from kvmesh_apps.procs import ServiceProcess
+from tenancy.model import Role, TenantPolicy
+from tenancy.store import RedisTenantStore
+
+from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.types import LookupStatus
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+CP_TIMEOUT_S = 4.0
+
+
+@pytest.fixture
+async def fleet(redis_server, key_prefix, admin_key, ns, dp_process):
+    store = RedisTenantStore(redis_server.url, key_prefix=key_prefix)
+    await store.create_tenant(ns.tenant, "", TenantPolicy(allowed_nodes=("hung-a", "hung-b"),
+                                                          max_cpu_tier_bytes_per_node=1 << 30))
+    keys = {n: (await store.issue_key(Role.NODE, node_id=n))[1] for n in ("hung-a", "hung-b")}
+    await store.close()
+    cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", redis_server.url,
+                         "--key-prefix", key_prefix, "--admin-key", admin_key])
+    await asyncio.to_thread(cp.start)
+    flags = dict(control_plane_address=cp.address, grant_public_key="", control_plane_refresh_ms=3_000,
+                 control_plane_timeout_ms=int(CP_TIMEOUT_S * 1000))
+    try:
+        a = await asyncio.to_thread(dp_process, "hung-a", **{**flags, "api_key": keys["hung-a"]})
+        b = await asyncio.to_thread(dp_process, "hung-b", **{**flags, "api_key": keys["hung-b"]})
+        yield cp, a, b
+    finally:
+        os.kill(cp.proc.pid, signal.SIGCONT)
+        cp.stop()
+
+
+async def timed(coro) -> tuple[float, object]:
+    t0 = time.monotonic()
+    result = await coro
+    return time.monotonic() - t0, result
+
+
+async def test_hung_control_plane_costs_one_bounded_wait_per_refresh_period(fleet, ns):
+    cp, a, b = fleet
+    other = Namespace("tenant-never-seen", ns.model, ns.weight_version, ns.cache_config)
+    async with DataPlaneClient(a.address, key=a.api_key) as ca, DataPlaneClient(b.address, key=b.api_key) as cb:
+        tier = SharedTier.open(await ca.describe_tier())
+
+        async def store(n: int) -> list[bytes]:
+            hashes = [os.urandom(32) for _ in range(n)]
+            for slot in await ca.reserve(ns, hashes):
+                tier.slot(slot)[:] = np.uint8(slot)
+            await ca.commit(ns, hashes)
+            return hashes
+
+        warm = await store(2)  # limits, grant and the grant key fetched while the control plane answers
+        assert (await cb.pull(ns, warm, "hung-a", a.address, timeout_ms=3000)).pulled == 2
+
+        os.kill(cp.proc.pid, signal.SIGSTOP)
+        # known tenant: limits and grants come from the cache (served stale past the refresh period)
+        for i in range(6):
+            elapsed, hashes = await timed(store(2))
+            assert elapsed < CP_TIMEOUT_S / 2, f"Reserve+Commit {i} took {elapsed:.1f}s"
+            elapsed, result = await timed(cb.pull(ns, hashes, "hung-a", a.address, timeout_ms=3000))
+            assert result.pulled == 2 and elapsed < CP_TIMEOUT_S / 2, f"pull {i} took {elapsed:.1f}s"
+            await asyncio.sleep(0.6)  # the loop spans the 3 s refresh period
+
+        # a tenant never seen: its first Reserve waits once (bounded), the next ones do not wait
+        first, _ = await timed(ca.reserve(other, [os.urandom(32)]))
+        again = [(await timed(ca.reserve(other, [os.urandom(32)])))[0] for _ in range(3)]
+        assert CP_TIMEOUT_S * 0.7 < first < CP_TIMEOUT_S + 3 and max(again) < CP_TIMEOUT_S / 2, (first, again)
+
+        # a pull needing a grant the control plane cannot give: MISS within its own deadline, every time
+        fresh = await store(1)
+        for i in range(3):
+            elapsed, result = await timed(cb.pull(other, fresh, "hung-a", a.address, timeout_ms=3000))
+            assert result.statuses == [LookupStatus.MISS] and elapsed < 3 + 2, f"pull {i} took {elapsed:.1f}s"
+        tier.close()
