@@ -608,9 +608,9 @@ class DataPlaneCore:
     async def _release_remote(self, peer: Peer, lease_id: str, grant: bytes) -> None:
         try:
             await peer.client.release(lease_id, timeout=5.0, grant=grant)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:  # UsageError: the failed pull closed the peer
             log.info("releasing lease %s on %s failed (%s); it will expire", lease_id, peer.address,
-                     exc.code().name)
+                     exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "control-plane": ("kvmesh_apps.bench.control_plane", "main", "block-map lookup latency, ingest rate, Redis bytes per block"),
     "pull": ("kvmesh_apps.bench.pull", "main", "NIXL peer pull throughput against memcpy"),
+    "faults": ("kvmesh_apps.bench.faults", "main", "the fault matrix across network namespaces (root)"),
+    "load": ("kvmesh_apps.bench.load", "main", "control-plane saturation, replicas, Redis Cluster, churn soak"),
     "replay": ("kvmesh_apps.replay.bench", "main", "policies compared on a Mooncake trace through real Route calls"),
 }
 

@@ -23,12 +23,13 @@ class ServiceProcess:
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    prefix: list[str] = field(default_factory=list)  # e.g. kvmesh_apps.netns.Network.prefix(host)
     proc: subprocess.Popen | None = None
     address: str = ""
 
     def start(self, timeout: float = 60.0) -> "ServiceProcess":
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh_apps.cli", *self.args], env=env,
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvmesh_apps.cli", *self.args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         found = threading.Event()
         lines: list[str] = []

@@ -119,10 +119,12 @@ class RedisServer:
 
 @dataclass
 class RedisCluster:
-    """A local Redis Cluster of ``masters`` nodes (no replicas), for the cluster tests."""
+    """A local Redis Cluster of ``masters`` primaries, each with ``replicas`` replicas (failover needs one)."""
 
     workdir: Path
     masters: int = 3
+    replicas: int = 0
+    node_timeout_ms: int = 2000
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
@@ -130,17 +132,18 @@ class RedisCluster:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self) -> "RedisCluster":
-        for i in range(self.masters):
+        for i in range(self.masters * (1 + self.replicas)):
             node_dir = self.workdir / f"node{i}"
             self.nodes.append(
                 RedisServer(node_dir, port=free_cluster_port(), extra_args=[
                     "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
-                    "--cluster-node-timeout", "2000",
+                    "--cluster-node-timeout", str(self.node_timeout_ms),
                 ]).start()
             )
         cli = str(Path(find_redis_server()).with_name("redis-cli"))
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-yes"], check=True,
+        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                       check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=30)
         self._wait_ok(cli)
         return self

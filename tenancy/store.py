@@ -92,6 +92,8 @@ class RedisTenantStore:
         slots_rule = ("%R~" if self._read_only_slots else "~") + self._map_keys.slots
         rules = ["reset", "on", f">{password}", f"~{self._map_keys.tenant_prefix(tenant_id)}*", slots_rule,
                  "+@read", "+@write", "+@scripting", "+@connection", "+time", "-@dangerous", "-@admin"]
+        if isinstance(self._redis, RedisCluster):  # a cluster client learns the slot map before any command
+            rules += ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+cluster|myid", "+readonly"]
         await self._on_every_node("ACL", "SETUSER", self._keys.redis_user(tenant_id), *rules)
         try:  # persist when Redis runs with an ACL file; without one the user is re-created on demand
             await self._on_every_node("ACL", "SAVE")

@@ -1,0 +1,393 @@
+"""``kvmesh bench load``: control-plane throughput at saturation, with replicas, and a churn soak.
+
+Real redis-server (one server, then a 3-primary Redis Cluster) and real control-plane processes; the load
+comes from client processes (``--clients``, each ``--concurrency`` calls in flight):
+
+- saturation: ``LookupPrefix`` of 4,096-token prompts (128 blocks of 32, each held by 8 nodes), authenticated
+  with a scheduler key, while ``--streams`` simulated nodes stream BlockStored / BlockRemoved batches into the
+  same process; lookups/s and the p99 latency;
+- the same load spread over 1, 2 and 4 replicas on one Redis, then on a Redis Cluster;
+- a soak (``--soak-minutes``): nodes join, stream, evict, restart (new incarnation, full resync) and leave,
+  with lookups alongside; the control plane's RSS and open fds and Redis' used_memory are sampled and
+  reported as least-squares slopes per hour.
+
+Every figure is measured; on a small machine the clients share the cores with the server (see the report's
+``cpu`` section and docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from kvmesh.channels import channel
+from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
+from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
+from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.redis_server import RedisCluster, RedisServer
+from tenancy.api_keys import new_key
+
+BLOCK_SIZE = 32
+PROMPT_BLOCKS = 4096 // BLOCK_SIZE
+HOLDERS = 8
+PROMPTS = 32
+TENANT = "load"
+# Simulated holders do not heartbeat while the load runs: a lease longer than the run keeps them live
+# (the soak's churning nodes heartbeat, leave and re-register on their own).
+LEASE_MS = 24 * 3_600_000
+NS = common_pb2.Namespace(tenant=TENANT, model="load-model", weight_version="v1",
+                          cache_config=common_pb2.CacheConfig(block_size=BLOCK_SIZE))
+
+
+def prompt(i: int) -> list[bytes]:
+    return [hashlib.sha256(f"prompt{i}:{b}".encode()).digest() for b in range(PROMPT_BLOCKS)]
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+# ---- load generators (child processes) ----
+
+def _lookup_worker(address: str, key: str, seconds: float, concurrency: int, seed: int) -> tuple[int, list[float]]:
+    async def run() -> tuple[int, list[float]]:
+        prompts = [prompt(i) for i in range(PROMPTS)]
+        rng = random.Random(seed)
+        latencies: list[float] = []
+        async with channel(address, key) as ch:
+            stub = pb_grpc.ControlPlaneStub(ch)
+            await stub.Ping(common_pb2.PingRequest(), timeout=10)
+            deadline = time.perf_counter() + seconds
+
+            async def loop() -> None:
+                while time.perf_counter() < deadline:
+                    request = pb.LookupPrefixRequest(namespace=NS, block_hashes=rng.choice(prompts))
+                    t0 = time.perf_counter()
+                    reply = await stub.LookupPrefix(request, timeout=30)
+                    latencies.append((time.perf_counter() - t0) * 1000)
+                    if not reply.holders or reply.holders[0].leading_blocks != PROMPT_BLOCKS:
+                        raise RuntimeError("a lookup did not find the prompt held in full")
+
+            await asyncio.gather(*(loop() for _ in range(concurrency)))
+        return len(latencies), latencies
+
+    return asyncio.run(run())
+
+
+def _stream_worker(address: str, key: str, seconds: float, nodes: int, rate: float, seed: int) -> int:
+    """``nodes`` simulated nodes, each storing then evicting batches of 32 blocks, ``rate`` batches/s each;
+    returns the batches sent."""
+
+    async def one(stub, node_id: str) -> int:
+        reply = await stub.RegisterNode(pb.RegisterNodeRequest(
+            node=pb.NodeInfo(node_id=node_id, data_plane_address="10.0.0.1:7000")), timeout=30)
+        inc, seq, sent = reply.incarnation, reply.next_seq - 1, 0
+        deadline = time.perf_counter() + seconds
+        queue: asyncio.Queue = asyncio.Queue(maxsize=4)
+
+        async def batches():
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+
+        call = stub.StreamEvents(batches(), timeout=seconds + 60)
+
+        async def produce() -> None:
+            nonlocal seq, sent
+            i = 0
+            start = time.perf_counter()
+            while time.perf_counter() < deadline:
+                await asyncio.sleep(max(0.0, start + sent / rate - time.perf_counter()))
+                hashes = [hashlib.sha256(f"{node_id}:{i}:{b}".encode()).digest() for b in range(32)]
+                for event in (pb.KvEvent(stored=pb.BlockStored(block_hashes=hashes, block_size=BLOCK_SIZE,
+                                                                medium=common_pb2.MEDIUM_CPU)),
+                              pb.KvEvent(removed=pb.BlockRemoved(block_hashes=hashes))):
+                    seq += 1
+                    await queue.put(pb.EventBatch(node_id=node_id, incarnation=inc, seq=seq, namespace=NS,
+                                                  events=[event]))
+                    sent += 1
+                i += 1
+            await queue.put(None)
+
+        producer = asyncio.create_task(produce())
+        async for ack in call:
+            if ack.status not in (pb.ACK_STATUS_APPLIED, pb.ACK_STATUS_DUPLICATE):
+                raise RuntimeError(f"{node_id}: batch {ack.seq} answered {ack.status}")
+        await producer
+        return sent
+
+    async def run() -> int:
+        async with channel(address, key) as ch:
+            stub = pb_grpc.ControlPlaneStub(ch)
+            return sum(await asyncio.gather(*(one(stub, f"sim-{seed}-{n}") for n in range(nodes))))
+
+    return asyncio.run(run())
+
+
+# ---- the fleet ----
+
+class Backend:
+    """Redis (one server or a cluster) and control-plane replicas on it."""
+
+    def __init__(self, workdir: Path, cluster: bool) -> None:
+        self.redis = (RedisCluster(workdir / "cluster", masters=3) if cluster
+                      else RedisServer(workdir / "redis", extra_args=["--appendonly", "no"]))
+        self.admin_key = new_key()[1]
+        self.replicas: list[ServiceProcess] = []
+        self.workdir = workdir
+
+    def start(self) -> "Backend":
+        self.redis.start()
+        return self
+
+    def scale(self, n: int) -> list[str]:
+        while len(self.replicas) < n:
+            self.replicas.append(ServiceProcess(
+                ["control-plane", "--listen", "127.0.0.1:0", "--redis-url", self.redis.url,
+                 "--lease-ms", str(LEASE_MS)],
+                env={"KVMESH_CP_ADMIN_KEY": self.admin_key},
+                log_path=self.workdir / f"cp{len(self.replicas)}.log").start())
+        return [r.address for r in self.replicas[:n]]
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            r.stop()
+        self.redis.stop()
+
+    def redis_memory(self) -> int:
+        nodes = self.redis.nodes if isinstance(self.redis, RedisCluster) else [self.redis]
+        total = 0
+        for node in nodes:
+            client = redis.Redis(port=node.port)
+            total += client.info("memory")["used_memory"]
+            client.close()
+        return total
+
+
+async def prepare(address: str, admin_key: str) -> str:
+    """Tenant, scheduler key, and PROMPTS prompts of 128 blocks held by HOLDERS nodes; returns the key."""
+    async with channel(address, admin_key) as ch:
+        admin = tenant_admin_pb2_grpc.TenantAdminStub(ch)
+        await admin.CreateTenant(tenant_admin_pb2.CreateTenantRequest(tenant_id=TENANT))
+        key = (await admin.IssueKey(tenant_admin_pb2.IssueKeyRequest(role=tenant_admin_pb2.ROLE_SCHEDULER,
+                                                                     tenant_id=TENANT))).secret
+        stub = pb_grpc.ControlPlaneStub(ch)
+        for n in range(HOLDERS):
+            node_id = f"holder-{n}"
+            reply = await stub.RegisterNode(pb.RegisterNodeRequest(
+                node=pb.NodeInfo(node_id=node_id, data_plane_address=f"10.0.1.{n}:7000")))
+            batches = [pb.EventBatch(node_id=node_id, incarnation=reply.incarnation, seq=reply.next_seq + i,
+                                     namespace=NS, events=[pb.KvEvent(stored=pb.BlockStored(
+                                         block_hashes=prompt(i), block_size=BLOCK_SIZE,
+                                         medium=common_pb2.MEDIUM_CPU))]) for i in range(PROMPTS)]
+            await stub.PublishEvents(batches[0])
+            for b in batches[1:]:
+                await stub.PublishEvents(b)
+        return key
+
+
+def saturate(pool, addresses: list[str], key: str, admin_key: str, args) -> dict:
+    """Lookups from ``args.clients`` processes over ``addresses`` with event streams alongside."""
+    streams = [pool.apply_async(_stream_worker, (addresses[0], admin_key, args.seconds + 1, args.streams,
+                                                 args.stream_rate, s))
+               for s in range(1)] if args.streams else []
+    lookups = [pool.apply_async(_lookup_worker, (addresses[i % len(addresses)], key, args.seconds,
+                                                 args.concurrency, i)) for i in range(args.clients)]
+    t0 = time.perf_counter()
+    results = [r.get(args.seconds + 120) for r in lookups]
+    elapsed = time.perf_counter() - t0
+    batches = sum(r.get(args.seconds + 120) for r in streams)
+    latencies = [x for _, lat in results for x in lat]
+    return {"lookups_per_s": round(sum(n for n, _ in results) / max(elapsed, args.seconds), 1),
+            "p50_ms": round(statistics.median(latencies), 2) if latencies else None,
+            "p99_ms": round(_pct(latencies, 0.99), 2), "event_batches_per_s": round(batches / elapsed, 1)}
+
+
+def measure_backend(workdir: Path, cluster: bool, pool, args) -> dict:
+    backend = Backend(workdir, cluster).start()
+    try:
+        addresses = backend.scale(max(args.replicas))
+        key = asyncio.run(prepare(addresses[0], backend.admin_key))
+        out = {}
+        for n in args.replicas:
+            out[str(n)] = saturate(pool, addresses[:n], key, backend.admin_key, args)
+            print(f"{'cluster' if cluster else 'redis'} x{n}: {out[str(n)]}", file=sys.stderr, flush=True)
+        return out
+    finally:
+        backend.stop()
+
+
+# ---- soak ----
+
+def _proc_stats(pid: int) -> tuple[float, int]:
+    rss_kib = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss_kib = int(line.split()[1])
+    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def slope_per_hour(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) samples, per hour."""
+    if len(samples) < 2:
+        return 0.0
+    ts = [t for t, _ in samples]
+    vs = [v for _, v in samples]
+    mt, mv = statistics.fmean(ts), statistics.fmean(vs)
+    den = sum((t - mt) ** 2 for t in ts)
+    return 0.0 if den == 0 else sum((t - mt) * (v - mv) for t, v in zip(ts, vs)) / den * 3600
+
+
+async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: int) -> dict:
+    """Simulated nodes join, stream, evict, restart and leave for ``seconds``; counts each action."""
+    rng = random.Random(seed)
+    counts = {"join": 0, "evict": 0, "restart": 0, "leave": 0, "stored_blocks": 0}
+    live: dict[str, tuple[int, int, list[list[bytes]]]] = {}  # node -> (incarnation, seq, runs)
+    async with channel(address, admin_key) as ch:
+        stub = pb_grpc.ControlPlaneStub(ch)
+
+        async def publish(node_id: str, events: list) -> None:
+            inc, seq, runs = live[node_id]
+            seq += 1
+            await stub.PublishEvents(pb.EventBatch(node_id=node_id, incarnation=inc, seq=seq, namespace=NS,
+                                                   events=events), timeout=10)
+            live[node_id] = (inc, seq, runs)
+
+        async def join(node_id: str) -> None:
+            reply = await stub.RegisterNode(pb.RegisterNodeRequest(
+                node=pb.NodeInfo(node_id=node_id, data_plane_address="10.0.2.1:7000")), timeout=10)
+            runs = [[hashlib.sha256(f"{node_id}:{rng.random()}:{b}".encode()).digest() for b in range(64)]
+                    for _ in range(4)]
+            live[node_id] = (reply.incarnation, reply.next_seq - 1, runs)
+            for run in runs:  # the snapshot a (re)started node streams
+                await publish(node_id, [pb.KvEvent(stored=pb.BlockStored(
+                    block_hashes=run, block_size=BLOCK_SIZE, medium=common_pb2.MEDIUM_CPU))])
+                counts["stored_blocks"] += len(run)
+
+        deadline = time.monotonic() + seconds
+        pool = [f"churn-{seed}-{i}" for i in range(nodes)]
+        while time.monotonic() < deadline:
+            node_id = rng.choice(pool)
+            if node_id not in live:
+                await join(node_id)
+                counts["join"] += 1
+                continue
+            action = rng.choices(["evict", "restart", "leave", "heartbeat"], [5, 2, 2, 3])[0]
+            inc, seq, runs = live[node_id]
+            if action == "evict":
+                victim = runs.pop(rng.randrange(len(runs))) if runs else []
+                if victim:
+                    await publish(node_id, [pb.KvEvent(removed=pb.BlockRemoved(block_hashes=victim))])
+                fresh = [hashlib.sha256(f"{node_id}:{rng.random()}:{b}".encode()).digest() for b in range(64)]
+                runs.append(fresh)
+                await publish(node_id, [pb.KvEvent(stored=pb.BlockStored(
+                    block_hashes=fresh, block_size=BLOCK_SIZE, medium=common_pb2.MEDIUM_CPU))])
+                counts["evict"] += 1
+                counts["stored_blocks"] += len(fresh)
+            elif action == "restart":
+                await join(node_id)  # a new incarnation fences the old one's entries
+                counts["restart"] += 1
+            elif action == "leave":
+                await stub.DeregisterNode(pb.DeregisterNodeRequest(node_id=node_id, incarnation=inc), timeout=10)
+                del live[node_id]
+                counts["leave"] += 1
+            else:
+                await stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id, incarnation=inc), timeout=10)
+    return counts
+
+
+def soak(workdir: Path, pool, args) -> dict:
+    backend = Backend(workdir / "soak", cluster=False).start()
+    try:
+        (address,) = backend.scale(1)
+        key = asyncio.run(prepare(address, backend.admin_key))
+        seconds = args.soak_minutes * 60
+        pid = backend.replicas[0].proc.pid
+        job = pool.apply_async(_churn_process, (address, backend.admin_key, seconds, args.soak_nodes))
+        lookups = pool.apply_async(_lookup_worker, (address, key, seconds, 2, 99))
+        rss, fds, mem = [], [], []
+        t0 = time.monotonic()
+        interval = max(1.0, min(10.0, seconds / 30))
+        while not job.ready():
+            t = time.monotonic() - t0
+            r, f = _proc_stats(pid)
+            rss.append((t, r))
+            fds.append((t, f))
+            mem.append((t, backend.redis_memory() / (1 << 20)))
+            job.wait(interval)
+        counts = job.get()
+        lookups.get(seconds + 120)
+        # Leave out the first tenth: caches, pools and the first registrations warm up there.
+        warm = [s for s in rss if s[0] >= seconds * 0.1]
+        return {"minutes": args.soak_minutes,
+                "rss_slope_mib_per_h": round(slope_per_hour(warm), 2),
+                "redis_slope_mib_per_h": round(slope_per_hour([s for s in mem if s[0] >= seconds * 0.1]), 2),
+                "fd_slope_per_h": round(slope_per_hour([s for s in fds if s[0] >= seconds * 0.1]), 2),
+                "rss_mib": [round(rss[0][1], 1), round(rss[-1][1], 1)],
+                "redis_mib": [round(mem[0][1], 2), round(mem[-1][1], 2)],
+                "fds": [fds[0][1], fds[-1][1]], "samples": len(rss), "churn": counts}
+    finally:
+        backend.stop()
+
+
+def _churn_process(address: str, admin_key: str, seconds: float, nodes: int) -> dict:
+    return asyncio.run(churn(address, admin_key, seconds, nodes, seed=7))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh bench load", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each saturation run")
+    parser.add_argument("--clients", type=int, default=3, help="lookup client processes")
+    parser.add_argument("--concurrency", type=int, default=32, help="lookups in flight per client process")
+    parser.add_argument("--streams", type=int, default=16, help="simulated nodes streaming events meanwhile")
+    parser.add_argument("--stream-rate", type=float, default=10.0, help="event batches/s per simulated node")
+    parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    parser.add_argument("--soak-minutes", type=float, default=10.0)
+    parser.add_argument("--soak-nodes", type=int, default=24, help="simulated nodes the churn cycles through")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the Redis Cluster runs")
+    args = parser.parse_args(argv)
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kvmesh-load-") as tmp, \
+            ctx.Pool(args.clients + 2) as pool:
+        workdir = Path(tmp)
+        single = measure_backend(workdir / "single", False, pool, args)
+        cluster = {} if args.no_cluster else measure_backend(workdir / "cluster", True, pool, args)
+        soaked = soak(workdir, pool, args) if args.soak_minutes > 0 else {}
+    result = {
+        "lookups_per_s": {n: r["lookups_per_s"] for n, r in single.items()},
+        "lookup_p99_ms_at_saturation": single[str(args.replicas[0])]["p99_ms"],
+        "lookup_p50_ms_at_saturation": single[str(args.replicas[0])]["p50_ms"],
+        "cluster": {"lookups_per_s": {n: r["lookups_per_s"] for n, r in cluster.items()},
+                    "lookup_p99_ms_at_saturation": cluster[str(args.replicas[0])]["p99_ms"] if cluster else None},
+        "soak": soaked,
+        "detail": {"single": single, "cluster": cluster},
+        "load": {"clients": args.clients, "concurrency": args.concurrency, "streams": args.streams, "stream_batches_per_s_per_node": args.stream_rate,
+                 "prompt_blocks": PROMPT_BLOCKS, "holders": HOLDERS, "seconds": args.seconds,
+                 "cpus": os.cpu_count()},
+    }
+    if not args.json:
+        for key, value in result.items():
+            print(f"{key:>30}: {value}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
