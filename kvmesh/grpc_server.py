@@ -114,8 +114,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
+        if handler is None or handler.request_deserializer is None or not details.method.startswith("/kvmesh."):
+            return handler  # health and reflection are grpc's own (and reflection iterates requests synchronously)
         if handler.request_streaming:
             wrap = _check_each_request
         else:
