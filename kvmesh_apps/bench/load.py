@@ -169,6 +169,10 @@ class Backend:
             r.stop()
         self.redis.stop()
 
+    def redis_pids(self) -> list[int]:
+        nodes = self.redis.nodes if isinstance(self.redis, RedisCluster) else [self.redis]
+        return [n.proc.pid for n in nodes]
+
     def redis_memory(self) -> int:
         nodes = self.redis.nodes if isinstance(self.redis, RedisCluster) else [self.redis]
         total = 0
@@ -201,8 +205,18 @@ async def prepare(address: str, admin_key: str) -> str:
         return key
 
 
-def saturate(pool, addresses: list[str], key: str, admin_key: str, args) -> dict:
-    """Lookups from ``args.clients`` processes over ``addresses`` with event streams alongside."""
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend: "Backend") -> dict:
+    """Lookups from ``args.clients`` processes over ``addresses`` with event streams alongside; with the CPU
+    the control-plane replicas and Redis used per lookup (what bounds throughput on a small machine)."""
+    cp_pids = [r.proc.pid for r in backend.replicas if r.address in addresses]
+    redis_pids = backend.redis_pids()
+    cpu0 = (sum(map(_cpu_s, cp_pids)), sum(map(_cpu_s, redis_pids)))
     streams = [pool.apply_async(_stream_worker, (addresses[0], admin_key, args.seconds + 1, args.streams,
                                                  args.stream_rate, s))
                for s in range(1)] if args.streams else []
@@ -213,7 +227,12 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args) -> dict
     elapsed = time.perf_counter() - t0
     batches = sum(r.get(args.seconds + 120) for r in streams)
     latencies = [x for _, lat in results for x in lat]
+    cp_cpu, redis_cpu = sum(map(_cpu_s, cp_pids)) - cpu0[0], sum(map(_cpu_s, redis_pids)) - cpu0[1]
+    done = max(1, len(latencies))
     return {"lookups_per_s": round(sum(n for n, _ in results) / max(elapsed, args.seconds), 1),
+            "control_plane_cpu_ms_per_lookup": round(cp_cpu * 1000 / done, 3),
+            "redis_cpu_ms_per_lookup": round(redis_cpu * 1000 / done, 3),
+            "control_plane_cores_busy": round(cp_cpu / elapsed, 2), "redis_cores_busy": round(redis_cpu / elapsed, 2),
             "p50_ms": round(statistics.median(latencies), 2) if latencies else None,
             "p99_ms": round(_pct(latencies, 0.99), 2), "event_batches_per_s": round(batches / elapsed, 1)}
 
@@ -225,7 +244,7 @@ def measure_backend(workdir: Path, cluster: bool, pool, args) -> dict:
         key = asyncio.run(prepare(addresses[0], backend.admin_key))
         out = {}
         for n in args.replicas:
-            out[str(n)] = saturate(pool, addresses[:n], key, backend.admin_key, args)
+            out[str(n)] = saturate(pool, addresses[:n], key, backend.admin_key, args, backend)
             print(f"{'cluster' if cluster else 'redis'} x{n}: {out[str(n)]}", file=sys.stderr, flush=True)
         return out
     finally:
