@@ -62,15 +62,19 @@ def _pct(values: list[float], q: float) -> float:
 
 # ---- load generators (child processes) ----
 
-def _lookup_worker(address: str, key: str, seconds: float, concurrency: int, seed: int) -> tuple[int, list[float]]:
-    async def run() -> tuple[int, list[float]]:
+def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
+                   seed: int) -> tuple[int, list[float], float]:
+    """(lookups, their latencies in ms, seconds of the measured window)."""
+
+    async def run() -> tuple[int, list[float], float]:
         prompts = [prompt(i) for i in range(PROMPTS)]
         rng = random.Random(seed)
         latencies: list[float] = []
         async with channel(address, key) as ch:
             stub = pb_grpc.ControlPlaneStub(ch)
             await stub.Ping(common_pb2.PingRequest(), timeout=10)
-            deadline = time.perf_counter() + seconds
+            start = time.perf_counter()
+            deadline = start + seconds
 
             async def loop() -> None:
                 while time.perf_counter() < deadline:
@@ -82,7 +86,8 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int, see
                         raise RuntimeError("a lookup did not find the prompt held in full")
 
             await asyncio.gather(*(loop() for _ in range(concurrency)))
-        return len(latencies), latencies
+            window = time.perf_counter() - start
+        return len(latencies), latencies, window
 
     return asyncio.run(run())
 
@@ -226,10 +231,10 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend
     results = [r.get(args.seconds + 120) for r in lookups]
     elapsed = time.perf_counter() - t0
     batches = sum(r.get(args.seconds + 120) for r in streams)
-    latencies = [x for _, lat in results for x in lat]
+    latencies = [x for _, lat, _ in results for x in lat]
     cp_cpu, redis_cpu = sum(map(_cpu_s, cp_pids)) - cpu0[0], sum(map(_cpu_s, redis_pids)) - cpu0[1]
     done = max(1, len(latencies))
-    return {"lookups_per_s": round(sum(n for n, _ in results) / max(elapsed, args.seconds), 1),
+    return {"lookups_per_s": round(sum(n / window for n, _, window in results), 1),
             "control_plane_cpu_ms_per_lookup": round(cp_cpu * 1000 / done, 3),
             "redis_cpu_ms_per_lookup": round(redis_cpu * 1000 / done, 3),
             "control_plane_cores_busy": round(cp_cpu / elapsed, 2), "redis_cores_busy": round(redis_cpu / elapsed, 2),
@@ -386,6 +391,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-load-") as tmp, \
             ctx.Pool(args.clients + 2) as pool:
         workdir = Path(tmp)
+        pool.map(_cpu_s, [os.getpid()] * (args.clients + 2))  # start the workers before anything is timed
         single = measure_backend(workdir / "single", False, pool, args)
         cluster = {} if args.no_cluster else measure_backend(workdir / "cluster", True, pool, args)
         soaked = soak(workdir, pool, args) if args.soak_minutes > 0 else {}
