@@ -74,6 +74,7 @@ class Request:
     recomputed: int
     bytes_ok: bool
     holder: str = ""
+    note: str = ""  # why the request did not pull everything, when it did not
 
 
 @dataclass
@@ -208,13 +209,15 @@ class Matrix:
             found = {}  # no answer in time: recompute
         candidates = sorted(((lead, node, addr) for node, (addr, lead) in found.items() if node != "n2"),
                             reverse=True)
-        pulled, ok, holder = 0, True, ""
+        pulled, ok, holder, note = 0, True, "", "" if candidates else "no holder found (lookup failed or empty)"
         if candidates:
             lead, holder, addr = candidates[0]
             try:
                 async with DataPlaneClient(self.address("n2"), self.keys["n2"]) as dp:
-                    await dp.pull(NS, hashes[:lead], holder, addr, timeout_ms=PULL_TIMEOUT_MS,
-                                  timeout=PULL_TIMEOUT_MS / 1000 + 1)
+                    result = await dp.pull(NS, hashes[:lead], holder, addr, timeout_ms=PULL_TIMEOUT_MS,
+                                           timeout=PULL_TIMEOUT_MS / 1000 + 1)
+                    if result.pulled + result.already_local < lead:
+                        note = f"pull answered {result.pulled} pulled of {lead}"
                     slots, lease = await dp.acquire(NS, hashes, timeout=1.0)
                     tier = SharedTier.open(await dp.describe_tier(timeout=1.0))
                     try:
@@ -226,11 +229,11 @@ class Matrix:
                     finally:
                         tier.close()
                     await dp.release(lease, timeout=1.0)
-            except grpc.aio.AioRpcError:
-                pass  # the engine recomputes what it could not load
+            except grpc.aio.AioRpcError as exc:  # the engine recomputes what it could not load
+                note = f"{exc.code().name}: {exc.details()}"
         if pulled:
             self.held["n2"].append(hashes[:pulled])
-        return Request((time.perf_counter() - t0) * 1000, pulled, len(hashes) - pulled, ok, holder)
+        return Request((time.perf_counter() - t0) * 1000, pulled, len(hashes) - pulled, ok, holder, note)
 
     # ---- checks after a fault ----
 
@@ -408,7 +411,8 @@ async def run_case(m: Matrix, case: Case) -> CaseResult:
         "pulled": sum(r.pulled for r in done), "recomputed": sum(r.recomputed for r in done),
         "bytes_ok": all(r.bytes_ok for r in done),
         "map_complete_after_s": None if map_s is None else round(map_s, 2),
-        "pulls_again_after_s": None if pull_s is None else round(pull_s, 2)})
+        "pulls_again_after_s": None if pull_s is None else round(pull_s, 2),
+        "notes": sorted({r.note for r in done if r.note})})
 
 
 async def run_partition_from_cp(m: Matrix) -> CaseResult:
