@@ -25,8 +25,15 @@ class RoutingSettings(BaseModel):
     route_promotion_bytes_per_s: float = Field(
         20e9, gt=0, description="CPU-tier to GPU copy bandwidth (promotion of a hit)")
     route_lookup_ms: float = Field(1.0, ge=0, description="a pull's lookup round trip to the source")
-    route_source_load_weight: float = Field(
-        0.5, ge=0, description="a source's bandwidth is divided by 1 + weight * its waiting requests")
+    route_speculative_ttl_ms: int = Field(
+        2000, ge=0, description="a routed prefix counts as held by the chosen engine this long (0: off)")
+    route_tier_weight_cpu: float = Field(
+        0.8, ge=0, le=1, description="affinity/sources: a token held only in a CPU tier scores this (GPU: 1)")
+    route_tier_weight_disk: float = Field(
+        0.5, ge=0, le=1, description="affinity/sources: a token held only on disk scores this (GPU: 1)")
+    route_affinity_spill_waiting: int = Field(
+        4, ge=1, description="affinity with P2P: leave a holder this many waiting requests busier than the "
+                            "least loaded engine, and pull from it")
     route_stats_ewma_alpha: float = Field(
         0.3, gt=0, le=1, description="weight of a new sample in the reported figures' moving average")
     route_stats_refresh_ms: int = Field(

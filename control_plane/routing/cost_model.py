@@ -8,6 +8,7 @@ and the docs name the same things. Figures nobody reported fall back to the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from control_plane.routing.config import RoutingSettings
 from control_plane.routing.types import Candidate, Estimate
@@ -24,10 +25,13 @@ class Figures:
 class CostModel:
     """Converts tokens into time for one request (one model's KV bytes per token)."""
 
-    def __init__(self, figures: Figures, settings: RoutingSettings, kv_bytes_per_token: int) -> None:
+    def __init__(self, figures: Figures, settings: RoutingSettings, kv_bytes_per_token: int,
+                 pull_wait_s: Callable[[str, str], float] = lambda source, dest: 0.0) -> None:
+        """``pull_wait_s(source, dest)``: how long a pull routed now queues behind earlier ones (the ledger)."""
         self._figures = figures
         self._s = settings
         self.kv_bytes_per_token = kv_bytes_per_token
+        self._pull_wait_s = pull_wait_s
 
     def prefill_tokens_per_s(self, engine_id: str) -> float:
         return self._figures.prefill_tokens_per_s.get(engine_id, self._s.route_prefill_tokens_per_s)
@@ -45,24 +49,26 @@ class CostModel:
     def promotion_ms(self, tokens: int) -> float:
         return 1000.0 * tokens * self.kv_bytes_per_token / self._s.route_promotion_bytes_per_s
 
-    def transfer_ms(self, source_node: str, dest_node: str, tokens: int, source_waiting: int) -> float:
-        """Bytes over the link's measured bandwidth, shared with the source's other work."""
-        bandwidth = self.link_bytes_per_s(source_node, dest_node)
-        bandwidth /= 1.0 + self._s.route_source_load_weight * source_waiting
-        return 1000.0 * tokens * self.kv_bytes_per_token / bandwidth
+    def wire_ms(self, source_node: str, dest_node: str, tokens: int) -> float:
+        """Bytes over the link's measured bandwidth (a pull alone on the link)."""
+        return 1000.0 * tokens * self.kv_bytes_per_token / self.link_bytes_per_s(source_node, dest_node)
+
+    def transfer_ms(self, source_node: str, dest_node: str, tokens: int) -> float:
+        """Waiting behind the pulls already routed over either NIC, then the bytes on the wire."""
+        return 1000.0 * self._pull_wait_s(source_node, dest_node) + self.wire_ms(source_node, dest_node, tokens)
 
     def recompute(self, c: Candidate, prompt: int, local: int, local_gpu: int) -> Estimate:
         """Run on ``c`` with what its own tiers hold: promote the non-GPU part, prefill the rest."""
         return Estimate(queue_ms=self.queue_ms(c), promotion_ms=self.promotion_ms(local - local_gpu),
                         prefill_ms=self.prefill_ms(c.engine_id, prompt - local))
 
-    def pull(self, c: Candidate, prompt: int, local: int, local_gpu: int, source_node: str, source_tokens: int,
-             source_waiting: int) -> Estimate:
+    def pull(self, c: Candidate, prompt: int, local: int, local_gpu: int, source_node: str,
+             source_tokens: int) -> Estimate:
         """Run on ``c`` after pulling what the source holds beyond ``local`` into its CPU tier."""
         return Estimate(
             queue_ms=self.queue_ms(c),
             lookup_ms=self._s.route_lookup_ms,
-            transfer_ms=self.transfer_ms(source_node, c.node_id, source_tokens - local, source_waiting),
+            transfer_ms=self.transfer_ms(source_node, c.node_id, source_tokens - local),
             promotion_ms=self.promotion_ms(source_tokens - local_gpu),
             prefill_ms=self.prefill_ms(c.engine_id, prompt - source_tokens),
         )

@@ -18,16 +18,17 @@ from control_plane.routing.types import Candidate, Estimate, Policy, Reason, Sou
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """Leading prompt tokens one node holds: on any tier, on its GPU, in its CPU tier."""
+    """Leading prompt tokens one node holds: on any tier, on its GPU, in its CPU tier, on its disk."""
 
     node_id: str
     address: str
     any_tokens: int
     gpu_tokens: int
     cpu_tokens: int
+    disk_tokens: int = 0
 
 
-_NOTHING = Holding("", "", 0, 0, 0)
+_NOTHING = Holding("", "", 0, 0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,20 +44,26 @@ class RouteContext:
     """What the policies see: the prompt, who holds how much of it, the candidates and the cost model."""
 
     def __init__(self, candidates: tuple[Candidate, ...], prompt_tokens: int, block_size: int, match: PrefixMatch,
-                 cost: CostModel, p2p: bool, min_cached_token_delta: int) -> None:
+                 cost: CostModel, p2p: bool, min_cached_token_delta: int, tier_weights: tuple[float, float] = (1.0, 1.0),
+                 spill_waiting: int = 0) -> None:
+        """``tier_weights``: (CPU, disk) weight of a token held only there (GPU: 1); ``spill_waiting``: affinity
+        with P2P leaves a holder this many waiting requests busier than the least loaded engine (0: never)."""
         self.candidates = candidates
         self.prompt = prompt_tokens
         self.block_size = block_size
         self.cost = cost
         self.p2p = p2p
         self.min_delta = min_cached_token_delta
+        self.tier_weights = tier_weights
+        self.spill_waiting = spill_waiting
 
         def tokens(blocks: int) -> int:
             return min(blocks * block_size, prompt_tokens)
 
         self.holdings = {
             h.node_id: Holding(h.node_id, h.data_plane_address, tokens(h.leading_blocks),
-                               tokens(h.per_tier.get(Medium.GPU, 0)), tokens(h.per_tier.get(Medium.CPU, 0)))
+                               tokens(h.per_tier.get(Medium.GPU, 0)), tokens(h.per_tier.get(Medium.CPU, 0)),
+                               tokens(h.per_tier.get(Medium.DISK, 0)))
             for h in match.holders
         }
         self._waiting: dict[str, int] = {}
@@ -66,6 +73,12 @@ class RouteContext:
     def local(self, c: Candidate) -> Holding:
         """What the engine's own tiers (its co-located node) hold."""
         return self.holdings.get(c.node_id, _NOTHING)
+
+    def score(self, h: Holding) -> float:
+        """Leading tokens weighted by the fastest tier holding them: GPU 1, CPU-only and disk-only less."""
+        w_cpu, w_disk = self.tier_weights
+        fast = max(h.gpu_tokens, h.cpu_tokens)
+        return h.gpu_tokens + w_cpu * (fast - h.gpu_tokens) + w_disk * max(0, h.any_tokens - fast)
 
     def waiting_on(self, node_id: str) -> int:
         """Waiting requests of the engines on a node (0 when none is a candidate)."""
@@ -82,8 +95,7 @@ class RouteContext:
 
     def pull_from(self, c: Candidate, h: Holding) -> Estimate:
         local = self.local(c)
-        return self.cost.pull(c, self.prompt, local.any_tokens, local.gpu_tokens, h.node_id, h.cpu_tokens,
-                              self.waiting_on(h.node_id))
+        return self.cost.pull(c, self.prompt, local.any_tokens, local.gpu_tokens, h.node_id, h.cpu_tokens)
 
     def threshold_source(self, c: Candidate) -> Placement:
         """llm-d's rule: the least loaded CPU holder within one block of the largest cached prefix,
@@ -93,9 +105,9 @@ class RouteContext:
         ahead = self.ahead_of(c)
         if not ahead:
             return Placement(c, Reason.LEAST_LOADED, SourceDecision.NONE_AHEAD, self.stay(c))
-        best = max(h.cpu_tokens for h in ahead)
-        near = [h for h in ahead if h.cpu_tokens >= best - self.block_size]
-        src = min(near, key=lambda h: (self.waiting_on(h.node_id), -h.cpu_tokens, h.node_id))
+        best = max(self.score(h) for h in ahead)
+        near = [h for h in ahead if self.score(h) >= best - self.block_size]
+        src = min(near, key=lambda h: (self.waiting_on(h.node_id), -self.score(h), h.node_id))
         if src.cpu_tokens - self.local(c).any_tokens < self.min_delta:
             return Placement(c, Reason.LEAST_LOADED, SourceDecision.BELOW_MIN_DELTA, self.stay(c))
         return Placement(c, Reason.LEAST_LOADED, SourceDecision.PULL, self.pull_from(c, src), src)
@@ -129,12 +141,22 @@ class PlacementPolicy(ABC):
 
 
 class Affinity(PlacementPolicy):
-    """The engine whose own tiers hold the longest prefix; the least loaded when none holds any."""
+    """The engine whose own tiers hold the longest prefix (tier-weighted; among holders within one block of the
+    best, the least loaded); the least loaded when none holds any. With P2P, a holder ``spill_waiting`` waiting
+    requests busier than the least loaded engine is left for that engine, which pulls from it (threshold rule)."""
 
     def choose(self, ctx: RouteContext) -> Placement:
-        c = min(ctx.candidates, key=lambda c: (-ctx.local(c).any_tokens, *_load(c)))
-        reason = Reason.LONGEST_LOCAL_PREFIX if ctx.local(c).any_tokens else Reason.LEAST_LOADED
-        return _with_reason(ctx.threshold_source(c), reason)
+        best = max(ctx.score(ctx.local(c)) for c in ctx.candidates)
+        if best <= 0:
+            return _with_reason(ctx.threshold_source(min(ctx.candidates, key=_load)), Reason.LEAST_LOADED)
+        near = [c for c in ctx.candidates if ctx.score(ctx.local(c)) >= best - ctx.block_size]
+        c = min(near, key=lambda c: (*_load(c), -ctx.score(ctx.local(c))))
+        idle = min(ctx.candidates, key=_load)
+        if ctx.p2p and ctx.spill_waiting and c.waiting_requests - idle.waiting_requests >= ctx.spill_waiting:
+            spilled = ctx.threshold_source(idle)
+            if spilled.source is not None:
+                return _with_reason(spilled, Reason.LEAST_LOADED)
+        return _with_reason(ctx.threshold_source(c), Reason.LONGEST_LOCAL_PREFIX)
 
 
 class LoadAware(PlacementPolicy):

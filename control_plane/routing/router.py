@@ -8,16 +8,19 @@ delegate to. It owns the per-replica counters the metrics exporter reads
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
 
-from control_plane.model import ALL_TIERS, Medium, PrefixMatch
+from control_plane.model import ALL_TIERS, Medium, NodePrefix, PrefixMatch
 from control_plane.routing.config import RoutingSettings
 from control_plane.routing.cost_model import CostModel
+from control_plane.routing.ledger import PullLedger
 from control_plane.routing.policies import POLICIES, RouteContext
+from control_plane.routing.speculative import SpeculativeIndex
 from control_plane.routing.stats import StatsStore
 from control_plane.routing.types import KvSource, Policy, RouteDecision, RouteRequest, StatsReport
 
@@ -47,12 +50,30 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _with_speculative(match: PrefixMatch, speculative: dict[str, int]) -> PrefixMatch:
+    """The block map's holders, each routed node raised to (at least) its speculative GPU prefix."""
+    holders = {h.node_id: h for h in match.holders}
+    for node, blocks in speculative.items():
+        h = holders.get(node)
+        if h is None:
+            holders[node] = NodePrefix(node, "", blocks, {Medium.GPU: blocks})
+        elif blocks > h.per_tier.get(Medium.GPU, 0):
+            holders[node] = NodePrefix(node, h.data_plane_address, max(h.leading_blocks, blocks),
+                                       {**h.per_tier, Medium.GPU: blocks})
+    ordered = sorted(holders.values(), key=lambda h: (-h.leading_blocks, h.node_id))
+    return PrefixMatch(match.blocks_queried, ordered, match.block_hashes)
+
+
 class Router:
-    def __init__(self, stats: StatsStore, settings: RoutingSettings) -> None:
+    def __init__(self, stats: StatsStore, settings: RoutingSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` (seconds) times speculative entries and the pull ledger (a simulation passes its own)."""
         self._stats = stats
         self._settings = settings
         self._default_policy = Policy.from_label(settings.route_default_policy)
         self.counters = RouteCounters()
+        self.speculative = SpeculativeIndex(settings.route_speculative_ttl_ms / 1000.0, clock)
+        self.ledger = PullLedger(clock)
 
     async def route(self, request: RouteRequest, lookup: Lookup) -> RouteDecision:
         """``lookup`` is the core's (authorized, validating) prefix lookup for the caller."""
@@ -60,23 +81,34 @@ class Router:
         match = await lookup(request.namespace, list(request.block_hashes), list(request.token_ids),
                                    request.extras, ALL_TIERS)
         s = self._settings
-        cost = CostModel(await self._stats.figures(), s, request.kv_bytes_per_token or s.route_kv_bytes_per_token)
+        hashes = list(request.block_hashes or match.block_hashes)
+        scope = (request.namespace, request.extras)
+        match = _with_speculative(
+            match, self.speculative.leading_blocks(scope, [c.node_id for c in request.candidates], hashes))
+        cost = CostModel(await self._stats.figures(), s, request.kv_bytes_per_token or s.route_kv_bytes_per_token,
+                         self.ledger.wait_s)
         ctx = RouteContext(request.candidates, request.prompt_length, request.namespace.cache_config.block_size,
-                           match, cost, request.p2p, request.min_cached_token_delta or s.route_min_cached_token_delta)
+                           match, cost, request.p2p, request.min_cached_token_delta or s.route_min_cached_token_delta,
+                           (s.route_tier_weight_cpu, s.route_tier_weight_disk), s.route_affinity_spill_waiting)
         policy = request.policy or self._default_policy
         placement = POLICIES[policy].choose(ctx)
+        chosen = placement.candidate
+        self.speculative.record(scope, chosen.node_id, hashes)
         source = None
         if placement.source is not None:
             host, port = _split_address(placement.source.address)
             source = KvSource(placement.source.node_id, host, port, Medium.CPU, placement.source.cpu_tokens,
                               request.kv_request_id)
-            self.counters.routed_pull_tokens += source.cached_tokens - ctx.local(placement.candidate).any_tokens
+            pulled = source.cached_tokens - ctx.local(chosen).any_tokens
+            self.counters.routed_pull_tokens += pulled
+            self.ledger.add(source.node_id, chosen.node_id,
+                            cost.wire_ms(source.node_id, chosen.node_id, pulled) / 1000.0)
         self.counters.decisions[(policy.label, placement.reason.name)] += 1
         self.counters.source_decisions[placement.source_decision.name] += 1
         return RouteDecision(
-            engine_id=placement.candidate.engine_id, reason=placement.reason,
+            engine_id=chosen.engine_id, reason=placement.reason,
             source_decision=placement.source_decision, prompt_tokens=ctx.prompt,
-            local_cached_tokens=ctx.local(placement.candidate).any_tokens, estimate=placement.estimate,
+            local_cached_tokens=ctx.local(chosen).any_tokens, estimate=placement.estimate,
             source=source,
         )
 

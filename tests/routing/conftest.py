@@ -21,7 +21,8 @@ def cp_config(redis_server, key_prefix, admin_key):
     from control_plane.config import ControlPlaneConfig
 
     return ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix,
-                              lease_ms=60_000, admin_key=admin_key, route_stats_refresh_ms=0)
+                              lease_ms=60_000, admin_key=admin_key, route_stats_refresh_ms=0,
+                              route_speculative_ttl_ms=0)  # test_router.py covers speculative entries
 
 
 @pytest.fixture

@@ -16,15 +16,18 @@ B = 32
 KV = 100_000  # bytes per token
 
 
-def holder(node: str, gpu: int = 0, cpu: int = 0) -> NodePrefix:
-    return NodePrefix(node, f"{node}.local:7100", max(gpu, cpu), {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: 0})
+def holder(node: str, gpu: int = 0, cpu: int = 0, disk: int = 0) -> NodePrefix:
+    return NodePrefix(node, f"{node}.local:7100", max(gpu, cpu, disk),
+                      {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk})
 
 
-def ctx(candidates, holders, *, prompt=64 * B, p2p=True, delta=8 * B, figures=Figures(), **settings) -> RouteContext:
+def ctx(candidates, holders, *, prompt=64 * B, p2p=True, delta=8 * B, figures=Figures(),
+        pull_wait=lambda source, dest: 0.0, spill=4, **settings) -> RouteContext:
     s = RoutingSettings(route_prefill_tokens_per_s=10_000, route_link_bytes_per_s=10e9,
                         route_promotion_bytes_per_s=50e9, route_lookup_ms=1.0, **settings)
     match = PrefixMatch(prompt // B, sorted(holders, key=lambda h: -h.leading_blocks))
-    return RouteContext(tuple(candidates), prompt, B, match, CostModel(figures, s, KV), p2p, delta)
+    return RouteContext(tuple(candidates), prompt, B, match, CostModel(figures, s, KV, pull_wait), p2p, delta,
+                        (s.route_tier_weight_cpu, s.route_tier_weight_disk), spill)
 
 
 def choose(policy: Policy, c: RouteContext):
@@ -96,9 +99,12 @@ def test_cost_aware_estimate_names_every_term():
     assert e.ttft_ms == pytest.approx(e.lookup_ms + e.transfer_ms + e.promotion_ms + e.prefill_ms)
 
 
-def test_cost_aware_weights_sources_away_from_loaded_ones():
+def test_cost_aware_sources_away_from_nics_busy_with_routed_pulls():
     cands = [Bn, Candidate("a", "a", 20, 200_000), Candidate("c", "c", 0, 10**9)]
-    p = choose(Policy.COST_AWARE, ctx(cands, [holder("a", cpu=60), holder("c", cpu=58)]))
+    holders = [holder("a", cpu=60), holder("c", cpu=58)]
+    assert choose(Policy.COST_AWARE, ctx(cands, holders)).source.node_id == "a"
+    busy = {"a": 0.5}  # a's NIC is busy with pulls routed earlier for another 500 ms
+    p = choose(Policy.COST_AWARE, ctx(cands, holders, pull_wait=lambda s, d: busy.get(s, 0.0)))
     assert p.candidate.engine_id == "b" and p.source.node_id == "c"
 
 

@@ -61,7 +61,7 @@ async def test_route_names_a_source_shaped_as_remote_kv_source(scheduler, fleet,
 
 async def test_affinity_and_block_hash_prompts(scheduler, fleet, ns):
     hashes = ns.cache_config.hasher().block_hashes(fleet, BLOCK)
-    cands = [Candidate("engine-b", "node-b"), Candidate("engine-a", "node-a", 4, 1000)]
+    cands = [Candidate("engine-b", "node-b"), Candidate("engine-a", "node-a", 3, 1000)]
     d = await scheduler.route(cands, block_hashes=hashes, prompt_tokens=64 * BLOCK + 5, policy=Policy.AFFINITY)
     assert d.engine_id == "engine-a" and d.reason is Reason.LONGEST_LOCAL_PREFIX
     assert d.local_cached_tokens == 40 * BLOCK and d.prompt_tokens == 64 * BLOCK + 5 and d.source is None
