@@ -1,38 +1,42 @@
-"""The simulated model and fleet: what an engine computes, holds and moves.
+"""The simulated fleet: engines (see :mod:`costs` for the model), their memory, the network, the noise.
 
-The default is a 70B-class dense model (80 layers, 8 KV heads of 128, bf16:
-327,680 KV bytes per token) served by 4-GPU replicas, in two racks: RDMA inside
-a rack, an oversubscribed uplink between racks. The figures are assumptions,
-printed with every result; change them with flags.
+Defaults: 8 engines, each one 4-GPU H100 replica of Llama-2-70B (327,680 KV bytes
+per token), in two racks. Each node has a 25 GB/s RDMA NIC; the racks share one
+uplink (``inter_rack_bytes_per_s``) that every cross-rack pull crosses. The
+figures are assumptions, printed with every result; flags change them.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kvmesh_apps.replay.costs import KV_BYTES_PER_TOKEN
 from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
 class Profile:
-    name: str = "70B-class dense, bf16 KV, one 4-GPU replica per engine, 2 racks"
-    prefill_tokens_per_s: float = 6_000.0
-    kv_bytes_per_token: int = 327_680
-    gpu_kv_blocks: int = 900           # ~150 GB of HBM for KV, in 512-token blocks
-    cpu_tier_blocks: int = 3_200       # ~512 GiB of host memory per node
-    intra_rack_bytes_per_s: float = 25e9
-    inter_rack_bytes_per_s: float = 1.5e9
-    promotion_bytes_per_s: float = 25e9
+    name: str = "Llama-2-70B, 4xH100 TP4 per engine (Vidur-measured step costs), 2 racks"
+    speed: float = 1.0                  # step times divided by this (the "prefill speed" sweep)
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+    gpu_kv_blocks: int = 880            # ~148 GB of KV per replica: 90 % of 4x80 GB less 140 GB of weights
+    cpu_tier_blocks: int = 3_200        # ~512 GiB of host memory per node
+    max_batched_tokens: int = 2_048     # chunked-prefill token budget per step (vLLM's default)
+    max_running: int = 128
+    nic_bytes_per_s: float = 25e9       # each node's RDMA NIC, each direction
+    inter_rack_bytes_per_s: float = 1.5e9   # the shared rack uplink, each direction
+    promotion_bytes_per_s: float = 25e9     # CPU tier -> GPU (PCIe) per engine
     lookup_ms: float = 1.0
     racks: int = 2
+    step_noise: float = 0.03            # sigma of a step's log-normal time factor
+    engine_noise: float = 0.02          # sigma of each engine's persistent speed factor
+    probe_noise: float = 0.05           # sigma of a bandwidth probe's or a calibration's error
+    reprobe_s: float = 30.0             # every link is probed again this often
+    report_s: float = 5.0               # engines report their measured prefill throughput this often
     block_tokens: int = TRACE_BLOCK_TOKENS
 
     def rack_of(self, engine: int, engines: int) -> int:
         return engine * self.racks // engines
-
-    def link_bytes_per_s(self, source: int, dest: int, engines: int) -> float:
-        same = self.rack_of(source, engines) == self.rack_of(dest, engines)
-        return self.intra_rack_bytes_per_s if same else self.inter_rack_bytes_per_s
 
     @property
     def block_bytes(self) -> int:
