@@ -24,14 +24,17 @@ class SpeculativeIndex:
     def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self._ttl = ttl_s
         self._clock = clock
-        self._expiry: dict[tuple[Hashable, bytes, str], float] = {}
-        self._order: collections.deque[tuple[float, tuple[Hashable, bytes, str]]] = collections.deque()
+        self._expiry: dict[Hashable, dict[tuple[bytes, str], float]] = {}   # scope -> (hash, node) -> expiry
+        self._order: collections.deque[tuple[float, Hashable, tuple[bytes, str]]] = collections.deque()
 
     def _purge(self, now: float) -> None:
         while self._order and (self._order[0][0] <= now or len(self._order) > MAX_ENTRIES):
-            expiry, key = self._order.popleft()
-            if self._expiry.get(key) == expiry:
-                del self._expiry[key]
+            expiry, scope, key = self._order.popleft()
+            entries = self._expiry.get(scope, {})
+            if entries.get(key) == expiry:
+                del entries[key]
+                if not entries:
+                    del self._expiry[scope]
 
     def record(self, scope: Hashable, node_id: str, block_hashes: list[bytes]) -> None:
         """``node_id`` will hold ``block_hashes`` (a prefix) soon."""
@@ -40,21 +43,23 @@ class SpeculativeIndex:
         now = self._clock()
         self._purge(now)
         expiry = now + self._ttl
+        entries = self._expiry.setdefault(scope, {})
         for h in block_hashes:
-            key = (scope, h, node_id)
-            self._expiry[key] = expiry
-            self._order.append((expiry, key))
+            key = (h, node_id)
+            entries[key] = expiry
+            self._order.append((expiry, scope, key))
 
     def leading_blocks(self, scope: Hashable, node_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         """Per node, how many leading ``block_hashes`` it was recently routed (0s left out)."""
-        if not self._expiry:
+        entries = self._expiry.get(scope)
+        if not entries:
             return {}
         now = self._clock()
         out: dict[str, int] = {}
         for node in node_ids:
             n = 0
             for h in block_hashes:
-                expiry = self._expiry.get((scope, h, node))
+                expiry = entries.get((h, node))
                 if expiry is None or expiry <= now:
                     break
                 n += 1

@@ -1,4 +1,4 @@
-"""The replay's PNG: TTFT p50/p99 and prefill tokens saved per variant (matplotlib, the ``replay`` extra)."""
+"""``replay.png``: goodput against load, and the highest SLO-meeting rate against each swept parameter."""
 
 from __future__ import annotations
 
@@ -10,27 +10,55 @@ def write_plot(result: dict, path: Path) -> str:
     try:
         import matplotlib
     except ImportError:
-        return "no plot: install the 'replay' extra (matplotlib)"
+        return "no plot: matplotlib is not installed"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(result["policies"])
-    rows = [result["policies"][n] for n in names]
-    x = range(len(names))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True)
-    ax1.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] / 1000 for r in rows], 0.4, label="TTFT p50")
-    ax1.bar([i + 0.2 for i in x], [r["ttft_p99_ms"] / 1000 for r in rows], 0.4, label="TTFT p99")
-    ax1.set_ylabel("seconds")
-    ax1.set_yscale("log")
-    ax1.legend()
-    ax1.set_title(f"{result['trace']['requests']} requests, {result['profile']['engines']} engines: "
-                  f"{result['profile']['name']}", fontsize=9)
-    ax2.bar(x, [r["prefill_tokens_saved"] / 1e6 for r in rows], 0.4, label="prefill tokens saved (M)")
-    ax2.bar([i + 0.4 for i in x], [r["bytes_moved"] / 1e12 for r in rows], 0.4, label="TB moved")
-    ax2.legend()
-    ax2.set_xticks(list(x))
-    ax2.set_xticklabels(names, rotation=30, ha="right")
+    sweep = result.get("sweep", [])
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    ax = axes[0][0]
+    if sweep:
+        load = [p for p in sweep if "time_scale" in p["point"]]
+        for name in load[0]["policies"]:
+            xs = [p["point"]["arrival_rate_rps"] for p in load]
+            ax.errorbar(xs, [p["policies"][name]["goodput_rps"] for p in load],
+                        yerr=[p["policies"][name]["goodput_rps_ci95"] for p in load], marker="o", ms=3, label=name)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel(f"goodput (TTFT <= {result['trace']['ttft_slo_ms'] / 1000:g} s, req/s)")
+        ax.set_title("goodput against load", fontsize=9)
+        ax.legend(fontsize=7)
+        ax = axes[0][1]
+        for name in load[0]["policies"]:
+            ax.plot([p["point"]["arrival_rate_rps"] for p in load],
+                    [p["policies"][name]["ttft_p90_ms"] / 1000 for p in load], marker="o", ms=3, label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel("TTFT p90 (s)")
+        ax.set_title("TTFT p90 against load", fontsize=9)
+        for ax, param in zip([axes[0][2], axes[1][0], axes[1][1], axes[1][2]],
+                             ["inter_rack_gbytes_per_s", "speed", "cpu_tier_blocks", "event_delay_ms"]):
+            pts = [p for p in sweep if param in p["point"]]
+            if not pts:
+                continue
+            for name in pts[0]["policies"]:
+                ax.plot([p["point"][param] for p in pts], [p["policies"][name]["max_slo_rate_rps"] for p in pts],
+                        marker="o", ms=3, label=name)
+            ax.set_xscale("symlog" if param == "event_delay_ms" else "log")
+            ax.set_xlabel(param)
+            ax.set_ylabel("highest SLO-meeting rate (req/s)")
+            ax.set_title(f"SLO-meeting rate against {param}", fontsize=9)
+    else:
+        names = list(result["policies"])
+        rows = [result["policies"][n] for n in names]
+        x = range(len(names))
+        ax.bar(list(x), [r["goodput_rps"] for r in rows], yerr=[r["goodput_rps_ci95"] for r in rows])
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("goodput (req/s)")
+        for a in list(axes[0][1:]) + list(axes[1]):
+            a.axis("off")
+    fig.suptitle(f"{result['profile']['name']}; {result['profile']['engines']} engines", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return f"wrote {path}"

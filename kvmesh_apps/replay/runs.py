@@ -1,0 +1,142 @@
+"""One replay run (variant x configuration x load x window) in a worker process, and its summary.
+
+A run is a plain, picklable :class:`RunSpec`; :func:`run_many` spreads them over
+``jobs`` processes (each run is single-threaded and CPU-bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import multiprocessing
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from control_plane.routing.config import RoutingSettings
+from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh_apps.replay.backends import InProcessBackend
+from kvmesh_apps.replay.profile import Profile
+from kvmesh_apps.replay.sim import Simulation, Totals, variants
+from kvmesh_apps.replay.trace import BlockHashes, load_window
+
+SLO_ATTAINMENT = 0.9   # the "highest rate meeting the SLO": at least this fraction of TTFTs within it
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    trace: str
+    variant: str
+    profile: Profile
+    engines: int
+    start: int
+    requests: int
+    time_scale: float
+    event_delay_ms: float
+    seed: int = 0
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+def arrival_rate(spec: RunSpec) -> float:
+    """Requests per second the window arrives at, at its time scale."""
+    window = load_window(Path(spec.trace), spec.start, spec.requests, spec.time_scale)
+    return len(window) / max(1e-9, window[-1].arrival_ms / 1000.0)
+
+
+def summarize(t: Totals, ttft_slo_ms: float) -> dict:
+    """Goodput: TTFTs within the SLO per second from the first arrival to the later of the last arrival and
+    the last first token (an overloaded fleet stretches the span)."""
+    span_s = max(1e-9, (max(t.last_arrival_ms, t.last_first_token_ms) - t.first_arrival_ms) / 1000.0)
+    n = len(t.ttft_ms)
+    prompt = max(1, t.prompt_tokens)
+    met = sum(x <= ttft_slo_ms for x in t.ttft_ms)
+    return {
+        "requests": n,
+        "ttft_p50_ms": round(pct(t.ttft_ms, 0.50), 1),
+        "ttft_p90_ms": round(pct(t.ttft_ms, 0.90), 1),
+        "ttft_p99_ms": round(pct(t.ttft_ms, 0.99), 1),
+        "wait_p50_ms": round(pct(t.wait_ms, 0.50), 1),
+        "wait_p90_ms": round(pct(t.wait_ms, 0.90), 1),
+        "wait_p99_ms": round(pct(t.wait_ms, 0.99), 1),
+        "slo_attainment": round(met / n, 4) if n else 0.0,
+        "goodput_rps": round(met / span_s, 3),
+        "throughput_rps": round(n / span_s, 3),
+        "prefill_tokens_saved": t.prompt_tokens - t.computed_tokens - t.slow_pull_tokens,
+        "pulls": t.pulls,
+        "pulls_slower_than_recompute": t.pulls_slower_than_recompute,
+        "bytes_moved": t.bytes_moved,
+        "stale_route_rate": round(t.stale_routes / t.routes_with_source, 4) if t.routes_with_source else 0.0,
+        "hit_rate_by_tier": {"gpu": round(t.gpu_tokens / prompt, 4), "local_cpu": round(t.local_cpu_tokens / prompt, 4),
+                             "peer": round(t.peer_tokens / prompt, 4)},
+        "route_ms_p50": round(pct(t.route_ms, 0.50), 3),
+    }
+
+
+def run_one(spec: RunSpec) -> Totals:
+    """One in-process replay (see :mod:`kvmesh_apps.replay.backends`)."""
+    variant = next(v for v in variants() if v.name == spec.variant)
+    requests = load_window(Path(spec.trace), spec.start, spec.requests, spec.time_scale)
+    ns = Namespace("replay", f"trace-{variant.slug}", "sim", CacheConfig(block_size=512)).validate()
+    backend = InProcessBackend(ns, RoutingSettings())
+    sim = Simulation(variant, requests, BlockHashes(), spec.profile, spec.engines, backend, spec.event_delay_ms,
+                     seed=spec.seed)
+    return asyncio.run(sim.run())
+
+
+def _summarized(item: tuple[RunSpec, float]) -> dict:
+    spec, slo = item
+    return summarize(run_one(spec), slo)
+
+
+def run_many(specs: list[RunSpec], ttft_slo_ms: float, jobs: int) -> list[dict]:
+    items = [(s, ttft_slo_ms) for s in specs]
+    if jobs <= 1:
+        return [_summarized(i) for i in items]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        return pool.map(_summarized, items, chunksize=1)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % confidence interval (Student t; 0 for a single value)."""
+    if len(values) < 2:
+        return (values[0] if values else 0.0), 0.0
+    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}.get(len(values), 2.0)
+    return statistics.fmean(values), t95 * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def combine(rows: list[dict]) -> dict:
+    """Per-window summaries -> their means, with ``*_ci95`` half-widths for the headline figures."""
+    out: dict = {}
+    for key, value in rows[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: round(statistics.fmean(r[key][k] for r in rows), 4) for k in value}
+        elif isinstance(value, (int, float)):
+            mean, ci = mean_ci([r[key] for r in rows])
+            out[key] = round(mean, 3) if isinstance(value, float) else round(mean)
+            if key in ("goodput_rps", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "slo_attainment"):
+                out[f"{key}_ci95"] = round(ci, 3)
+    out["windows"] = len(rows)
+    return out
+
+
+def max_slo_rate(points: list[tuple[float, float]]) -> float:
+    """(arrival rate, SLO attainment) at increasing rates -> the highest rate with attainment >= SLO_ATTAINMENT,
+    interpolated between the last rate that meets it and the first that does not (0 when none does)."""
+    best = 0.0
+    for (r0, a0), (r1, a1) in zip([(0.0, 1.0)] + points, points):
+        if a1 >= SLO_ATTAINMENT:
+            best = r1
+            continue
+        if a0 >= SLO_ATTAINMENT:
+            best = r0 + (r1 - r0) * (a0 - SLO_ATTAINMENT) / max(1e-9, a0 - a1)
+        break
+    return round(best, 3)
+
+
+def with_profile(profile: Profile, **changes) -> Profile:
+    return dataclasses.replace(profile, **changes)
