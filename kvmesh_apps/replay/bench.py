@@ -99,14 +99,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--time-scale", type=float, default=1.0, help="divide arrival times by this")
     parser.add_argument("--event-delay-ms", type=float, default=50.0,
                         help="virtual delay before a tier change reaches the index")
-    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="TTFT bound of goodput_rps")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="goodput's SLO: TTFT within this of the prompt's prefill time alone")
     parser.add_argument("--variants", default="", help="comma-separated subset (default: all nine)")
     parser.add_argument("--speed", type=float, default=d.speed, help="step times divided by this")
     parser.add_argument("--inter-rack-gbytes-per-s", type=float, default=d.inter_rack_bytes_per_s / 1e9)
     parser.add_argument("--cpu-tier-blocks", type=int, default=d.cpu_tier_blocks)
     parser.add_argument("--gpu-kv-blocks", type=int, default=d.gpu_kv_blocks)
     parser.add_argument("--no-sweep", action="store_true", help="the default point only")
-    parser.add_argument("--sweep-requests", type=int, default=1500, help="requests per window in the sweep")
+    parser.add_argument("--sweep-requests", type=int, default=1000, help="requests per window in the sweep")
     parser.add_argument("--sweep-windows", type=int, default=1)
     parser.add_argument("--sweep-variants", default=",".join(VARIANTS))
     parser.add_argument("--control-plane", choices=("in-process", "real"), default="in-process",

@@ -58,6 +58,7 @@ def variants() -> list[Variant]:
 @dataclass
 class Totals:
     ttft_ms: list[float] = field(default_factory=list)
+    alone_ms: list[float] = field(default_factory=list)    # each TTFT's prompt prefilled alone, from scratch
     wait_ms: list[float] = field(default_factory=list)     # queue + KV load before the prefill began
     first_arrival_ms: float = 0.0
     last_arrival_ms: float = 0.0
@@ -101,6 +102,7 @@ class Simulation:
         self._pulls: list[PullOutcome] = []
         self._next_probe = 0.0
         self._next_report = 0.0
+        self._alone: dict[int, float] = {}
 
     # -- what the router is told --------------------------------------------------------
 
@@ -323,6 +325,7 @@ class Simulation:
                 continue
             s.first_token_ms = now_ms
             t.ttft_ms.append(now_ms - s.arrival_ms)
+            t.alone_ms.append(self._alone_ms(s.prompt))
             t.wait_ms.append(s.wait_ms)
             t.last_first_token_ms = max(t.last_first_token_ms, now_ms)
             t.computed_tokens += s.computed
@@ -349,6 +352,12 @@ class Simulation:
         self._start_step(e, now_ms)
 
     # -- the replay ---------------------------------------------------------------------
+
+    def _alone_ms(self, prompt: int) -> float:
+        ms = self._alone.get(prompt)
+        if ms is None:
+            ms = self._alone[prompt] = self.costs.prefill_alone_ms(prompt, 0, self.p.max_batched_tokens)
+        return ms
 
     def _candidates(self) -> list[Candidate]:
         out = []

@@ -20,9 +20,8 @@ PARAMS: dict[str, list[float]] = {
     "event_delay_ms": [0.0, 1000.0, 5000.0],
 }
 LOADS = [0.5, 1.0, 1.5, 2.0]
-LOAD_CURVE = [0.5, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0]
-VARIANTS = ["cost-aware+p2p", "cost-aware-nop2p", "token-aware+p2p", "load-aware+p2p", "affinity+p2p",
-            "affinity-nop2p"]
+LOAD_CURVE = [0.5, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5]
+VARIANTS = ["cost-aware+p2p", "cost-aware-nop2p", "token-aware+p2p", "load-aware+p2p", "affinity+p2p"]
 
 
 def _configure(base: RunSpec, param: str | None, value: float) -> RunSpec:
