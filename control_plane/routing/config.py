@@ -31,6 +31,9 @@ class RoutingSettings(BaseModel):
         0.8, ge=0, le=1, description="affinity/sources: a token held only in a CPU tier scores this (GPU: 1)")
     route_tier_weight_disk: float = Field(
         0.5, ge=0, le=1, description="affinity/sources: a token held only on disk scores this (GPU: 1)")
+    route_work_weight: float = Field(
+        1.0, ge=0, description="cost-aware: an option's prefill time counts this many times the mean waiting "
+                               "requests per candidate on top of its TTFT (0: the request's TTFT alone)")
     route_affinity_spill_waiting: int = Field(
         4, ge=1, description="affinity with P2P: leave a holder this many waiting requests busier than the "
                             "least loaded engine, and pull from it")

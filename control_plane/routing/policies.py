@@ -45,9 +45,11 @@ class RouteContext:
 
     def __init__(self, candidates: tuple[Candidate, ...], prompt_tokens: int, block_size: int, match: PrefixMatch,
                  cost: CostModel, p2p: bool, min_cached_token_delta: int, tier_weights: tuple[float, float] = (1.0, 1.0),
-                 spill_waiting: int = 0) -> None:
+                 spill_waiting: int = 0, work_weight: float = 0.0) -> None:
         """``tier_weights``: (CPU, disk) weight of a token held only there (GPU: 1); ``spill_waiting``: affinity
-        with P2P leaves a holder this many waiting requests busier than the least loaded engine (0: never)."""
+        with P2P leaves a holder this many waiting requests busier than the least loaded engine (0: never);
+        ``work_weight``: cost-aware charges each option its prefill time times this times the mean waiting
+        requests per candidate (GPU time spent now is queueing for the requests behind it)."""
         self.candidates = candidates
         self.prompt = prompt_tokens
         self.block_size = block_size
@@ -56,6 +58,7 @@ class RouteContext:
         self.min_delta = min_cached_token_delta
         self.tier_weights = tier_weights
         self.spill_waiting = spill_waiting
+        self.load_factor = work_weight * sum(c.waiting_requests for c in candidates) / len(candidates)
 
         def tokens(blocks: int) -> int:
             return min(blocks * block_size, prompt_tokens)
@@ -112,16 +115,21 @@ class RouteContext:
             return Placement(c, Reason.LEAST_LOADED, SourceDecision.BELOW_MIN_DELTA, self.stay(c))
         return Placement(c, Reason.LEAST_LOADED, SourceDecision.PULL, self.pull_from(c, src), src)
 
+    def charge(self, e: Estimate) -> float:
+        """Cost-aware's objective: the estimated TTFT, plus the option's prefill time weighted by the fleet's
+        queues (0 on an idle fleet, where only this request's TTFT counts)."""
+        return e.ttft_ms + self.load_factor * e.prefill_ms
+
     def cheapest(self, c: Candidate) -> Placement:
-        """Cost-aware: recompute locally or pull from the peer whose pull finishes first, whichever is sooner."""
+        """Cost-aware: recompute locally or pull from the peer whose pull finishes first, whichever charges less."""
         stay = self.stay(c)
         if not self.p2p:
             return Placement(c, Reason.LOWEST_ESTIMATED_TTFT, SourceDecision.P2P_DISABLED, stay)
         ahead = self.ahead_of(c)
         if not ahead:
             return Placement(c, Reason.LOWEST_ESTIMATED_TTFT, SourceDecision.NONE_AHEAD, stay)
-        est, src = min(((self.pull_from(c, h), h) for h in ahead), key=lambda o: (o[0].ttft_ms, o[1].node_id))
-        if est.ttft_ms < stay.ttft_ms:
+        est, src = min(((self.pull_from(c, h), h) for h in ahead), key=lambda o: (self.charge(o[0]), o[1].node_id))
+        if self.charge(est) < self.charge(stay):
             return Placement(c, Reason.LOWEST_ESTIMATED_TTFT, SourceDecision.PULL, est, src)
         return Placement(c, Reason.LOWEST_ESTIMATED_TTFT, SourceDecision.RECOMPUTE_CHEAPER, stay)
 
@@ -181,7 +189,7 @@ class CostAware(PlacementPolicy):
 
     def choose(self, ctx: RouteContext) -> Placement:
         options = [ctx.cheapest(c) for c in ctx.candidates]
-        return min(options, key=lambda p: (p.estimate.ttft_ms, *_load(p.candidate)))
+        return min(options, key=lambda p: (ctx.charge(p.estimate), *_load(p.candidate)))
 
 
 POLICIES: dict[Policy, PlacementPolicy] = {

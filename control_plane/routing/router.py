@@ -89,7 +89,8 @@ class Router:
                          self.ledger.wait_s)
         ctx = RouteContext(request.candidates, request.prompt_length, request.namespace.cache_config.block_size,
                            match, cost, request.p2p, request.min_cached_token_delta or s.route_min_cached_token_delta,
-                           (s.route_tier_weight_cpu, s.route_tier_weight_disk), s.route_affinity_spill_waiting)
+                           (s.route_tier_weight_cpu, s.route_tier_weight_disk), s.route_affinity_spill_waiting,
+                           s.route_work_weight)
         policy = request.policy or self._default_policy
         placement = POLICIES[policy].choose(ctx)
         chosen = placement.candidate

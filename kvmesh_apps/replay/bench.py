@@ -32,7 +32,7 @@ from kvmesh_apps.replay.backends import ControlPlaneBackend
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import RunSpec, combine, run_many, summarize
 from kvmesh_apps.replay.sim import Simulation, variants
-from kvmesh_apps.replay.sweep import VARIANTS, sweep, winners
+from kvmesh_apps.replay.sweep import LOAD_CURVE, PARAMS, VARIANTS, sweep, winners
 from kvmesh_apps.replay.trace import BlockHashes, load_window
 from tenancy.api_keys import new_key
 
@@ -109,6 +109,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sweep-requests", type=int, default=1000, help="requests per window in the sweep")
     parser.add_argument("--sweep-windows", type=int, default=1)
     parser.add_argument("--sweep-variants", default=",".join(VARIANTS))
+    parser.add_argument("--sweep-params", default=",".join(PARAMS),
+                        help="comma-separated subset of the swept parameters (the load is always swept)")
+    parser.add_argument("--sweep-loads", default="", help="comma-separated time scales of the load curve")
     parser.add_argument("--control-plane", choices=("in-process", "real"), default="in-process",
                         help="real: also replay the first window through a control-plane process")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
@@ -141,7 +144,9 @@ def main(argv: list[str]) -> int:
         sweep_base = dataclasses.replace(base, requests=args.sweep_requests)
         result["sweep"] = sweep(sweep_base, sweep_names, _windows(trace, args.start, args.sweep_windows,
                                                                   args.sweep_requests),
-                                args.ttft_slo_ms, args.jobs)
+                                args.ttft_slo_ms, args.jobs,
+                                {k: v for k, v in PARAMS.items() if k in args.sweep_params.split(",")},
+                                [float(x) for x in args.sweep_loads.split(",")] if args.sweep_loads else LOAD_CURVE)
         result["sweep_winners"] = winners(result["sweep"])
     result["wall_s"] = round(time.monotonic() - started, 1)
     out = Path(args.out)

@@ -92,3 +92,37 @@ class StepCosts:
             ms += self.step_ms(chunk, [(chunk, context + done)], 0)
             done += chunk
         return ms
+
+
+class FittedCosts(StepCosts):
+    """Step costs fitted to an engine measured here (``kvmesh bench sim-to-real``): ``overhead_ms`` per step,
+    ``ms_per_token`` for every token in it, ``ms_per_token_context`` for each prefilled token per token of
+    context before it (attention), ``ms_per_decode_context`` per context token of each decode."""
+
+    def __init__(self, overhead_ms: float, ms_per_token: float, ms_per_token_context: float,
+                 ms_per_decode_context: float = 0.0) -> None:
+        super().__init__(1.0)
+        self.overhead_ms = overhead_ms
+        self.ms_per_token = ms_per_token
+        self.ms_per_token_context = ms_per_token_context
+        self.ms_per_decode_context = ms_per_decode_context
+
+    def step_ms(self, tokens: int, chunks: list[tuple[int, int]], decode_context: int) -> float:
+        ms = self.overhead_ms + self.ms_per_token * tokens + self.ms_per_decode_context * decode_context
+        for chunk, context in chunks:
+            ms += self.ms_per_token_context * chunk * (context + chunk / 2)
+        return ms
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, float]]) -> "FittedCosts":
+        """Least squares over (prompt tokens, prefill ms from scratch) measured as one step each."""
+        import numpy as np
+
+        x = np.array([[1.0, n, n * n / 2] for n, _ in samples])
+        y = np.array([ms for _, ms in samples])
+        (a, b, c), *_ = np.linalg.lstsq(x, y, rcond=None)
+        return cls(max(0.0, float(a)), max(1e-6, float(b)), max(0.0, float(c)))
+
+    def as_dict(self) -> dict:
+        return {"overhead_ms": self.overhead_ms, "ms_per_token": self.ms_per_token,
+                "ms_per_token_context": self.ms_per_token_context}

@@ -79,7 +79,9 @@ class Totals:
 
 class Simulation:
     def __init__(self, variant: Variant, requests: list[TraceRequest], hashes: BlockHashes, profile: Profile,
-                 engines: int, backend: Backend, event_delay_ms: float, seed: int = 0) -> None:
+                 engines: int, backend: Backend, event_delay_ms: float, seed: int = 0,
+                 costs: StepCosts | None = None) -> None:
+        """``costs``: the engines' step costs (default: the Vidur-measured H100 table at ``profile.speed``)."""
         self.v = variant
         self.p = profile
         self.requests = requests
@@ -87,7 +89,7 @@ class Simulation:
         self.backend = backend
         self.delay = event_delay_ms
         self.rng = random.Random(seed)
-        self.costs = StepCosts(profile.speed)
+        self.costs = costs or StepCosts(profile.speed)
         self.engines = [Engine(i, f"{variant.slug}-e{i}", profile.gpu_kv_blocks, profile.cpu_tier_blocks,
                                profile.block_tokens) for i in range(engines)]
         self.factor = [self.rng.lognormvariate(0.0, profile.engine_noise) for _ in range(engines)]

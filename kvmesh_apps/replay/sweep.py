@@ -35,14 +35,16 @@ def _configure(base: RunSpec, param: str | None, value: float) -> RunSpec:
     return dataclasses.replace(base, profile=dataclasses.replace(base.profile, **{param: cast(value)}))
 
 
-def sweep(base: RunSpec, names: list[str], windows: list[int], ttft_slo_ms: float, jobs: int) -> list[dict]:
+def sweep(base: RunSpec, names: list[str], windows: list[int], ttft_slo_ms: float, jobs: int,
+          params: dict[str, list[float]] = PARAMS, load_curve: list[float] = LOAD_CURVE,
+          loads: list[float] = LOADS) -> list[dict]:
     """``base``: the default point (its ``time_scale`` is where goodput is read); one run per
     (configuration, load, variant, window)."""
-    configs: list[tuple[str | None, float]] = [(None, 0.0)] + [(p, v) for p, vs in PARAMS.items() for v in vs]
+    configs: list[tuple[str | None, float]] = [(None, 0.0)] + [(p, v) for p, vs in params.items() for v in vs]
     plan: list[tuple[tuple, RunSpec]] = []
     for param, value in configs:
-        loads = sorted(set((LOAD_CURVE if param is None else LOADS) + [base.time_scale]))
-        for load in loads:
+        at_loads = sorted(set((load_curve if param is None else loads) + [base.time_scale]))
+        for load in at_loads:
             for name in names:
                 for w, start in enumerate(windows):
                     spec = dataclasses.replace(_configure(base, param, value), variant=name, time_scale=load,
@@ -59,8 +61,8 @@ def sweep(base: RunSpec, names: list[str], windows: list[int], ttft_slo_ms: floa
 
     def headline(param, value, load, name) -> dict:
         r = at(param, value, load, name)
-        loads = sorted({k[2] for k in grouped if k[0] == param and k[1] == value})
-        rate = max_slo_rate([(rate1 * x, at(param, value, x, name)["slo_attainment"]) for x in loads])
+        xs = sorted({k[2] for k in grouped if k[0] == param and k[1] == value})
+        rate = max_slo_rate([(rate1 * x, at(param, value, x, name)["slo_attainment"]) for x in xs])
         return {"goodput_rps": r["goodput_rps"], "goodput_rps_ci95": r["goodput_rps_ci95"], "max_slo_rate_rps": rate,
                 "ttft_p50_ms": r["ttft_p50_ms"], "ttft_p90_ms": r["ttft_p90_ms"], "ttft_p99_ms": r["ttft_p99_ms"],
                 "wait_p90_ms": r["wait_p90_ms"], "slo_attainment": r["slo_attainment"]}

@@ -46,14 +46,16 @@ def load_window(path: Path, start: int, count: int, time_scale: float = 1.0) -> 
 
 
 class BlockHashes:
-    """Maps a request's hash ids to chained 32-byte block hashes (memoised by chain)."""
+    """Maps a request's hash ids to chained 32-byte block hashes (memoised by chain). ``block_tokens``: the
+    tokens of one hash id (a scaled-down trace has fewer than the trace's 512)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
         self._memo: dict[tuple[bytes, int], bytes] = {}
+        self.block_tokens = block_tokens
 
     def of(self, r: TraceRequest) -> list[bytes]:
         out, parent = [], b""
-        for block_id in r.hash_ids[: r.input_tokens // TRACE_BLOCK_TOKENS]:
+        for block_id in r.hash_ids[: r.input_tokens // self.block_tokens]:
             key = (parent, block_id)
             h = self._memo.get(key)
             if h is None:

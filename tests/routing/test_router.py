@@ -1,0 +1,152 @@
+"""The router in process (no server): speculative entries, the pull ledger, tier weights, near ties, the
+affinity spill and the pull break-even, on a controllable clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.namespace import CacheConfig, Namespace
+
+from control_plane.model import Medium, NodePrefix, PrefixMatch
+from control_plane.routing.config import RoutingSettings
+from control_plane.routing.cost_model import Figures
+from control_plane.routing.router import Router
+from control_plane.routing.stats import StatsStore
+from control_plane.routing.types import Candidate, Policy, RouteRequest, SourceDecision
+
+B = 32
+KV = 100_000
+HASHES = [bytes([i]) * 32 for i in range(64)]
+
+
+class FixedStats(StatsStore):
+    def __init__(self, figures: Figures = Figures()) -> None:
+        self.f = figures
+
+    async def report(self, report) -> None:
+        pass
+
+    async def figures(self) -> Figures:
+        return self.f
+
+    async def close(self) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def router(clock: Clock, figures: Figures = Figures(), **settings) -> Router:
+    s = RoutingSettings(route_prefill_tokens_per_s=10_000, route_link_bytes_per_s=10e9,
+                        route_promotion_bytes_per_s=50e9, route_lookup_ms=1.0, **settings)
+    return Router(FixedStats(figures), s, clock=clock)
+
+
+def lookup_of(holders: list[NodePrefix]):
+    async def lookup(ns, hashes, token_ids, extras, tiers):
+        return PrefixMatch(len(hashes), sorted(holders, key=lambda h: -h.leading_blocks))
+    return lookup
+
+
+def held(node: str, gpu: int = 0, cpu: int = 0, disk: int = 0) -> NodePrefix:
+    return NodePrefix(node, f"{node}.local:7100", max(gpu, cpu, disk),
+                      {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk})
+
+
+NS = Namespace("acme", "m", "v1", CacheConfig(block_size=B)).validate()
+
+
+def request(cands, policy: Policy, *, blocks: int = 64, p2p: bool = True) -> RouteRequest:
+    return RouteRequest(NS, tuple(cands), block_hashes=tuple(HASHES[:blocks]), policy=policy, p2p=p2p,
+                        kv_bytes_per_token=KV)
+
+
+CANDS = [Candidate("a", "a"), Candidate("b", "b"), Candidate("c", "c")]
+
+
+async def test_speculative_entries_keep_back_to_back_requests_together_until_they_expire():
+    clock = Clock()
+    r = router(clock, route_speculative_ttl_ms=2000)
+    nobody = lookup_of([])
+    first = await r.route(request(CANDS, Policy.AFFINITY), nobody)
+    busier = [Candidate(c.engine_id, c.node_id, waiting_requests=1 if c.engine_id == first.engine_id else 0)
+              for c in CANDS]
+    again = await r.route(request(busier, Policy.AFFINITY), nobody)
+    assert again.engine_id == first.engine_id and again.local_cached_tokens == 64 * B
+    clock.now += 2.5   # expired: the least loaded engine again
+    later = await r.route(request(busier, Policy.AFFINITY), nobody)
+    assert later.engine_id != first.engine_id and later.local_cached_tokens == 0
+
+
+async def test_without_speculative_entries_back_to_back_requests_scatter():
+    clock = Clock()
+    r = router(clock, route_speculative_ttl_ms=0)
+    first = await r.route(request(CANDS, Policy.AFFINITY), lookup_of([]))
+    busier = [Candidate(c.engine_id, c.node_id, waiting_requests=1 if c.engine_id == first.engine_id else 0)
+              for c in CANDS]
+    assert (await r.route(request(busier, Policy.AFFINITY), lookup_of([]))).engine_id != first.engine_id
+
+
+async def test_the_ledger_queues_a_second_pull_behind_the_first_on_the_same_nic():
+    clock = Clock()
+    r = router(clock, route_speculative_ttl_ms=0)
+    holders = lookup_of([held("a", cpu=64)])
+    cands = [Candidate("a", "a", 9, 10**6), Candidate("b", "b"), Candidate("c", "c")]
+    one = await r.route(request(cands, Policy.COST_AWARE), holders)
+    two = await r.route(request(cands, Policy.COST_AWARE), holders)
+    assert one.source_decision is SourceDecision.PULL and two.source_decision is SourceDecision.PULL
+    wire = 1000.0 * 64 * B * KV / 10e9
+    assert one.estimate.transfer_ms == pytest.approx(wire)
+    assert two.estimate.transfer_ms == pytest.approx(2 * wire)   # waits for the first on a's NIC
+    clock.now += 1.0
+    assert (await r.route(request(cands, Policy.COST_AWARE), holders)).estimate.transfer_ms == pytest.approx(wire)
+
+
+@pytest.mark.parametrize("bandwidth", [1e6, 3e6, 1e7, 3e7, 1e8, 3e8, 1e9, 3e9, 1e10])
+async def test_cost_aware_never_pulls_below_break_even(bandwidth):
+    """One idle engine, a peer holding 48 of 64 blocks: pull exactly when lookup + wire + promotion of the 1,536
+    tokens is shorter than prefilling them."""
+    clock = Clock()
+    figures = Figures(link_bytes_per_s={("a", "b"): bandwidth})
+    r = router(clock, figures, route_speculative_ttl_ms=0)
+    d = await r.route(request([Candidate("b", "b")], Policy.COST_AWARE), lookup_of([held("a", cpu=48)]))
+    tokens = 48 * B
+    pull_ms = 1.0 + 1000.0 * tokens * KV / bandwidth + 1000.0 * tokens * KV / 50e9
+    recompute_ms = 1000.0 * tokens / 10_000
+    assert (d.source_decision is SourceDecision.PULL) == (pull_ms < recompute_ms)
+    if d.source is not None:
+        assert d.estimate.ttft_ms < recompute_ms + 1000.0 * 16 * B / 10_000
+
+
+async def test_tier_weights_prefer_a_gpu_holder_to_a_longer_disk_one():
+    clock = Clock()
+    holders = lookup_of([held("a", gpu=40), held("b", disk=44)])
+    assert (await router(clock).route(request(CANDS, Policy.AFFINITY), holders)).engine_id == "a"
+    flat = router(clock, route_tier_weight_disk=1.0)   # negative control: unweighted, the longer prefix wins
+    assert (await flat.route(request(CANDS, Policy.AFFINITY), holders)).engine_id == "b"
+
+
+async def test_near_tied_holders_are_chosen_by_queue_depth():
+    clock = Clock()
+    cands = [Candidate("a", "a", 3), Candidate("b", "b", 0), Candidate("c", "c", 0)]
+    near = lookup_of([held("a", gpu=40), held("b", gpu=39)])
+    assert (await router(clock).route(request(cands, Policy.AFFINITY), near)).engine_id == "b"
+    apart = lookup_of([held("a", gpu=40), held("b", gpu=36)])   # 4 blocks apart: the longer prefix wins
+    assert (await router(clock).route(request(cands, Policy.AFFINITY), apart)).engine_id == "a"
+
+
+async def test_affinity_with_p2p_spills_a_busy_holder_and_without_p2p_stays():
+    clock = Clock()
+    cands = [Candidate("a", "a", 5), Candidate("b", "b", 0)]
+    holders = lookup_of([held("a", cpu=40)])
+    spilled = await router(clock).route(request(cands, Policy.AFFINITY), holders)
+    assert spilled.engine_id == "b" and spilled.source is not None and spilled.source.node_id == "a"
+    stayed = await router(clock).route(request(cands, Policy.AFFINITY, p2p=False), holders)
+    assert stayed.engine_id == "a" and stayed.source is None
+    calm = [Candidate("a", "a", 3), Candidate("b", "b", 0)]   # below route_affinity_spill_waiting (4)
+    assert (await router(clock).route(request(calm, Policy.AFFINITY), holders)).engine_id == "a"
