@@ -83,24 +83,26 @@ def _ttft_ms(engine: EngineProcess, prompt: list[int], max_tokens: int, **kw) ->
 
 
 def measure(fleet: Fleet, engines: dict[str, EngineProcess], vocab: int, kv_bytes: int, max_tokens: int) -> dict:
-    """Prefill time against prompt length on e1 (fitted), and one pull of a 1,024-token prefix into e2."""
+    """Prefill time against prompt length on e1 (fitted), and pulls of 1,024-token prefixes into e2. Every run
+    has prompts of its own: a repeated one would be loaded from the node's CPU tier instead."""
     rng = np.random.default_rng(99)
+    draw = lambda n: rng.integers(2, vocab, n).tolist()  # noqa: E731
     samples = []
     for n in CALIBRATION_LENGTHS:
-        prompt = rng.integers(2, vocab, n).tolist()
-        runs = [_ttft_ms(engines["e1"], prompt, max_tokens) for _ in range(3)]
-        samples.append((n, statistics.median(runs)))
+        samples.append((n, statistics.median(_ttft_ms(engines["e1"], draw(n), max_tokens) for _ in range(3))))
     costs = FittedCosts.fit(samples)
-    prefix, suffix = rng.integers(2, vocab, 1024).tolist(), rng.integers(2, vocab, 64).tolist()
-    engines["e1"].generate(prefix, max_tokens)          # its blocks go to dp1's CPU tier
+    prefixes = [draw(1024) for _ in range(3)]
+    for prefix in prefixes:
+        engines["e1"].generate(prefix, max_tokens)      # its blocks go to dp1's CPU tier
     time.sleep(0.5)
     host, port = fleet.data_planes["dp1"].address.rsplit(":", 1)
-    source = {"remote_kv_source": {"kv_request_id": "probe", "remote_host": host, "remote_port": int(port),
-                                   "remote_node_id": "dp1"}}
-    pulled = [_ttft_ms(engines["e2"], prefix + suffix, max_tokens, kv_transfer_params=source)]
-    pulled += [_ttft_ms(engines["e2"], prefix + suffix, max_tokens, kv_transfer_params=source) for _ in range(2)]
+    pulled = []
+    for i, prefix in enumerate(prefixes):
+        source = {"remote_kv_source": {"kv_request_id": f"probe-{i}", "remote_host": host, "remote_port": int(port),
+                                       "remote_node_id": "dp1"}}
+        pulled.append(_ttft_ms(engines["e2"], prefix + draw(64), max_tokens, kv_transfer_params=source))
     pull_ms = max(0.1, statistics.median(pulled) - costs.step_ms(64, [(64, 1024)], 0))
-    return {"costs": costs, "samples": samples, "pull_ms_1024": pull_ms,
+    return {"costs": costs, "samples": samples, "pull_ms_1024": pull_ms, "pulled_ttft_ms": pulled,
             "pull_bytes_per_s": 1024 * kv_bytes / (pull_ms / 1000.0)}
 
 
@@ -222,6 +224,7 @@ def main(argv: list[str]) -> int:
         "same_ranking": rank("sim_ttft_p50_ms") == rank("real_ttft_p50_ms"),
         "profile": {**measured["costs"].as_dict(), "pull_ms_1024_tokens": round(measured["pull_ms_1024"], 2),
                     "pull_bytes_per_s": round(measured["pull_bytes_per_s"]),
+                    "pulled_ttft_ms": [round(x, 2) for x in measured["pulled_ttft_ms"]],
                     "calibration": [[n, round(ms, 2)] for n, ms in measured["samples"]],
                     "kv_bytes_per_token": kv_bytes},
         "window": {"start": args.start, "requests": len(window), "block_tokens": args.block_tokens,
