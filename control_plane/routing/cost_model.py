@@ -26,8 +26,9 @@ class CostModel:
     """Converts tokens into time for one request (one model's KV bytes per token)."""
 
     def __init__(self, figures: Figures, settings: RoutingSettings, kv_bytes_per_token: int,
-                 pull_wait_s: Callable[[str, str], float] = lambda source, dest: 0.0) -> None:
-        """``pull_wait_s(source, dest)``: how long a pull routed now queues behind earlier ones (the ledger)."""
+                 pull_wait_s: Callable[[str, str, float], float] = lambda source, dest, after_s: 0.0) -> None:
+        """``pull_wait_s(source, dest, after_s)``: how long a pull starting ``after_s`` from now queues behind the
+        pulls routed before it (the ledger)."""
         self._figures = figures
         self._s = settings
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -53,9 +54,11 @@ class CostModel:
         """Bytes over the link's measured bandwidth (a pull alone on the link)."""
         return 1000.0 * tokens * self.kv_bytes_per_token / self.link_bytes_per_s(source_node, dest_node)
 
-    def transfer_ms(self, source_node: str, dest_node: str, tokens: int) -> float:
-        """Waiting behind the pulls already routed over either NIC, then the bytes on the wire."""
-        return 1000.0 * self._pull_wait_s(source_node, dest_node) + self.wire_ms(source_node, dest_node, tokens)
+    def transfer_ms(self, source_node: str, dest_node: str, tokens: int, after_ms: float = 0.0) -> float:
+        """Waiting behind the pulls already routed over either NIC, then the bytes on the wire (the pull starts
+        ``after_ms`` from now, when the engine reaches the request)."""
+        wait_s = self._pull_wait_s(source_node, dest_node, after_ms / 1000.0)
+        return 1000.0 * wait_s + self.wire_ms(source_node, dest_node, tokens)
 
     def recompute(self, c: Candidate, prompt: int, local: int, local_gpu: int) -> Estimate:
         """Run on ``c`` with what its own tiers hold: promote the non-GPU part, prefill the rest."""
@@ -65,10 +68,11 @@ class CostModel:
     def pull(self, c: Candidate, prompt: int, local: int, local_gpu: int, source_node: str,
              source_tokens: int) -> Estimate:
         """Run on ``c`` after pulling what the source holds beyond ``local`` into its CPU tier."""
+        queue_ms = self.queue_ms(c)
         return Estimate(
-            queue_ms=self.queue_ms(c),
+            queue_ms=queue_ms,
             lookup_ms=self._s.route_lookup_ms,
-            transfer_ms=self.transfer_ms(source_node, c.node_id, source_tokens - local),
+            transfer_ms=self.transfer_ms(source_node, c.node_id, source_tokens - local, queue_ms),
             promotion_ms=self.promotion_ms(source_tokens - local_gpu),
             prefill_ms=self.prefill_ms(c.engine_id, prompt - source_tokens),
         )

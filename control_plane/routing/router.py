@@ -103,7 +103,8 @@ class Router:
             pulled = source.cached_tokens - ctx.local(chosen).any_tokens
             self.counters.routed_pull_tokens += pulled
             self.ledger.add(source.node_id, chosen.node_id,
-                            cost.wire_ms(source.node_id, chosen.node_id, pulled) / 1000.0)
+                            cost.wire_ms(source.node_id, chosen.node_id, pulled) / 1000.0,
+                            placement.estimate.queue_ms / 1000.0)
         self.counters.decisions[(policy.label, placement.reason.name)] += 1
         self.counters.source_decisions[placement.source_decision.name] += 1
         return RouteDecision(
