@@ -3,8 +3,8 @@
 :class:`Network` builds a switch (a bridge inside its own namespace, so the host's firewall never sees the
 bridged traffic), a leg from this (root) namespace to it, and one namespace per host with one veth
 (``kv0``) on the switch. Processes run in a host with :meth:`Network.prefix` (``ip netns exec``). Faults:
-:meth:`shape` (``tc netem``, where the kernel has it), :meth:`limit_rate` (``tc tbf``), :meth:`lose` and
-:meth:`drop` (iptables rules in the host's namespace).
+:meth:`delay` (``tc netem``, or NFQUEUE and :mod:`kvmesh_apps.netdelay` where the kernel has no netem),
+:meth:`limit_rate` (``tc tbf``), :meth:`lose` and :meth:`drop` (iptables rules in the host's namespace).
 :meth:`close` removes everything and runs however the caller ends (context manager and ``atexit``);
 namespaces left by a killed run (its pid is in their names) are removed by the next one.
 
@@ -22,6 +22,7 @@ import os
 import random
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 IFACE = "kv0"
@@ -77,6 +78,7 @@ class Network:
         self.switch = f"{self._tag}sw"
         self.leg = f"kh{os.getpid()}"
         self._open = False
+        self._delayers: dict[str, subprocess.Popen] = {}
 
     @property
     def host_ip(self) -> str:
@@ -130,6 +132,37 @@ class Network:
         if result.returncode != 0:
             raise NotImplementedError(f"tc netem: {result.stderr.strip()}")
 
+    def delay(self, host: Host, ms: float) -> None:
+        """Delays every packet the host sends by ``ms``: ``tc netem`` where the kernel has it, else an NFQUEUE
+        rule and :mod:`kvmesh_apps.netdelay` holding each packet's verdict for ``ms``."""
+        try:
+            self.shape(host, f"delay {ms}ms")
+            return
+        except NotImplementedError:
+            pass
+        proc = subprocess.Popen([*self.prefix(host), sys.executable, "-m", "kvmesh_apps.netdelay", "--queue", "7",
+                                 "--delay-ms", str(ms)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = proc.stdout.readline()
+        if "ready" not in line:
+            proc.kill()
+            raise NotImplementedError(f"netdelay did not start: {line.strip()} {proc.stdout.read()[-500:]}")
+        self._delayers[host.name] = proc
+        self.run(host, "iptables", "-w", "-A", "OUTPUT", "-o", IFACE, "-j", "NFQUEUE", "--queue-num", "7",
+                 "--queue-bypass")
+
+    def undelay(self, host: Host) -> None:
+        subprocess.run([*self.prefix(host), "iptables", "-w", "-D", "OUTPUT", "-o", IFACE, "-j", "NFQUEUE",
+                        "--queue-num", "7", "--queue-bypass"], capture_output=True)
+        proc = self._delayers.pop(host.name, None)
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.unshape(host)
+
     def limit_rate(self, host: Host, rate: str) -> None:
         """A token bucket on the host's egress, e.g. "100mbit" (sch_tbf)."""
         self.run(host, "tc", "qdisc", "replace", "dev", IFACE, "root", "tbf", "rate", rate, "burst", "64kb",
@@ -159,7 +192,8 @@ class Network:
         if not self._open:
             return
         self._open = False
-        for host in self.hosts.values():
+        for host in list(self.hosts.values()):
+            self.undelay(host)
             _ip("netns", "delete", host.netns, check=False)
         _ip("link", "delete", self.leg, check=False)
         _ip("netns", "delete", self.switch, check=False)

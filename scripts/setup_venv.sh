@@ -16,3 +16,5 @@ PIP="$VENV/bin/pip"
 "$PIP" install -q "nixl-cu12==1.5.1"
 "$PIP" install -q --no-deps "nixl==1.5.1"
 "$PIP" install -q -e ".[dev,embedded]"
+# Best effort: the fault matrix's packet delay on kernels without sch_netem (needs libnetfilter-queue-dev).
+"$PIP" install -q -e ".[faults]" 2>/dev/null || echo "netfilterqueue not built: kvmesh bench faults will skip the delay case"
