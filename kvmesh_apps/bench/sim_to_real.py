@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
+import os
 import statistics
 import tempfile
 import time
@@ -35,8 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from control_plane.routing.types import Candidate, EngineSample, LinkSample, Policy
+from control_plane.routing.config import RoutingSettings
+from control_plane.routing.types import Candidate, EngineSample, LinkSample
 from control_plane.scheduler_client import SchedulerClient
+from engine_connector.config import KV_LAYOUT
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.engine_host import BLOCK_SIZE, EngineProcess
 from kvmesh_apps.fleet import Fleet
@@ -48,7 +50,6 @@ from kvmesh_apps.replay.sim import Simulation, variants
 from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, BlockHashes, TraceRequest, load_window
 from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
 from tenancy.api_keys import new_key
-from control_plane.routing.config import RoutingSettings
 
 POLICIES = ("cost-aware+p2p", "load-aware+p2p", "affinity-nop2p")
 NODES = {"e1": "dp1", "e2": "dp2"}
@@ -204,7 +205,9 @@ def main(argv: list[str]) -> int:
             scale = max(1e-9, window[-1].arrival_ms) / span_ms
             window = [replace(r, arrival_ms=r.arrival_ms / scale) for r in window]
             measured["prefill_tokens_per_s"] = 2048 / (costs.prefill_alone_ms(2048, 0, 8192) / 1000.0)
-            ns = Namespace("simreal", str(model), "random-init", CacheConfig(block_size=BLOCK_SIZE)).validate()
+            ns = Namespace("simreal", str(model), "random-init", CacheConfig(  # as the connector names its blocks
+                block_size=BLOCK_SIZE, kv_dtype=spec.dtype, kv_layout=KV_LAYOUT, parallel_layout="tp1-pp1",
+                hash_seed=os.environ.get("PYTHONHASHSEED", ""))).validate()
             real = {}
             for salt, policy in enumerate(policies):
                 real[policy] = asyncio.run(replay_real(fleet, engines, ns, window, Prompts(spec.vocab,

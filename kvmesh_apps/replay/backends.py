@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 from abc import ABC, abstractmethod
 
-import grpc
-
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
