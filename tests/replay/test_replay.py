@@ -128,7 +128,8 @@ def test_replay_ends_with_its_json(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "bench", "replay", "--trace", str(TRACE),
                           "--requests", "150", "--windows", "2", "--engines", "4", "--sweep-requests", "100",
                           "--sweep-params", "inter_rack_gbytes_per_s", "--sweep-loads", "1,2",
-                          "--sweep-variants", "cost-aware+p2p,affinity+p2p", "--out", str(tmp_path), "--json"],
+                          "--sweep-variants", "cost-aware+p2p,affinity+p2p", "--control-plane", "real",
+                          "--out", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -137,6 +138,9 @@ def test_replay_ends_with_its_json(tmp_path):
         assert r["requests"] == 150 and r["windows"] == 2
         assert r["ttft_p99_ms"] >= r["ttft_p90_ms"] >= r["ttft_p50_ms"] > 0 and "goodput_rps_ci95" in r
     assert result["policies"]["no-sharing"]["prefill_tokens_saved"] == 0
+    # the first window again through a real control-plane process: every variant, real Route RPCs
+    assert set(result["control_plane"]) == NAMES
+    assert all(r["requests"] == 150 and r["route_ms_p50"] > 0 for r in result["control_plane"].values())
     for name in NAMES - {"no-sharing"}:
         assert name.endswith("+p2p") or result["policies"][name]["bytes_moved"] == 0
     assert result["profile"]["kv_bytes_per_token"] == 327_680 and result["profile"]["engines"] == 4
