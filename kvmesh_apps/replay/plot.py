@@ -24,7 +24,7 @@ def write_plot(result: dict, path: Path) -> str:
             ax.errorbar(xs, [p["policies"][name]["goodput_rps"] for p in load],
                         yerr=[p["policies"][name]["goodput_rps_ci95"] for p in load], marker="o", ms=3, label=name)
         ax.set_xlabel("arrival rate (req/s)")
-        ax.set_ylabel(f"goodput (TTFT <= {result['trace']['ttft_slo_ms'] / 1000:g} s, req/s)")
+        ax.set_ylabel(f"goodput (req/s, TTFT <= prefill alone + {result['trace']['ttft_slo_ms'] / 1000:g} s)")
         ax.set_title("goodput against load", fontsize=9)
         ax.legend(fontsize=7)
         ax = axes[0][1]
@@ -35,15 +35,24 @@ def write_plot(result: dict, path: Path) -> str:
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_ylabel("TTFT p90 (s)")
         ax.set_title("TTFT p90 against load", fontsize=9)
-        for ax, param in zip([axes[0][2], axes[1][0], axes[1][1], axes[1][2]],
-                             ["inter_rack_gbytes_per_s", "speed", "cpu_tier_blocks", "event_delay_ms"]):
+        prof = result["profile"]
+        defaults = {"inter_rack_gbytes_per_s": prof["inter_rack_bytes_per_s"] / 1e9, "speed": prof["speed"],
+                    "cpu_tier_blocks": prof["cpu_tier_blocks"], "event_delay_ms": result["trace"]["event_delay_ms"]}
+        for ax, param in zip([axes[0][2], axes[1][0], axes[1][1], axes[1][2]], list(defaults)):
             pts = [p for p in sweep if param in p["point"]]
             if not pts:
                 continue
+            default = {"point": {param: defaults[param]}, "policies": load[0]["policies"]}  # the default point
+            pts = sorted(pts + [default], key=lambda p: p["point"][param])
             for name in pts[0]["policies"]:
                 ax.plot([p["point"][param] for p in pts], [p["policies"][name]["max_slo_rate_rps"] for p in pts],
                         marker="o", ms=3, label=name)
-            ax.set_xscale("symlog" if param == "event_delay_ms" else "log")
+            ax.axvline(defaults[param], color="grey", lw=0.5, ls=":")
+            if param == "event_delay_ms":
+                ax.set_xscale("symlog", linthresh=10)
+                ax.set_xlim(left=0)
+            else:
+                ax.set_xscale("log")
             ax.set_xlabel(param)
             ax.set_ylabel("highest SLO-meeting rate (req/s)")
             ax.set_title(f"SLO-meeting rate against {param}", fontsize=9)
