@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpu-kv-blocks", type=int, default=d.gpu_kv_blocks)
     parser.add_argument("--no-sweep", action="store_true", help="the default point only")
     parser.add_argument("--sweep-requests", type=int, default=1000, help="requests per window in the sweep")
-    parser.add_argument("--sweep-windows", type=int, default=1)
+    parser.add_argument("--sweep-windows", type=int, default=2, help="windows (4,000 lines apart) per sweep point")
     parser.add_argument("--sweep-variants", default=",".join(VARIANTS))
     parser.add_argument("--sweep-params", default=",".join(PARAMS),
                         help="comma-separated subset of the swept parameters (the load is always swept)")

@@ -54,7 +54,7 @@ def sweep(base: RunSpec, names: list[str], windows: list[int], ttft_slo_ms: floa
     grouped: dict[tuple, list[dict]] = {}
     for (key, _), row in zip(plan, rows):
         grouped.setdefault(key, []).append(row)
-    rate1 = arrival_rate(dataclasses.replace(base, time_scale=1.0))
+    rate1 = sum(arrival_rate(dataclasses.replace(base, start=s, time_scale=1.0)) for s in windows) / len(windows)
 
     def at(param, value, load, name) -> dict:
         return combine(grouped[(param, value, load, name)])
