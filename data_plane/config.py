@@ -60,8 +60,8 @@ class DataPlaneConfig(BaseSettings):
     pull_timeout_ms: int = Field(10_000, ge=1, description="default overall bound of a Pull")
     max_pull_timeout_ms: int = Field(60_000, ge=1, description="longest Pull bound a caller may ask for")
     max_hashes_per_request: int = Field(4096, ge=1, description="most block hashes one request may carry")
-    verify_pulls: bool = Field(True, description="check each pulled block's CRC-32 before committing it")
-    verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32 check of one pull")
+    verify_pulls: bool = Field(True, description="check each pulled block's CRC-32C before committing it")
+    verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
     nixl_progress_wait_ms: int = Field(
         100, ge=1, le=10_000, description="longest sleep of NIXL's progress thread between checks when no UCX "
         "event wakes it (it wakes at once on one); small values cost idle CPU")

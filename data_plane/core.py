@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections import defaultdict
 from typing import Awaitable, Callable, Iterable, Iterator
 
@@ -37,6 +36,7 @@ from kvmesh import tracing
 from kvmesh.namespace import Namespace
 from kvmesh.tracing import ATTR
 
+from data_plane.checksum import checksum
 from data_plane.client import TierDescription
 from data_plane.config import DataPlaneConfig
 from data_plane.disk import DiskTier
@@ -212,7 +212,7 @@ class DataPlaneCore:
             if not block.committed:
                 todo.append(block)
         for block in todo:
-            self.tier.mark_written(block, zlib.crc32(self.region.slot(block.slot)))
+            self.tier.mark_written(block, checksum(self.region.slot(block.slot)))
             self.tier.commit(block)
             del self._writers[block.key]
         if todo:
@@ -305,13 +305,16 @@ class DataPlaneCore:
 
     # ---- peer API ----
 
-    def exchange_metadata(self, node_id: str, metadata: bytes, block_bytes: int) -> tuple[str, bytes]:
-        """Loads a consumer's NIXL agent; returns this node's agent name and metadata."""
+    async def exchange_metadata(self, node_id: str, metadata: bytes, block_bytes: int,
+                                timeout_s: float = 10.0) -> tuple[str, bytes]:
+        """Loads a consumer's NIXL agent; returns this node's agent name and metadata. Waits at most
+        ``timeout_s`` for this node's own agent (Unavailable: still starting)."""
         if not node_id:
             raise InvalidArgument("node_id must be set")
         if block_bytes != self.block_bytes:
             raise FailedPrecondition(
                 f"block_bytes mismatch: this node stores {self.block_bytes}-byte blocks, the caller {block_bytes}")
+        await self.transport.ready(timeout_s)
         if metadata:
             name = self.transport.add_peer(metadata)
             old = self._peer_agents.get(node_id)
@@ -467,6 +470,7 @@ class DataPlaneCore:
                     raise PermissionDenied("no pull grant and no control plane to ask for one")
                 grant = await self._within(self._grants(ns, source_node_id, deadline - time.monotonic()),
                                            deadline, "the grant")
+            await self.transport.ready(deadline - time.monotonic())
             peer = await self._within(self._peers.get(source_address, deadline - time.monotonic(), grant),
                                       deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
@@ -496,14 +500,14 @@ class DataPlaneCore:
         if arrived:
             intact = True
             verified = await self._verify(blocks, checksums)
-            for block, checksum, ok in zip(blocks, checksums, verified):
+            for block, crc, ok in zip(blocks, checksums, verified):
                 if intact and not ok:
                     log.error("pull from %s: block %s failed verification; it and its successors are dropped",
                               source_address, block.key.block_hash.hex())
                     self.metrics.verify_failed()
                     intact = False
                 if intact:
-                    self.tier.mark_written(block, checksum)
+                    self.tier.mark_written(block, crc)
                     self.tier.commit(block)
                     committed.append(block)
                 else:
@@ -521,13 +525,13 @@ class DataPlaneCore:
         return n, lookup_ms, transfer_ms
 
     async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
-        """CRC-32 of every pulled block against the source's, split over worker threads (zlib releases the GIL)."""
+        """Checksum of every pulled block against the source's, split over worker threads (the GIL is released)."""
         if not self.config.verify_pulls:
             return [True] * len(blocks)
         region = self.region
 
         def check(part: range) -> list[bool]:
-            return [zlib.crc32(region.slot(blocks[i].slot)) == checksums[i] for i in part]
+            return [checksum(region.slot(blocks[i].slot)) == checksums[i] for i in part]
 
         workers = max(1, min(self.config.verify_threads, len(blocks)))
         step = -(-len(blocks) // workers)

@@ -2,7 +2,7 @@
 
 Blocks evicted from the CPU tier are written here (``pwrite`` from the shared
 region) and promoted back (``preadv`` straight into a CPU slot) on a hit. The
-index lives in memory with each block's CRC-32, checked on every promotion: a
+index lives in memory with each block's CRC-32C, checked on every promotion: a
 corrupt block is dropped and reported as a miss. The file is scratch space,
 removed at shutdown; a restarted node starts with an empty disk tier.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +22,7 @@ import numpy as np
 
 from kvmesh.namespace import Namespace
 
+from data_plane.checksum import checksum
 from data_plane.eviction import BlockInfo, EvictionPolicy
 from data_plane.types import BlockKey
 
@@ -83,7 +83,7 @@ class DiskTier:
         """Copies a block into ``out`` and verifies it; None (and the block dropped) if corrupt."""
         block = self._blocks[key]
         read = os.preadv(self._fd, [memoryview(out)], block.slot * self.block_bytes)
-        if read != self.block_bytes or zlib.crc32(out) != block.checksum:
+        if read != self.block_bytes or checksum(out) != block.checksum:
             log.error("disk block %s failed verification; dropped", key.block_hash.hex())
             self.remove(key)
             return None

@@ -25,7 +25,8 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def ExchangeAgentMetadata(self, request, context):
         await self._auth.require_grant(context.invocation_metadata(), None)
-        name, metadata = self._core.exchange_metadata(request.node_id, request.agent_metadata, request.block_bytes)
+        name, metadata = await self._core.exchange_metadata(request.node_id, request.agent_metadata,
+                                                            request.block_bytes, context.time_remaining() or 10.0)
         return pb.ExchangeAgentMetadataResponse(node_id=self._core.node_id, agent_name=name,
                                                 agent_metadata=metadata, block_bytes=self._core.block_bytes)
 

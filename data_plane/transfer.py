@@ -1,7 +1,8 @@
 """Moving block bytes between nodes: the :class:`Transport` contract and NIXL.
 
 Implementor contracts:
-  * The local region is registered once, at construction, and stays
+  * The local region is registered once, before :meth:`Transport.ready`
+    returns (construction may hand that work to a thread), and stays
     registered until :meth:`Transport.close`.
   * ``read`` copies ``length`` bytes from each remote address into each local
     offset, all descriptors in one transfer request, and returns only when all
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -34,7 +36,7 @@ import uuid
 
 import numpy as np
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, Unavailable
 
 from data_plane.shm import SharedRegion
 
@@ -80,6 +82,9 @@ class TransferFailed(Exception):
 class Transport(abc.ABC):
     agent_name: str
 
+    async def ready(self, timeout_s: float) -> None:
+        """Returns once the transport can be used; Unavailable if it cannot be within ``timeout_s``."""
+
     @abc.abstractmethod
     def metadata(self) -> bytes:
         """What a peer needs to read from this node (sent over the gRPC handshake)."""
@@ -102,22 +107,56 @@ class Transport(abc.ABC):
 
 
 class NixlTransport(Transport):
-    """NIXL agent with the UCX backend, the node's region registered as DRAM."""
+    """NIXL agent with the UCX backend, the node's region registered as DRAM.
+
+    Importing NIXL and creating the agent take from under a second to over ten on a loaded host, so
+    they run in a thread started here: the node serves its local API at once, and peer work waits
+    for :meth:`ready` (bounded by each request's own deadline).
+    """
 
     def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100) -> None:
         # A fresh name per start: peers holding the old incarnation's metadata must re-handshake.
         self.agent_name = f"{node_id}-{uuid.uuid4().hex[:8]}"
-        self._agent = _nixl_agent(self.agent_name, progress_wait_ms)
         self._region = region
-        self._reg = self._agent.register_memory([(region.base_addr, region.size, 0, "")], "DRAM")
+        self._agent = None
+        self._reg = None
         self._peers: set[str] = set()
+        self._built: concurrent.futures.Future = concurrent.futures.Future()
+        threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
+
+    def _build(self, progress_wait_ms: int) -> None:
+        t0 = time.monotonic()
+        try:
+            agent = _nixl_agent(self.agent_name, progress_wait_ms)
+            self._reg = agent.register_memory([(self._region.base_addr, self._region.size, 0, "")], "DRAM")
+        except BaseException as exc:  # noqa: BLE001 - reported to every caller of ready()
+            log.error("creating the NIXL agent failed: %s; this node can neither pull nor serve pulls", exc)
+            self._built.set_exception(exc)
+            return
+        self._agent = agent
+        log.info("NIXL agent %s ready in %.2fs", self.agent_name, time.monotonic() - t0)
+        self._built.set_result(None)
+
+    async def ready(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._built)), max(0.0, timeout_s))
+        except TimeoutError:
+            raise Unavailable("the NIXL agent is still starting") from None
+        except Exception as exc:  # noqa: BLE001 - the agent could not be created
+            raise Unavailable(f"no NIXL agent: {exc}") from None
+
+    def _ready_agent(self):
+        if self._agent is None:
+            raise Unavailable("the NIXL agent is not ready")
+        return self._agent
 
     def metadata(self) -> bytes:
-        return self._agent.get_agent_metadata()
+        return self._ready_agent().get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
+        agent = self._ready_agent()
         try:
-            name = self._agent.add_remote_agent(metadata)
+            name = agent.add_remote_agent(metadata)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes for metadata it cannot load
             log.info("refusing agent metadata NIXL cannot load: %s", exc)
             raise InvalidArgument("agent_metadata is not a NIXL agent's metadata (as get_agent_metadata() "
@@ -188,10 +227,14 @@ class NixlTransport(Transport):
             return False
 
     def close(self) -> None:
+        try:
+            self._built.result()  # the region must not be unmapped while the agent registers it
+        except Exception:  # noqa: BLE001 - nothing was registered
+            return
         for peer in list(self._peers):
             self.remove_peer(peer)
         try:
             self._agent.deregister_memory(self._reg)
         except Exception as exc:  # noqa: BLE001 - shutting down
             log.warning("deregistering the CPU tier: %s", exc)
-        del self._agent
+        self._agent = None

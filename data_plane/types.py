@@ -85,7 +85,7 @@ class LookupAnswer:
 
     statuses: list[LookupStatus]
     addrs: list[int]  # address of each HIT in the serving node's registered memory (-1 for a MISS)
-    checksums: list[int]  # CRC-32 of each HIT (0 for a MISS)
+    checksums: list[int]  # CRC-32C of each HIT (0 for a MISS)
     lease_id: str  # "" when nothing was pinned
 
 

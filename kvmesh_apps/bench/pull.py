@@ -3,11 +3,18 @@
 Per case (64 x 2 MiB, 1,024 x 64 KiB) it starts a source and a destination
 node, stores the blocks on the source through the shared region, and times
 ``Pull`` RPCs end to end from this process: the source lookup, one batched
-NIXL READ of every block, the CRC-32 check of every block and the commit are
+NIXL READ of every block, the CRC-32C check of every block and the commit are
 all inside the timed window. ``transfer_gbps_*`` is the READ alone (from the
 node's own timing). ``memcpy_gbps`` is a single-thread copy of the same bytes
-in this process, measured between the pull rounds. The last line with
-``--json`` is one JSON object.
+in this process, measured between the pull rounds.
+
+``idle_cpu_fraction``: CPU time (user + system, from /proc) of the busier of
+the two data-plane processes over ``--idle-seconds`` without traffic, after the
+2 MiB case's pulls (connections established), as a fraction of one core.
+``coalesced_bytes_ratio``: 16 simultaneous Pulls of one 2,000-token prefix on
+one node (64 KiB blocks): bytes the pulls moved from the source / one prefix's
+bytes (1.0 when they share one transfer). The last line with ``--json`` is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+from crc32c import crc32c
 
 from kvmesh.namespace import CacheConfig, Namespace
 from tenancy.api_keys import hash_secret, new_key, parse
@@ -34,6 +42,36 @@ from kvmesh_apps.dp_process import DataPlaneProcess
 
 CASES = (("2mib", 2 << 20, 64), ("64kib", 64 << 10, 1024))
 NS = Namespace("bench", "bench-model", "r0", CacheConfig(block_size=32))
+PREFIX_TOKENS = 2_000  # the coalescing case: one prompt prefix, full blocks only (as vLLM stores them)
+CONCURRENT_PULLS = 16
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all threads (/proc/PID/stat utime, stime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _idle_cpu(pids: list[int], seconds: float) -> float:
+    """The largest CPU fraction (of one core) any of ``pids`` used over ``seconds`` of no traffic."""
+    before = [_cpu_seconds(p) for p in pids]
+    t0 = time.monotonic()
+    await asyncio.sleep(seconds)
+    wall = time.monotonic() - t0
+    return max((_cpu_seconds(p) - b) / wall for p, b in zip(pids, before))
+
+
+async def _coalesced(sc: DataPlaneClient, stier: SharedTier, dc: DataPlaneClient, src, grant: bytes,
+                     block_bytes: int) -> float:
+    """Bytes moved by CONCURRENT_PULLS simultaneous pulls of one prefix / that prefix's bytes."""
+    n = PREFIX_TOKENS // NS.cache_config.block_size
+    hashes = await _fill_source(sc, stier, n, first=False)
+    results = await asyncio.gather(*(dc.pull(NS, hashes, src.node_id, src.address, grant=grant)
+                                     for _ in range(CONCURRENT_PULLS)))
+    if any(r.pulled + r.already_local != n for r in results):
+        raise RuntimeError(f"coalescing: some pulls did not get all {n} blocks: {[r.pulled for r in results]}")
+    return sum(r.bytes_pulled for r in results) / (n * block_bytes)
 
 
 class _Memcpy:
@@ -64,7 +102,7 @@ async def _fill_source(client: DataPlaneClient, tier: SharedTier, n: int, first:
     return hashes
 
 
-async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path, log) -> dict:
+async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path, log, idle_s: float) -> dict:
     # Grants as a control plane would sign them, with a key made for this run.
     signer = GrantSigner.generate()
     flags = dict(listen="127.0.0.1:0", shm_dir=shm_dir, block_bytes=block_bytes, capacity_bytes=block_bytes * n,
@@ -101,6 +139,11 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
             await dc.release(lease)
             if not intact:
                 raise RuntimeError(f"pull {name}: the last block's bytes differ from the source's")
+            out = {}
+            if name == "64kib":
+                out["coalesced_bytes_ratio"] = await _coalesced(sc, stier, dc, src, grant, block_bytes)
+                log(f"coalescing: {CONCURRENT_PULLS} pulls of one prefix moved "
+                    f"{out['coalesced_bytes_ratio']:.2f}x its bytes")
             lookups = []
             if name == "2mib":
                 for _ in range(200):
@@ -108,6 +151,8 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
                     answer, _ = await peer.lookup(NS, hashes[:1], grant=grant)  # as the pulling peer does
                     lookups.append((time.perf_counter() - t0) * 1000)
                     await peer.release(answer.lease_id, grant=grant)
+                log(f"idle: measuring both nodes' CPU over {idle_s:.0f}s without traffic")
+                out["idle_cpu_fraction"] = await _idle_cpu([src.proc.pid, dst.proc.pid], idle_s)
             del copier
             stier.close()
             dtier.close()
@@ -115,7 +160,7 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
         src.stop()
         dst.stop()
     nbytes = n * block_bytes
-    out = {
+    out |= {
         f"pull_gbps_{name}": nbytes / statistics.median(wall) / 1e9,
         f"transfer_gbps_{name}": nbytes / statistics.median(transfer) / 1e9,
         f"memcpy_gbps_{name}": statistics.median(memcpy[1:]),
@@ -126,22 +171,23 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
     return out
 
 
-def _crc_gbps(nbytes: int) -> float:
+def _gbps(fn, nbytes: int) -> float:
     buf = np.full(nbytes, 3, dtype=np.uint8)
     t0 = time.perf_counter()
-    zlib.crc32(buf)
+    fn(buf)
     return nbytes / (time.perf_counter() - t0) / 1e9
 
 
-async def _run(rounds: int, shm_dir: Path, log) -> dict:
-    results: dict = {"rounds": rounds, "verify": "crc32 per block, inside the timed window"}
+async def _run(rounds: int, shm_dir: Path, log, idle_s: float) -> dict:
+    results: dict = {"rounds": rounds, "verify": "crc32c per block, inside the timed window"}
     for name, block_bytes, n in CASES:
-        results.update(await _case(name, block_bytes, n, rounds, shm_dir, log))
+        results.update(await _case(name, block_bytes, n, rounds, shm_dir, log, idle_s))
     results["memcpy_gbps"] = results.pop("memcpy_gbps_2mib")
     results["ratio_2mib"] = results["pull_gbps_2mib"] / results["memcpy_gbps"]
     results["ratio_2mib_transfer_only"] = results["transfer_gbps_2mib"] / results["memcpy_gbps"]
     results["ratio_64kib"] = results["pull_gbps_64kib"] / results.pop("memcpy_gbps_64kib")
-    results["crc32_gbps"] = _crc_gbps(128 << 20)
+    results["crc32_gbps"] = _gbps(zlib.crc32, 128 << 20)  # zlib's, for comparison
+    results["crc32c_gbps"] = _gbps(crc32c, 128 << 20)  # the one pulls verify with
     return results
 
 
@@ -149,10 +195,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh bench pull", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     parser.add_argument("--rounds", type=int, default=5, help="timed pulls per case (after one warm-up)")
+    parser.add_argument("--idle-seconds", type=float, default=10.0,
+                        help="how long to measure the idle nodes' CPU (idle_cpu_fraction)")
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-", dir="/dev/shm") as shm_dir:
-        results = asyncio.run(_run(args.rounds, Path(shm_dir), lambda msg: print(msg, flush=True)))
+        results = asyncio.run(_run(args.rounds, Path(shm_dir), lambda msg: print(msg, flush=True),
+                                   args.idle_seconds))
     for key, value in results.items():
         if not args.json:
             print(f"{key:28} {value:.3f}" if isinstance(value, float) else f"{key:28} {value}")

@@ -1,0 +1,73 @@
+"""A pull whose NIXL request could not be cancelled quarantines its slots: they are never handed out
+again, so a late write cannot land in a reused slot. Real NIXL cannot be made to refuse a cancel on
+demand, so the consumer's transport is the real one with its READ replaced by that failure (the real
+path is covered by test_multiprocess.py); the control is the same failure with a cancel that worked."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.transfer import TransferFailed, Transport
+from data_plane.types import LookupStatus
+
+pytestmark = pytest.mark.nixl
+
+
+class FailingReads(Transport):
+    """The real transport, except every READ fails; ``cancelled``: whether NIXL could cancel it."""
+
+    def __init__(self, real: Transport, cancelled: bool) -> None:
+        self._real, self._cancelled = real, cancelled
+        self.agent_name = real.agent_name
+
+    async def ready(self, timeout_s):
+        await self._real.ready(timeout_s)
+
+    def metadata(self):
+        return self._real.metadata()
+
+    def add_peer(self, metadata):
+        return self._real.add_peer(metadata)
+
+    def remove_peer(self, agent_name):
+        self._real.remove_peer(agent_name)
+
+    async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
+        raise TransferFailed("READ failed", may_still_write=not self._cancelled)
+
+    def close(self):
+        self._real.close()
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["cancelled-control", "not-cancelled"])
+async def test_slots_of_an_uncancellable_transfer_are_never_reused(local_node, ns, grant, cancelled):
+    a, b = await local_node(node_id="qa"), await local_node(node_id="qb")
+    hashes = [os.urandom(32) for _ in range(3)]
+    async with DataPlaneClient(a.address, key=a.core.config.node_key()) as ca, \
+            DataPlaneClient(b.address, key=b.core.config.node_key()) as cb:
+        tier = SharedTier.open(await ca.describe_tier())
+        for slot in await ca.reserve(ns, hashes):
+            tier.slot(slot)[:] = np.uint8(slot + 1)
+        tier.close()
+        await ca.commit(ns, hashes)
+        real = b.core.transport
+        b.core.transport = FailingReads(real, cancelled)
+        free = b.core.tier.free_slots
+        token = grant(b.core.config.node_key(), "qb", "qa", ns)
+        result = await cb.pull(ns, hashes, "qa", a.address, grant=token)
+        assert result.statuses == [LookupStatus.MISS] * 3 and result.pulled == 0
+        lost = 0 if cancelled else 3
+        assert b.core.tier.quarantined == lost and b.core.tier.free_slots == free - lost
+        # fill the whole tier twice over: a quarantined slot is never handed out again
+        handed = set()
+        for _ in range(2):
+            many = [os.urandom(32) for _ in range(b.core.region.num_slots)]
+            slots = await cb.reserve(ns, many)
+            handed |= {s for s in slots if s >= 0}
+            await cb.abort(ns, many)
+        assert len(handed) == b.core.region.num_slots - lost
+        b.core.transport = real
