@@ -40,6 +40,8 @@ class ConnectorConfig:
     ``max_offload_tokens``: default per-request cap of saved tokens (0: none).
     ``lease_ms``: how long acquired blocks stay pinned for the worker's copy.
     ``rpc_timeout_s``: deadline of every other RPC.
+    ``misplace_one_block``: a negative-control hook for correctness checks, never for serving:
+    the worker writes one loaded block per request from the wrong slot (worker_side.py).
     """
 
     data_plane_address: str
@@ -55,6 +57,7 @@ class ConnectorConfig:
     max_offload_tokens: int = 0
     lease_ms: int = 30_000
     rpc_timeout_s: float = 5.0
+    misplace_one_block: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "ConnectorConfig":

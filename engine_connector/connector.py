@@ -38,16 +38,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
 from kvmesh import tracing
 
 from engine_connector.config import ConnectorConfig
 from engine_connector.metadata import KvmeshConnectorMetadata
 from engine_connector.node_link import NodeLink
 from engine_connector.scheduler_side import SchedulerSide
+from engine_connector.stats import ConnectorStats, KvmeshPromMetrics
 from engine_connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -70,8 +74,6 @@ def engine_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
 class KvmeshConnector(KVConnectorBase_V1):
     """Loads prompt prefixes from this node's tier or a peer's, and saves full blocks to the node's tier."""
 
-    _cache_hit_source = CacheHitSource.HOST
-
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tracing.configure("kvmesh-engine-connector")
@@ -93,7 +95,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                     can_save=self._kv_transfer_config.is_kv_producer,
                 )
             else:
-                self._worker = WorkerSide(self._link, ns)
+                self._worker = WorkerSide(self._link, ns, misplace_one_block=config.misplace_one_block)
         except BaseException:
             self._link.close()
             raise
@@ -109,10 +111,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._worker_side().register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        # The copies of requests waiting for their KV (vLLM runs no forward for them this step).
         self._worker_side().load(self._step_meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads complete inside start_load_kv.
+        # Loaded requests are not in this step's forward; nothing to wait for.
         return
 
     def save_kv_layer(
@@ -123,6 +126,9 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._worker_side().save(self._step_meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker_side().take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_block_ids()
@@ -139,7 +145,18 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._scheduler_side().bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens), False
+        # None: the lookup (and pull) still runs in the background, ask again. A hit loads
+        # asynchronously: the worker copies it in a later step and reports it in get_finished.
+        tokens = self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, bool(tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0:
+            return {}
+        local, peer = self._scheduler_side().hit_sources(request)
+        if local + peer != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {source: n for source, n in ((CacheHitSource.HOST, local), (CacheHitSource.P2P, peer)) if n}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
@@ -151,7 +168,22 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._scheduler_side().on_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler_side().finished(request)
+        # True while the worker may still be copying into the request's blocks (an aborted load).
+        return self._scheduler_side().finished(request)
+
+    # ---- metrics (vLLM's connector-stats API) ----
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._scheduler.stats.take() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return ConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVConnectorPromMetrics | None":
+        return KvmeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- helpers ----
 

@@ -5,14 +5,19 @@ vLLM calls the connector synchronously; kvmesh's clients are ``grpc.aio``. A
 for the answer (``call``) or not (``post``: releases, which nothing waits for). The caller's
 OpenTelemetry context is carried onto the loop, so RPC spans are children of the connector's.
 
-Threading model: any thread may call; calls run on the loop thread one at a time in
-submission order per channel. Errors stay ``grpc.aio.AioRpcError`` (or ``TimeoutError``);
-the sides decide what a failure means (always: recompute, never fail the request).
+The scheduler side's lookups and pulls run in the background: the ``*_async`` coroutines are
+composed into one task per request and started with ``submit``, which returns a
+``concurrent.futures.Future`` the scheduler polls between steps (it never waits on a peer).
+
+Threading model: any thread may call; coroutines run on the loop thread, interleaved at their
+awaits. Errors stay ``grpc.aio.AioRpcError`` (or ``TimeoutError``); the sides decide what a
+failure means (always: recompute, never fail the request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Coroutine, Iterable
@@ -54,7 +59,7 @@ class NodeLink:
         if control_plane_address:
             self._cp_channel = self.call(self._make(lambda: channel(control_plane_address, key)))
             self._cp = cp_grpc.ControlPlaneStub(self._cp_channel)
-        self._node_ids: dict[str, str] = {}  # data-plane address -> node id (from ListNodes)
+        self._node_ids: dict[str, str] = {}  # data-plane address -> node id (from ListNodes; loop thread only)
 
     @staticmethod
     async def _make(factory):
@@ -70,6 +75,10 @@ class NodeLink:
         except TimeoutError:
             future.cancel()
             raise
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> "concurrent.futures.Future[T]":
+        """Start ``coro`` on the loop under the caller's trace context; its future (never waited on here)."""
+        return asyncio.run_coroutine_threadsafe(tracing.run_in_context(tracing.current_context(), coro), self._loop)
 
     def post(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
         """Run ``coro`` without waiting; a failure is logged."""
@@ -96,17 +105,23 @@ class NodeLink:
         return self.call(self._dp.describe_tier(timeout=self._timeout))
 
     def acquire(self, ns: Namespace, hashes: list[bytes], media: Iterable[Medium], lease_ms: int) -> tuple[list[int], str]:
-        return self.call(self._dp.acquire(ns, hashes, media=media, lease_ms=lease_ms, timeout=self._timeout))
+        return self.call(self.acquire_async(ns, hashes, media, lease_ms))
+
+    async def acquire_async(self, ns: Namespace, hashes: list[bytes], media: Iterable[Medium],
+                            lease_ms: int) -> tuple[list[int], str]:
+        return await self._dp.acquire(ns, hashes, media=media, lease_ms=lease_ms, timeout=self._timeout)
 
     def release(self, lease_id: str) -> None:
         if lease_id:
             self.post(self._dp.release(lease_id, timeout=self._timeout), f"releasing lease {lease_id}")
 
-    def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
-             timeout_ms: int, source_media: Iterable[Medium], first_block_index: int) -> PullResult:
-        return self.call(self._dp.pull(ns, hashes, source_node_id, source_address, timeout_ms=timeout_ms,
-                                       source_media=source_media, first_block_index=first_block_index,
-                                       timeout=timeout_ms / 1000 + 2.0), timeout=timeout_ms / 1000 + 2.0)
+    async def pull_async(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
+                         timeout_ms: int, source_media: Iterable[Medium], first_block_index: int) -> PullResult:
+        """Pull from a peer through the local data plane: the data plane bounds it by ``timeout_ms``,
+        the RPC's own deadline adds 2 s for the answer to come back."""
+        return await self._dp.pull(ns, hashes, source_node_id, source_address, timeout_ms=timeout_ms,
+                                   source_media=source_media, first_block_index=first_block_index,
+                                   timeout=timeout_ms / 1000 + 2.0)
 
     def reserve(self, ns: Namespace, hashes: list[bytes], *, max_offload_tokens: int, first_block_index: int,
                 protected_blocks: int) -> list[int]:
@@ -126,17 +141,17 @@ class NodeLink:
     def has_control_plane(self) -> bool:
         return self._cp is not None
 
-    def holders(self, ns: Namespace, hashes: list[bytes]) -> list[Holder]:
+    async def holders_async(self, ns: Namespace, hashes: list[bytes]) -> list[Holder]:
         """Nodes holding leading ``hashes`` in their CPU tier, longest first."""
         assert self._cp is not None, "no control plane configured"
-        reply = self.call(self._cp.LookupPrefix(cp_pb.LookupPrefixRequest(
-            namespace=ns.to_proto(), block_hashes=hashes, media=[common_pb2.MEDIUM_CPU]), timeout=self._timeout))
+        reply = await self._cp.LookupPrefix(cp_pb.LookupPrefixRequest(
+            namespace=ns.to_proto(), block_hashes=hashes, media=[common_pb2.MEDIUM_CPU]), timeout=self._timeout)
         return [Holder(h.node_id, h.data_plane_address, h.leading_blocks) for h in reply.holders]
 
-    def node_at(self, address: str) -> str:
+    async def node_at_async(self, address: str) -> str:
         """The id of the node whose data plane is at ``address`` ("" when the control plane knows none)."""
         if address not in self._node_ids and self._cp is not None:
-            reply = self.call(self._cp.ListNodes(cp_pb.ListNodesRequest(), timeout=self._timeout))
+            reply = await self._cp.ListNodes(cp_pb.ListNodesRequest(), timeout=self._timeout)
             for status in reply.nodes:
                 if status.live:
                     self._node_ids[status.node.data_plane_address] = status.node.node_id
@@ -145,5 +160,5 @@ class NodeLink:
     def address_of(self, node_id: str) -> str:
         """The advertised data-plane address of ``node_id`` ("" when unknown)."""
         if self._cp is not None and node_id not in self._node_ids.values():
-            self.node_at("")
+            self.call(self.node_at_async(""))
         return next((a for a, n in self._node_ids.items() if n == node_id), "")

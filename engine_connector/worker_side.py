@@ -3,23 +3,33 @@
 Runs in the process that owns the KV cache, on the model runner's thread. The node's CPU tier
 is mapped into this process (``SharedTier``), so loads and saves are memory copies:
 
-* loads (``start_load_kv``, before the forward): the scheduler side already pinned the slots
-  (``Acquire``); copy each slot into its engine block, then release the step's leases;
+* loads (``start_load_kv``): the scheduler side already pulled and pinned the slots
+  (``Acquire``) of requests waiting in ``WAITING_FOR_REMOTE_KVS``; their blocks are in no
+  forward, so each slot is copied into its engine block (on CPU at once, on a GPU queued on
+  a side stream); once the copies of a step have landed its leases are released and its
+  requests are reported through ``take_finished_loads`` (vLLM's ``finished_recving``);
 * saves (``wait_for_save``, after the forward; on CPU every layer's KV of the step is then in
   the cache): ``Reserve`` slots for the step's newly full blocks, copy, ``Commit`` (the data
   plane checksums and publishes them). ``-1`` slots (already stored, beyond the request's
   offload cap, or no evictable slot) are skipped.
 
-A failed copy is reported through ``take_failed_block_ids`` and vLLM recomputes from the first
-failed block. The saves of a step with failed loads are dropped: tokens computed in that step
-attended to the unloaded blocks, so their KV must not be published. A failed save RPC loses
-only future hits.
+A failed copy is reported through ``take_failed_block_ids`` no later than its request's
+``finished_recving`` and vLLM recomputes from the first failed block. The saves of a step with
+failed loads are dropped (a conservative rule from the synchronous design: nothing computed
+in this step attended to those blocks, but nothing is lost by waiting). A failed save RPC
+loses only future hits.
+
+``misplace_one_block`` (a negative-control hook, never for serving) writes, for every request
+that loads two or more blocks, the middle block's bytes from the slot of the block before it:
+the correctness checks must then fail.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -27,20 +37,31 @@ import torch
 from kvmesh.namespace import Namespace
 
 from data_plane.client import SharedTier
-from engine_connector.kv_layout import PagedKVLayout
-from engine_connector.metadata import KvmeshConnectorMetadata, SaveRun
+from engine_connector.kv_layout import PagedKVLayout, pin_host_memory
+from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata, SaveRun
 from engine_connector.node_link import NodeLink
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """One step's queued copies: done when ``fence`` has landed."""
+
+    req_ids: set[str]
+    leases: list[str]
+    fence: Any
+
+
 class WorkerSide:
-    def __init__(self, link: NodeLink, ns: Namespace) -> None:
+    def __init__(self, link: NodeLink, ns: Namespace, *, misplace_one_block: bool = False) -> None:
         self._link = link
         self._ns = ns
+        self._misplace = misplace_one_block
         self._tier: SharedTier | None = None
         self._layout: PagedKVLayout | None = None
         self._failed_block_ids: set[int] = set()
+        self._in_flight: list[_InFlight] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Adopt vLLM's per-layer caches and map the node's tier; their block sizes must agree."""
@@ -50,28 +71,55 @@ class WorkerSide:
             tier.close()
             raise ValueError(f"engine KV blocks are {layout.block_nbytes} bytes, the data plane's slots "
                              f"{tier.block_bytes}: start the data plane with --block-bytes {layout.block_nbytes}")
+        if layout.on_gpu and not pin_host_memory(tier.slot(0).ctypes.data, tier.num_slots * tier.block_bytes):
+            logger.warning("could not page-lock the CPU tier for the GPU: host<->device copies are synchronous")
         self._layout, self._tier = layout, tier
 
     def load(self, meta: KvmeshConnectorMetadata) -> None:
-        """Copy ``meta.loads`` into the cache; remember blocks that could not be copied; release leases."""
+        """Copy (or queue) ``meta.loads`` into the cache; remember blocks that could not be copied."""
         if not meta.loads:
             for lease in meta.leases:
                 self._link.release(lease)
             return
         layout, tier = self._require()
         started = time.perf_counter()
+        loads = self._misplaced(meta.loads) if self._misplace else meta.loads
         failed = 0
-        for load in meta.loads:
+        for load in loads:
             try:
                 layout.write_block(load.block_id, tier.slot(load.slot))
-            except (IndexError, ValueError) as exc:
+            except (IndexError, ValueError, RuntimeError) as exc:
                 failed += 1
                 self._failed_block_ids.add(load.block_id)
                 logger.warning("request %s: loading slot %d failed: %s", load.req_id, load.slot, exc)
-        for lease in meta.leases:
-            self._link.release(lease)
-        logger.info("loaded %d of %d block(s) in %.1f ms", len(meta.loads) - failed, len(meta.loads),
-                    (time.perf_counter() - started) * 1e3)
+        self._in_flight.append(_InFlight({load.req_id for load in loads}, list(meta.leases), layout.fence()))
+        logger.info("%s %d of %d block(s) in %.1f ms", "queued" if layout.on_gpu else "loaded",
+                    len(loads) - failed, len(loads), (time.perf_counter() - started) * 1e3)
+
+    @staticmethod
+    def _misplaced(loads: list[BlockLoad]) -> list[BlockLoad]:
+        """The negative control: each request's middle block gets the slot of the block before it."""
+        by_request: dict[str, list[int]] = {}
+        for i, load in enumerate(loads):
+            by_request.setdefault(load.req_id, []).append(i)
+        out = list(loads)
+        for positions in by_request.values():
+            if len(positions) >= 2:
+                k = positions[len(positions) // 2]
+                out[k] = BlockLoad(loads[k].req_id, loads[k].block_id, loads[positions[len(positions) // 2 - 1]].slot)
+                logger.warning("misplace_one_block: request %s block %d loaded from the wrong slot",
+                               loads[k].req_id, loads[k].block_id)
+        return out
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose copies have landed since the last call; their leases are released."""
+        done: set[str] = set()
+        while self._in_flight and PagedKVLayout.landed(self._in_flight[0].fence):
+            step = self._in_flight.pop(0)
+            done |= step.req_ids
+            for lease in step.leases:
+                self._link.release(lease)
+        return done
 
     def save(self, meta: KvmeshConnectorMetadata) -> None:
         """Reserve, copy and commit ``meta.saves``, unless this step's loads failed."""
@@ -86,6 +134,7 @@ class WorkerSide:
             written += self._save_run(run)
         if not written:
             return
+        self._require()[0].synchronize()  # the device -> slot copies must land before Commit checksums them
         try:
             self._link.commit(self._ns, list(dict.fromkeys(written)))
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
@@ -115,6 +164,8 @@ class WorkerSide:
         return failed
 
     def close(self) -> None:
+        if self._layout is not None:
+            self._layout.synchronize()
         if self._tier is not None:
             self._tier.close()
             self._tier = None
