@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "control-plane": ("kvmesh_apps.bench.control_plane", "main", "block-map lookup latency, ingest rate, Redis bytes per block"),
+    "engine": ("kvmesh_apps.bench.engine", "main", "decode speed of running requests during pulls, frozen source, coalescing (vLLM)"),
     "pull": ("kvmesh_apps.bench.pull", "main", "NIXL peer pull throughput against memcpy"),
     "faults": ("kvmesh_apps.bench.faults", "main", "the fault matrix across network namespaces (root)"),
     "load": ("kvmesh_apps.bench.load", "main", "control-plane saturation, replicas, Redis Cluster, churn soak"),

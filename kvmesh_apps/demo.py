@@ -8,7 +8,14 @@ system prompt, each turn sent to the *other* engine than the previous one. Befor
 request the router asks the control plane (``LookupPrefix``) who holds the longest prefix of
 the prompt and names that node in ``kv_transfer_params.remote_kv_source``; the engine's
 connector has its data plane pull the blocks over NIXL and loads them. Every pulled request
-is run again on a cold cache with loads off, to compare TTFT and check the outputs match.
+is run again on a cold cache with loads off, to compare TTFT and what the engine computed:
+the generated tokens and their top-5 logprobs must agree within
+:data:`kvmesh_apps.kv_check.LOGPROB_TOLERANCE` (``outputs_match``, ``max_logprob_diff``).
+
+``--check`` adds the negative control: a third engine whose connector loads one block per
+request from the wrong slot (``misplace_one_block``) runs the last pulled prompt; the same
+comparison must fail (``negative_control_failed``), else the check itself proves nothing and
+the demo exits non-zero.
 
 The report: prefix tokens pulled vs recomputed, hit rate by tier, bytes moved, lookup and pull
 latency, TTFT with pull vs with recompute. ``--json`` ends with one JSON object.
@@ -32,6 +39,7 @@ import numpy as np
 
 from kvmesh.channels import channel
 from kvmesh_apps.fleet import Fleet
+from kvmesh_apps.kv_check import LOGPROB_TOLERANCE, same_computation
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.tiny_model import DEMO_PRESET, TinyLlamaSpec, build_tiny_llama
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
@@ -43,6 +51,7 @@ MODEL_NAME = "demo-llama"
 WEIGHT_VERSION = "random-init"
 MODELS: dict[str, dict[str, Any]] = {"demo": DEMO_PRESET, "tiny": {}}
 INDEX_WAIT_S = 3.0
+TOP_K = 5
 
 
 @dataclass
@@ -68,6 +77,7 @@ class Turn:
     ttft_ms: float = 0.0
     recompute_ttft_ms: float | None = None
     output_matches: bool | None = None
+    logprob_diff: float | None = None
 
 
 class Progress:
@@ -155,7 +165,9 @@ def _p50(values: list[float]) -> float:
 
 
 def run_scenario(fleet: Fleet, engines: dict[str, Any], args: argparse.Namespace, vocab: int,
-                 say) -> tuple[list[Turn], bool]:
+                 say) -> tuple[list[Turn], bool, dict[str, Any]]:
+    """The turns, whether every pulled one matched its recompute, and the last pulled one's prompt and
+    recompute (for the negative control)."""
     rng = np.random.default_rng(args.seed)
     draw = lambda n: rng.integers(2, vocab, n).tolist()  # noqa: E731
     system_prompt = draw(args.prefix_tokens)
@@ -163,6 +175,7 @@ def run_scenario(fleet: Fleet, engines: dict[str, Any], args: argparse.Namespace
     nodes = {"a": "dp1", "b": "dp2"}
     router = Router(fleet)
     turns: list[Turn] = []
+    last_pulled: dict[str, Any] = {}
     say(f"\n {'#':>2} {'session':>7} {'turn':>4} {'engine':>6} {'prompt':>6} {'pulled':>6} {'local':>6} "
         f"{'cached':>6} {'computed':>8} {'TTFT ms':>8} {'recompute':>9}  source")
     for turn_index in range(args.turns):
@@ -171,7 +184,7 @@ def run_scenario(fleet: Fleet, engines: dict[str, Any], args: argparse.Namespace
             prompt = histories[session] + draw(args.user_tokens)
             source, held, cp_ms = router.source(prompt, nodes[engine_name])
             params = {"remote_kv_source": source} if source else {}
-            out = engines[engine_name].generate(prompt, args.max_tokens, params)
+            out = engines[engine_name].generate(prompt, args.max_tokens, params, logprobs=TOP_K)
             report = out["kv_transfer_params"]["kvmesh"]
             turn = Turn(session, turn_index + 1, engine_name, len(prompt), held_tokens=held,
                         source=report["source"], loaded_tokens=report["loaded_tokens"],
@@ -183,9 +196,10 @@ def run_scenario(fleet: Fleet, engines: dict[str, Any], args: argparse.Namespace
             turn.computed_tokens = len(prompt) - out["num_cached_tokens"]
             if turn.peer_tokens:
                 cold = engines[engine_name].generate(prompt, args.max_tokens, {"kvmesh": {"load": False, "save": False}},
-                                                     reset_prefix_cache=True)
+                                                     reset_prefix_cache=True, logprobs=TOP_K)
                 turn.recompute_ttft_ms = cold["ttft_s"] * 1e3
-                turn.output_matches = cold["token_ids"] == out["token_ids"]
+                turn.output_matches, turn.logprob_diff = same_computation(out, cold)
+                last_pulled = {"prompt": prompt, "recompute": cold, "source": source}
             turns.append(turn)
             recompute = f"{turn.recompute_ttft_ms:9.0f}" if turn.recompute_ttft_ms is not None else f"{'':9}"
             say(f" {len(turns):>2} {session:>7} {turn.turn:>4} {engine_name:>6} {turn.prompt_tokens:>6} "
@@ -193,10 +207,25 @@ def run_scenario(fleet: Fleet, engines: dict[str, Any], args: argparse.Namespace
                 f"{turn.computed_tokens:>8} {turn.ttft_ms:>8.0f} {recompute}  {turn.source or '-'}")
             histories[session] = prompt + out["token_ids"]
             router.wait_indexed(histories[session], nodes[engine_name], report["stored_blocks"])
-    return turns, all(t.output_matches for t in turns if t.output_matches is not None)
+    return turns, all(t.output_matches for t in turns if t.output_matches is not None), last_pulled
+
+
+def negative_control(fleet: Fleet, model: Path, connector: dict[str, Any], last_pulled: dict[str, Any],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """The last pulled prompt on an engine that misplaces one loaded block: the comparison must fail."""
+    engine = fleet.start_engine("misplaced", model, "dp2", connector={**connector, "misplace_one_block": True},
+                                max_model_len=4096, enable_prefix_caching=False).wait_ready()
+    out = engine.generate(last_pulled["prompt"], args.max_tokens,
+                          {"remote_kv_source": last_pulled["source"]}, logprobs=TOP_K)
+    fleet.stop_engine("misplaced")
+    same, diff = same_computation(out, last_pulled["recompute"])
+    loaded = out["kv_transfer_params"]["kvmesh"]["loaded_tokens"]
+    return {"negative_control_failed": bool(loaded) and not same, "negative_control_logprob_diff": diff,
+            "negative_control_loaded_tokens": loaded}
 
 
 def summarize(turns: list[Turn], outputs_match: bool, block_bytes: int) -> dict[str, Any]:
+    diffs = [t.logprob_diff for t in turns if t.logprob_diff is not None]
     # Prefix tokens: what the fleet's CPU tiers held of each prompt when it was routed (the usable part),
     # less what the engine's own prefix cache had (vLLM asks the connector only beyond that; 0 here).
     prefix = sum(max(0, t.held_tokens - t.engine_cached_tokens) for t in turns)
@@ -223,6 +252,8 @@ def summarize(turns: list[Turn], outputs_match: bool, block_bytes: int) -> dict[
         "ttft_pull_ms": _p50([t.ttft_ms for t in pulled]),
         "ttft_recompute_ms": _p50([t.recompute_ttft_ms for t in pulled if t.recompute_ttft_ms is not None]),
         "outputs_match": outputs_match,
+        "max_logprob_diff": max(diffs) if diffs else None,
+        "logprob_tolerance": LOGPROB_TOLERANCE,
         "requests": len(turns),
         "requests_pulled": len(pulled),
         "turns": [asdict(t) for t in turns],
@@ -245,7 +276,12 @@ def _print_summary(result: dict[str, Any], say) -> None:
         f"{result['transfer_p50_ms']:.1f} ms)")
     say(f"  TTFT p50 with pull                {result['ttft_pull_ms']:.0f} ms")
     say(f"  TTFT p50 recomputing              {result['ttft_recompute_ms']:.0f} ms  (pull = {ratio:.2f} x recompute)")
-    say(f"  outputs match                     {'yes' if result['outputs_match'] else 'NO'}")
+    say(f"  outputs match (tokens, top-{TOP_K} logprobs within {result['logprob_tolerance']:g})  "
+        f"{'yes' if result['outputs_match'] else 'NO'} (largest logprob difference {result['max_logprob_diff']})")
+    if "negative_control_failed" in result:
+        say(f"  negative control (one misplaced block) fails the check: "
+            f"{'yes' if result['negative_control_failed'] else 'NO'} "
+            f"(logprob difference {result['negative_control_logprob_diff']:.3g})")
 
 
 def main(argv: list[str]) -> int:
@@ -260,6 +296,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--user-tokens", type=int, default=48, help="tokens of each user message")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--check", action="store_true",
+                        help="also run the negative control (one misplaced block must fail the comparison)")
     parser.add_argument("--workdir", default="", help="logs and Redis data (default: a new temp dir, removed)")
     args = parser.parse_args(argv)
     out = sys.stderr if args.json else sys.stdout
@@ -293,14 +331,20 @@ def main(argv: list[str]) -> int:
                     engine.wait_ready()
                     # Warm-up (first-forward costs stay out of the TTFTs), nothing loaded or saved.
                     engine.generate(list(range(2, 2 + 4 * BLOCK_SIZE)), 2, {"kvmesh": {"load": False, "save": False}})
-            turns, outputs_match = run_scenario(fleet, engines, args, spec.vocab, say)
+            turns, outputs_match, last_pulled = run_scenario(fleet, engines, args, spec.vocab, say)
+            control: dict[str, Any] = {}
+            if args.check and last_pulled:
+                fleet.stop_engine("b")  # room for the third engine
+                with Progress("negative control: an engine that misplaces one loaded block"):
+                    control = negative_control(fleet, model, connector, last_pulled, args)
         finally:
             fleet.stop()
-    result = summarize(turns, outputs_match, block_bytes)
+    result = {**summarize(turns, outputs_match, block_bytes), **control}
     _print_summary(result, say)
     if args.json:
         print(json.dumps(result), flush=True)
-    return 0 if outputs_match else 1
+    checked = not args.check or result.get("negative_control_failed", False)
+    return 0 if outputs_match and checked else 1
 
 
 if __name__ == "__main__":

@@ -5,9 +5,21 @@ JSON request per stdin line with one stdout line prefixed ``kvmesh-engine ``. vL
 the same stdout; :class:`EngineProcess` keeps the prefixed lines and writes the rest to the log.
 
 Spec: ``{"model": DIR, "connector": EXTRA_CONFIG | null, "enable_prefix_caching": bool,
-"max_model_len": N, "block_size": 32}``. Requests: ``{"op": "generate", "prompt": [ids],
-"max_tokens": N, "kv_transfer_params": {...}, "reset_prefix_cache": bool}`` -> ``{"token_ids", "num_cached_tokens",
-"kv_transfer_params", "elapsed_s", "ttft_s"}``; ``{"op": "ping"}``; EOF ends the process.
+"max_model_len": N, "block_size": 32, "max_num_seqs": 4}``. Requests (one JSON object per line):
+
+* ``{"op": "generate", "prompt": [ids], "max_tokens": N, "kv_transfer_params": {...}, "logprobs": K,
+  "reset_prefix_cache": bool}`` -> ``{"token_ids", "logprobs", "num_cached_tokens",
+  "kv_transfer_params", "elapsed_s", "ttft_s"}``; ``logprobs`` (with K > 0) is, per generated token,
+  ``[[token_id, logprob], ...]`` for the top K (and the sampled token);
+* ``{"op": "concurrent", "requests": [{"id", "prompt", "max_tokens", "kv_transfer_params", "logprobs",
+  "at_s"}]}``: drives the engine step by step, adding each request ``at_s`` seconds after the
+  start, and answers ``{"requests": {id: {"token_ids", "logprobs", "token_times", "added_s",
+  "kv_transfer_params"}}}`` (times in seconds from the start): running requests keep decoding
+  while later ones wait for their KV;
+* ``{"op": "metrics", "prefix": "vllm:"}`` -> ``{"metrics": {name{labels}: value}}`` (vLLM's own
+  metrics snapshot, counters and gauges);
+* ``{"op": "ping"}``. EOF ends the process.
+
 Prompts are token ids (the tiny models have no tokenizer).
 """
 
@@ -48,7 +60,7 @@ def _build_llm(spec: dict[str, Any]) -> Any:
         dtype="float32",
         block_size=spec.get("block_size", BLOCK_SIZE),
         max_model_len=spec.get("max_model_len", 4096),
-        max_num_seqs=4,
+        max_num_seqs=spec.get("max_num_seqs", 4),
         seed=0,
         enable_prefix_caching=spec.get("enable_prefix_caching", True),
         prefix_caching_hash_algo="sha256_cbor",
@@ -57,11 +69,22 @@ def _build_llm(spec: dict[str, Any]) -> Any:
     )
 
 
-def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+def _sampling_params(request: dict[str, Any]) -> Any:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=request.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
-                            extra_args={"kv_transfer_params": request.get("kv_transfer_params") or {}})
+    return SamplingParams(max_tokens=request.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                          logprobs=request.get("logprobs") or None,
+                          extra_args={"kv_transfer_params": request.get("kv_transfer_params") or {}})
+
+
+def _logprobs(completion: Any) -> list[list[list[float]]] | None:
+    if completion.logprobs is None:
+        return None
+    return [[[token_id, float(lp.logprob)] for token_id, lp in step.items()] for step in completion.logprobs]
+
+
+def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+    params = _sampling_params(request)
     if request.get("reset_prefix_cache"):
         llm.reset_prefix_cache()  # a cold engine: nothing of the prompt is cached locally
     started = time.perf_counter()
@@ -69,8 +92,47 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     metrics = getattr(out, "metrics", None)
     ttft = getattr(metrics, "first_token_latency", 0.0) or elapsed
-    return {"token_ids": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
-            "kv_transfer_params": out.kv_transfer_params, "elapsed_s": elapsed, "ttft_s": ttft}
+    return {"token_ids": list(out.outputs[0].token_ids), "logprobs": _logprobs(out.outputs[0]),
+            "num_cached_tokens": out.num_cached_tokens, "kv_transfer_params": out.kv_transfer_params,
+            "elapsed_s": elapsed, "ttft_s": ttft}
+
+
+def _concurrent(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+    engine = llm.llm_engine
+    todo = sorted(request["requests"], key=lambda r: r.get("at_s", 0.0))
+    results: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    while todo or engine.has_unfinished_requests():
+        now = time.perf_counter() - started
+        while todo and todo[0].get("at_s", 0.0) <= now:
+            r = todo.pop(0)
+            engine.add_request(r["id"], {"prompt_token_ids": r["prompt"]}, _sampling_params(r))
+            results[r["id"]] = {"added_s": now, "token_times": [], "token_ids": [], "logprobs": None,
+                                "kv_transfer_params": None}
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.005, max(0.0, todo[0].get("at_s", 0.0) - now)))
+            continue
+        for out in engine.step():
+            result = results[out.request_id]
+            completion = out.outputs[0]
+            now = time.perf_counter() - started
+            result["token_times"] += [now] * (len(completion.token_ids) - len(result["token_ids"]))
+            result["token_ids"] = list(completion.token_ids)
+            if out.finished:
+                result["logprobs"] = _logprobs(completion)
+                result["kv_transfer_params"] = out.kv_transfer_params
+    return {"requests": results}
+
+
+def _metrics(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+    prefix = request.get("prefix", "vllm:")
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(prefix) and hasattr(metric, "value") and isinstance(metric.value, (int, float)):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()) if k not in ("engine",
+                                                                                                    "model_name"))
+            values[f"{metric.name}{{{labels}}}"] = float(metric.value)
+    return {"metrics": values}
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -88,6 +150,10 @@ def main(argv: list[str]) -> int:
         try:
             if request["op"] == "generate":
                 _reply(_generate(llm, request))
+            elif request["op"] == "concurrent":
+                _reply(_concurrent(llm, request))
+            elif request["op"] == "metrics":
+                _reply(_metrics(llm, request))
             else:
                 _reply({"pong": True})
         except Exception as exc:  # noqa: BLE001 - report it to the parent, keep serving
@@ -147,11 +213,21 @@ class EngineProcess:
         return self
 
     def generate(self, prompt: list[int], max_tokens: int = 8, kv_transfer_params: dict | None = None,
-                 reset_prefix_cache: bool = False, timeout: float = 300.0) -> dict[str, Any]:
+                 reset_prefix_cache: bool = False, logprobs: int = 0, timeout: float = 300.0) -> dict[str, Any]:
+        return self.ask({"op": "generate", "prompt": prompt, "max_tokens": max_tokens,
+                         "kv_transfer_params": kv_transfer_params, "reset_prefix_cache": reset_prefix_cache,
+                         "logprobs": logprobs}, timeout)
+
+    def concurrent(self, requests: list[dict[str, Any]], timeout: float = 300.0) -> dict[str, dict[str, Any]]:
+        """Run ``requests`` together (each added ``at_s`` after the start); per request id, its result."""
+        return self.ask({"op": "concurrent", "requests": requests}, timeout)["requests"]
+
+    def metrics(self, prefix: str = "vllm:") -> dict[str, float]:
+        return self.ask({"op": "metrics", "prefix": prefix})["metrics"]
+
+    def ask(self, request: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
         assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"op": "generate", "prompt": prompt, "max_tokens": max_tokens,
-                                           "kv_transfer_params": kv_transfer_params,
-                                           "reset_prefix_cache": reset_prefix_cache}) + "\n")
+        self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         return self._next(timeout)
 

@@ -45,6 +45,7 @@ class TinyLlamaSpec:
     max_positions: int
     dtype: str
     seed: int
+    init_std: float = 0.02
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str]) -> "TinyLlamaSpec":
@@ -95,6 +96,7 @@ def build_tiny_llama(
     max_positions: int = 4096,
     dtype: str = "float32",
     seed: int = 0,
+    init_std: float = 0.02,
 ) -> Path:
     """Write a random-weight Llama checkpoint to ``path`` and return ``path``.
 
@@ -113,6 +115,7 @@ def build_tiny_llama(
         max_positions=max_positions,
         dtype=dtype,
         seed=seed,
+        init_std=init_std,
     )
     spec.validate()
     target = Path(path)
@@ -153,6 +156,7 @@ def _write_checkpoint(spec: TinyLlamaSpec, out: Path) -> None:
         bos_token_id=0,
         eos_token_id=1,
         dtype=spec.dtype,
+        initializer_range=spec.init_std,
     )
     torch_dtype = getattr(torch, spec.dtype)
     with torch.random.fork_rng(devices=[]):

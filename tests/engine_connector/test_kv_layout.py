@@ -49,3 +49,26 @@ def test_read_block_returns_a_copy() -> None:
     data = layout.read_block(0)
     data[:] = 0
     assert np.any(layout.read_block(0))
+
+
+def test_cpu_copies_are_done_when_called() -> None:
+    layout = PagedKVLayout(_caches(0))
+    assert not layout.on_gpu and layout.fence() is None and PagedKVLayout.landed(layout.fence())
+    with pytest.raises(IndexError):
+        layout.write_block(SHAPE[0], layout.read_block(0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU path is not run on CPU hosts)")
+def test_gpu_copies_land_after_their_fence() -> None:
+    src = _caches(0)
+    gpu = {name: torch.zeros(SHAPE, device="cuda") for name in src}
+    layout, host = PagedKVLayout(gpu), PagedKVLayout(src)
+    layout.write_block(2, host.read_block(1))
+    fence = layout.fence()
+    torch.cuda.synchronize()
+    assert PagedKVLayout.landed(fence)
+    for name in src:
+        assert torch.equal(gpu[name][2].cpu(), src[name][1])
+    out = layout.read_block(2)
+    layout.synchronize()
+    assert np.array_equal(out, host.read_block(1))

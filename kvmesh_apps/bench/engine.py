@@ -1,0 +1,189 @@
+"""``kvmesh bench engine``: what pulls cost the requests an engine is already running, on real vLLM CPU engines.
+
+A local fleet (two data planes) and two engines: ``src`` on dp1 computes the prefixes (its
+connector saves them to dp1); ``dst`` on dp2 runs every measured scenario, each through the
+engine host's ``concurrent`` op (requests added at given times, the engine stepped in a loop,
+each token's arrival time recorded):
+
+* ``baseline``: ``--running`` short requests decoding, nothing else;
+* ``pulls``: the same, plus ``--pullers`` requests (one ``--prefix-tokens`` prefix each, named
+  source dp1) added one every 100 ms; the window runs from the first one's arrival to the last
+  one's first token. ``decode_ratio_during_pulls``: the running requests' tokens/s in that
+  window over the baseline's in the same window;
+* ``frozen``: the same with dp1 stopped (SIGSTOP) and one puller: it waits, then recomputes.
+  ``frozen_source_fallback_ms``: its wait (the connector's ``wait_ms``), bounded by
+  ``pull_timeout_ms``; ``frozen_source_decode_ratio`` as above over its wait;
+* ``coalesced``: ``--coalesced`` requests on one new prefix at once (16 by default):
+  ``coalesced_bytes_ratio`` is the bytes their pulls moved (the data plane's ``bytes_pulled``
+  per Pull, summed) over one prefix's bytes; 1.0 when concurrent pulls share one transfer.
+
+``outputs_match``: every pulled or fallen-back request's tokens and top-5 logprobs equal a
+recompute of the same prompt on ``dst`` (cold cache, loads off) within
+:data:`kvmesh_apps.kv_check.LOGPROB_TOLERANCE`. With ``--json`` the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvmesh_apps.fleet import Fleet
+from kvmesh_apps.kv_check import same_computation
+from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
+from tenancy.api_keys import new_key
+
+BLOCK_SIZE = 32
+TOP_K = 5
+QUIET = {"kvmesh": {"load": False, "save": False}}
+PULL_START_S = 1.0
+PULL_SPACING_S = 0.1
+
+
+def _rate(times: list[float], start: float, end: float) -> float:
+    """Tokens per second arriving in [start, end]."""
+    if end <= start:
+        return 0.0
+    return sum(start <= t <= end for t in times) / (end - start)
+
+
+def _running_times(results: dict[str, dict[str, Any]], running: int) -> list[float]:
+    return [t for i in range(running) for t in results[f"run-{i}"]["token_times"]]
+
+
+def _report(result: dict[str, Any]) -> dict[str, Any]:
+    return (result.get("kv_transfer_params") or {}).get("kvmesh", {})
+
+
+def run(args: argparse.Namespace, say) -> dict[str, Any]:
+    model = build_tiny_llama(Path(args.model_dir) / "tiny")
+    spec = TinyLlamaSpec.from_checkpoint(model)
+    block_bytes = spec.kv_bytes_per_token() * BLOCK_SIZE
+    rng = np.random.default_rng(args.seed)
+    draw = lambda n: rng.integers(2, spec.vocab, n).tolist()  # noqa: E731
+    prefixes = {name: draw(args.prefix_tokens) for name in
+                [f"pull-{i}" for i in range(args.pullers)] + ["frozen", "coalesced"]}
+    suffix = lambda: draw(16)  # noqa: E731
+    running = [{"id": f"run-{i}", "prompt": draw(64), "max_tokens": args.decode_tokens} for i in range(args.running)]
+
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-engine-") as tmp:
+        fleet = Fleet(Path(tmp), 2, new_key()[1], tenant="bench", block_bytes=block_bytes, block_tokens=BLOCK_SIZE,
+                      capacity=f"{4096 * block_bytes}")
+        try:
+            fleet.start()
+            host, port = fleet.data_planes["dp1"].address.rsplit(":", 1)
+            source = {"remote_kv_source": {"kv_request_id": "bench", "remote_host": host, "remote_port": int(port),
+                                           "remote_node_id": "dp1"}}
+            src = fleet.start_engine("src", model, "dp1")
+            dst = fleet.start_engine("dst", model, "dp2", connector={"pull_timeout_ms": args.pull_timeout_ms},
+                                     max_num_seqs=args.coalesced + args.running + 4)
+            say("starting two vLLM engines ...")
+            src.wait_ready(), dst.wait_ready()
+            for prefix in prefixes.values():
+                src.generate(prefix, 1)  # its connector saves the prefix to dp1
+            dst.generate(draw(64), 4, QUIET)  # warm-up
+
+            say("baseline: running requests alone")
+            baseline = dst.concurrent(running)
+            pullers = [{"id": f"pull-{i}", "prompt": prefixes[f"pull-{i}"] + suffix(), "max_tokens": 4,
+                        "logprobs": TOP_K, "kv_transfer_params": source,
+                        "at_s": PULL_START_S + i * PULL_SPACING_S} for i in range(args.pullers)]
+            say(f"pulls: {args.pullers} pulls of {args.prefix_tokens} tokens while they run")
+            pulled = dst.concurrent(running + pullers)
+            start = min(pulled[p["id"]]["added_s"] for p in pullers)
+            end = max(pulled[p["id"]]["token_times"][0] for p in pullers)
+            decode_ratio = _rate(_running_times(pulled, args.running), start, end) / \
+                _rate(_running_times(baseline, args.running), start, end)
+
+            say("frozen: the source stopped (SIGSTOP) during one pull")
+            frozen_req = {"id": "frozen", "prompt": prefixes["frozen"] + suffix(), "max_tokens": 4, "logprobs": TOP_K,
+                          "kv_transfer_params": source, "at_s": PULL_START_S}
+            dp1 = fleet.data_planes["dp1"].proc
+            dp1.send_signal(signal.SIGSTOP)
+            try:
+                frozen = dst.concurrent(running + [frozen_req])
+            finally:
+                dp1.send_signal(signal.SIGCONT)
+            frozen_report = _report(frozen["frozen"])
+            fallback_ms = frozen_report.get("wait_ms", 0.0)
+            f_start = frozen["frozen"]["added_s"]
+            frozen_ratio = _rate(_running_times(frozen, args.running), f_start, f_start + fallback_ms / 1e3) / \
+                _rate(_running_times(baseline, args.running), f_start, f_start + fallback_ms / 1e3)
+
+            say(f"coalesced: {args.coalesced} requests on one {args.prefix_tokens}-token prefix at once")
+            coalesced_reqs = [{"id": f"co-{i}", "prompt": prefixes["coalesced"] + suffix(), "max_tokens": 4,
+                               "logprobs": TOP_K, "kv_transfer_params": source} for i in range(args.coalesced)]
+            coalesced = dst.concurrent(coalesced_reqs)
+            prefix_bytes = (args.prefix_tokens // BLOCK_SIZE) * block_bytes
+            moved = sum(_report(r).get("bytes_pulled", 0) for r in coalesced.values())
+
+            say("references: every pulled prompt recomputed on a cold cache")
+            checked = [(p, pulled[p["id"]]) for p in pullers] + [(frozen_req, frozen["frozen"])] + \
+                [(r, coalesced[r["id"]]) for r in coalesced_reqs]
+            worst, match = 0.0, True
+            for request, result in checked:
+                ref = dst.generate(request["prompt"], request["max_tokens"], QUIET, reset_prefix_cache=True,
+                                   logprobs=TOP_K)
+                same, diff = same_computation(result, ref)
+                match, worst = match and same, max(worst, diff)
+        finally:
+            fleet.stop()
+
+    pulled_reports = [_report(pulled[p["id"]]) for p in pullers]
+    return {
+        "decode_ratio_during_pulls": round(decode_ratio, 3),
+        "pull_window_ms": round((end - start) * 1e3, 1),
+        "pulls_in_window": args.pullers,
+        "pull_ms_p50": round(float(np.median([r.get("pull_ms", 0.0) for r in pulled_reports])), 1),
+        "peer_tokens_loaded": sum(r.get("peer_tokens", 0) for r in pulled_reports),
+        "frozen_source_fallback_ms": round(fallback_ms, 1),
+        "frozen_source_outcome": frozen_report.get("outcome", ""),
+        "frozen_source_decode_ratio": round(frozen_ratio, 3),
+        "pull_timeout_ms": args.pull_timeout_ms,
+        "coalesced_requests": args.coalesced,
+        "coalesced_bytes_moved": moved,
+        "prefix_bytes": prefix_bytes,
+        "coalesced_bytes_ratio": round(moved / prefix_bytes, 3),
+        "coalesced_peer_tokens": sum(_report(r).get("peer_tokens", 0) for r in coalesced.values()),
+        "outputs_match": match,
+        "max_logprob_diff": worst,
+        "running_requests": args.running,
+        "prefix_tokens": args.prefix_tokens,
+        "model": f"tiny ({spec.num_layers} layers, hidden {spec.hidden}, {block_bytes // 1024} KiB blocks)",
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh bench engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="end with one JSON object (progress goes to stderr)")
+    parser.add_argument("--model-dir", default=".kvmesh/models", help="where built models are kept (reused)")
+    parser.add_argument("--prefix-tokens", type=int, default=2000)
+    parser.add_argument("--pullers", type=int, default=8, help="pulls during the decode window")
+    parser.add_argument("--coalesced", type=int, default=16, help="simultaneous requests on one prefix")
+    parser.add_argument("--running", type=int, default=4, help="requests already decoding")
+    parser.add_argument("--decode-tokens", type=int, default=600, help="tokens each running request decodes")
+    parser.add_argument("--pull-timeout-ms", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=11)
+    args = parser.parse_args(argv)
+    out = sys.stderr if args.json else sys.stdout
+    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    result = run(args, say)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        for key, value in result.items():
+            say(f"  {key:<28} {value}")
+    return 0 if result["outputs_match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

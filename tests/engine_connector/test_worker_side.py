@@ -1,0 +1,97 @@
+"""WorkerSide against a real data plane: slot -> paged-cache copies of waiting requests, their completion
+report, failed copies, and the misplace_one_block negative-control hook."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.hashing import BlockHasher
+from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh_apps.fleet import Fleet
+
+from data_plane.client import DataPlaneClient, SharedTier
+from engine_connector.config import KV_LAYOUT
+from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata
+from engine_connector.node_link import NodeLink
+from engine_connector.worker_side import WorkerSide
+
+# One layer of [num_blocks, kv_heads, block_size, 2 * head_size] float32 = 1 KiB per block (the fleet's slots).
+SHAPE = (16, 1, 4, 64)
+
+
+def _ns(fleet: Fleet) -> Namespace:
+    return Namespace(fleet.tenant, "tiny", "rev1", CacheConfig(block_size=32, kv_dtype="float32",
+                                                               kv_layout=KV_LAYOUT)).validate()
+
+
+def _pinned_slots(fleet: Fleet, n: int, base: int) -> tuple[list[int], str]:
+    """Store ``n`` blocks on dp2 (block i filled with byte ``base + i``) and pin them: (slots, lease)."""
+    hashes = BlockHasher().block_hashes(list(range(base * 1000, base * 1000 + 32 * n)), 32)
+
+    async def run() -> tuple[list[int], str]:
+        async with DataPlaneClient(fleet.data_planes["dp2"].address, key=fleet.node_keys["dp2"]) as client:
+            tier = SharedTier.open(await client.describe_tier())
+            for i, slot in enumerate(await client.reserve(_ns(fleet), hashes)):
+                tier.slot(slot)[:] = np.uint8(base + i)
+            tier.close()
+            await client.commit(_ns(fleet), hashes)
+            return await client.acquire(_ns(fleet), hashes, lease_ms=30_000)
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def worker(small_fleet: Fleet):
+    made = []
+
+    def make(**kwargs) -> tuple[WorkerSide, torch.Tensor]:
+        link = NodeLink(small_fleet.data_planes["dp2"].address, small_fleet.node_keys["dp2"])
+        side = WorkerSide(link, _ns(small_fleet), **kwargs)
+        cache = torch.zeros(SHAPE)
+        side.register_kv_caches({"layer0": cache})
+        made.append((side, link))
+        return side, cache
+
+    yield make
+    for side, link in made:
+        side.close()
+        link.close()
+
+
+def _block_byte(cache: torch.Tensor, block: int) -> int:
+    values = set(cache[block].view(torch.uint8).flatten().tolist())
+    assert len(values) == 1
+    return values.pop()
+
+
+def test_loads_land_in_their_blocks_and_the_request_is_reported_finished(small_fleet: Fleet, worker) -> None:
+    side, cache = worker()
+    slots, lease = _pinned_slots(small_fleet, 3, base=10)
+    side.load(KvmeshConnectorMetadata(loads=[BlockLoad("r1", 5 + i, slot) for i, slot in enumerate(slots)],
+                                      leases=[lease]))
+    assert side.take_finished_loads() == {"r1"} and side.take_finished_loads() == set()
+    assert [_block_byte(cache, b) for b in (5, 6, 7)] == [10, 11, 12]
+    assert side.take_failed_block_ids() == set()
+
+
+def test_a_failed_copy_is_reported_with_the_finished_request(small_fleet: Fleet, worker) -> None:
+    side, _ = worker()
+    slots, lease = _pinned_slots(small_fleet, 1, base=20)
+    side.load(KvmeshConnectorMetadata(loads=[BlockLoad("r2", 3, slots[0]), BlockLoad("r2", SHAPE[0], slots[0])],
+                                      leases=[lease]))
+    assert side.take_failed_block_ids() == {SHAPE[0]} and side.take_finished_loads() == {"r2"}
+
+
+def test_misplace_one_block_writes_the_middle_block_from_the_wrong_slot(small_fleet: Fleet, worker) -> None:
+    good, good_cache = worker()
+    bad, bad_cache = worker(misplace_one_block=True)
+    slots, lease = _pinned_slots(small_fleet, 4, base=30)
+    loads = [BlockLoad("r3", i, slot) for i, slot in enumerate(slots)]
+    good.load(KvmeshConnectorMetadata(loads=loads))
+    bad.load(KvmeshConnectorMetadata(loads=loads, leases=[lease]))
+    assert [_block_byte(good_cache, b) for b in range(4)] == [30, 31, 32, 33]  # positive control
+    assert [_block_byte(bad_cache, b) for b in range(4)] == [30, 31, 31, 33]
