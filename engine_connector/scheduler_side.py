@@ -209,7 +209,7 @@ class SchedulerSide:
                 answer = state.answer = _Answer(first, None, now)
             else:
                 state.task = None
-                lookup, attempt = task.future.result()
+                lookup, attempt = self._result(task)
                 state.report.merge(attempt)
                 self.stats.record_lookup(attempt)
                 answer = state.answer = _Answer(first, lookup, now)
@@ -308,6 +308,15 @@ class SchedulerSide:
         logger.info("request %s: pulled %d block(s) from %s (%d already here) in %.1f ms", req_id,
                     result.pulled, node_id, result.already_local, (time.perf_counter() - started) * 1e3)
         return result.already_local, result.already_local + result.pulled
+
+    @staticmethod
+    def _result(task: _Task) -> tuple[_Lookup | None, LoadReport]:
+        """The ended task's answer; a task that raised (a bug, not an RPC failure) loads nothing."""
+        error = task.future.exception()
+        if error is None:
+            return task.future.result()
+        logger.error("lookup task failed: %r; vLLM computes the prefix", error)
+        return None, LoadReport(outcome="error", error=repr(error))
 
     def _abandon_task(self, state: _RequestState) -> None:
         """Stop waiting for the request's task; whatever it pins is released when it ends."""

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # Summed counters (tokens, bytes, counts, milliseconds); ``failures`` is a {reason: count} map.
 COUNTERS = ("lookups", "pulls", "local_tokens", "peer_tokens", "bytes_pulled", "pull_ms", "failed_blocks")
 FAILURE_REASONS = ("deadline", "pull_failed", "pull_missed", "control_plane_error", "data_plane_error",
-                   "unknown_source", "copy")
+                   "unknown_source", "copy", "error")
 
 
 def _empty() -> dict[str, Any]:

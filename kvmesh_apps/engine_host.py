@@ -101,19 +101,21 @@ def _concurrent(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     engine = llm.llm_engine
     todo = sorted(request["requests"], key=lambda r: r.get("at_s", 0.0))
     results: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {}  # vLLM's internal request id -> ours
     started = time.perf_counter()
     while todo or engine.has_unfinished_requests():
         now = time.perf_counter() - started
         while todo and todo[0].get("at_s", 0.0) <= now:
             r = todo.pop(0)
-            engine.add_request(r["id"], {"prompt_token_ids": r["prompt"]}, _sampling_params(r))
+            internal = engine.add_request(r["id"], {"prompt_token_ids": r["prompt"]}, _sampling_params(r))
+            names[internal] = r["id"]
             results[r["id"]] = {"added_s": now, "token_times": [], "token_ids": [], "logprobs": None,
                                 "kv_transfer_params": None}
         if not engine.has_unfinished_requests():
             time.sleep(min(0.005, max(0.0, todo[0].get("at_s", 0.0) - now)))
             continue
         for out in engine.step():
-            result = results[out.request_id]
+            result = results[names.get(out.request_id, out.request_id)]
             completion = out.outputs[0]
             now = time.perf_counter() - started
             result["token_times"] += [now] * (len(completion.token_ids) - len(result["token_ids"]))

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import same_computation
-from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
+from kvmesh_apps.tiny_model import TEST_INIT_STD, TinyLlamaSpec, build_tiny_llama
 from tenancy.api_keys import new_key
 
 BLOCK_SIZE = 32
@@ -63,7 +63,7 @@ def _report(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, say) -> dict[str, Any]:
-    model = build_tiny_llama(Path(args.model_dir) / "tiny")
+    model = build_tiny_llama(Path(args.model_dir) / "tiny-sharp", init_std=TEST_INIT_STD)
     spec = TinyLlamaSpec.from_checkpoint(model)
     block_bytes = spec.kv_bytes_per_token() * BLOCK_SIZE
     rng = np.random.default_rng(args.seed)

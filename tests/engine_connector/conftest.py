@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 
 from kvmesh_apps.fleet import Fleet
-from kvmesh_apps.tiny_model import build_tiny_llama
+from kvmesh_apps.tiny_model import TEST_INIT_STD, build_tiny_llama
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+    # init_std 0.1 (not HF's 0.02): attention that picks out context, so what the model predicts depends on the
+    # prefix's KV (a misplaced block moves logprobs by ~1, not ~0.01; docs/engine_connector.md).
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", init_std=TEST_INIT_STD)
 
 
 @pytest.fixture(scope="session")

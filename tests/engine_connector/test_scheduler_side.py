@@ -284,7 +284,8 @@ def test_frozen_source_falls_back_within_the_pull_deadline_and_asks_stay_instant
     assert deadline_ms / 1e3 * 0.9 <= fallback_s <= deadline_ms / 1e3 + 1.0
     assert slowest_ask < 0.25  # each ask is a poll, not a wait on the frozen peer
     report = s.finished(request)[1]["kvmesh"]
-    assert report["outcome"] == "deadline" and report["loaded_tokens"] == 0
+    # The connector's deadline and the data plane's bound of the Pull are equal: either one ends the wait.
+    assert report["outcome"] in ("deadline", "pull_failed", "pull_missed") and report["loaded_tokens"] == 0
     # Positive control: with the source running again the same prefix is pulled.
     again = FakeRequest(4 * BS + 1, {"remote_kv_source": source(small_fleet, "dp1")})
     again.block_hashes = request.block_hashes

@@ -30,7 +30,7 @@ from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import LOGPROB_TOLERANCE, max_logprob_diff, same_computation
 from kvmesh_apps.tiny_model import TinyLlamaSpec
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(1500)]
 
 BLOCK_SIZE = 32
 PREFIX_LEN = 1000
@@ -80,6 +80,8 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, start_fleet)
         out1["P"] = engine1.generate(prompts["P"], 1, {"remote_decoder": {"kv_request_id": "pd-1"}})
 
         out2 = {"B": engine2.generate(prompts["B"], MAX_TOKENS, _source(fleet, "dp1"), logprobs=TOP_K)}
+        # The noise floor: B computed by another engine process (loads off), against engine1's recompute.
+        out2["B-recompute"] = engine2.generate(prompts["B"], MAX_TOKENS, QUIET, reset_prefix_cache=True, logprobs=TOP_K)
         out2["P"] = engine2.generate(prompts["P"], MAX_TOKENS,
                                      {"remote_prefiller": out1["P"]["kv_transfer_params"]["remote_kv_source"]},
                                      logprobs=TOP_K)
@@ -132,6 +134,15 @@ def test_a_pulled_prefix_gives_the_logprobs_of_a_recompute(run: Run) -> None:
     assert same, f"pulled run differs from recompute by {diff} (tolerance {LOGPROB_TOLERANCE})"
 
 
+def test_two_recomputes_differ_by_far_less_than_the_tolerance(run: Run) -> None:
+    noise = max_logprob_diff(run.engine2["B-recompute"]["logprobs"], run.reference["B"]["logprobs"])
+    pulled = max_logprob_diff(run.engine2["B"]["logprobs"], run.reference["B"]["logprobs"])
+    misplaced = max_logprob_diff(run.misplaced["logprobs"], run.reference["B"]["logprobs"])
+    print(f"logprob differences: recompute vs recompute {noise:.3g}, pulled vs recompute {pulled:.3g}, "
+          f"misplaced block vs recompute {misplaced:.3g} (tolerance {LOGPROB_TOLERANCE:g})")
+    assert noise <= LOGPROB_TOLERANCE / 10
+
+
 def test_negative_control_one_misplaced_block_fails_the_same_check(run: Run) -> None:
     bad = run.misplaced
     assert _report(bad)["local_tokens"] >= 0.9 * PREFIX_LEN  # it loaded B's prefix (from dp2's tier)
@@ -151,7 +162,8 @@ def test_prefill_decode_split_across_two_engines_matches_one_engine(run: Run) ->
 def test_frozen_source_recomputes_within_the_deadline_while_others_keep_decoding(run: Run) -> None:
     e = run.engine2["E"]
     report = _report(e)
-    assert report["outcome"] == "deadline" and report["loaded_tokens"] == 0, report
+    # The connector's deadline and the data plane's own bound of the Pull are the same length: either ends it.
+    assert report["outcome"] in ("deadline", "pull_failed", "pull_missed") and report["loaded_tokens"] == 0, report
     assert PULL_TIMEOUT_MS * 0.9 <= report["wait_ms"] <= PULL_TIMEOUT_MS + 1000
     assert same_computation(e, run.reference["E"])[0]
     # While E waited for its pull, the running requests produced tokens.
@@ -173,7 +185,7 @@ def test_loads_and_failures_show_in_vllms_own_metrics(run: Run) -> None:
     peer = sum(v for k, v in m.items() if k.startswith("vllm:kvmesh_loaded_tokens") and "tier=peer" in k)
     assert peer >= _report(run.engine2["B"])["peer_tokens"] + _report(run.engine2["P"])["peer_tokens"]
     assert sum(v for k, v in m.items() if k.startswith("vllm:kvmesh_pulled_bytes")) > 0
-    assert sum(v for k, v in m.items() if k.startswith("vllm:kvmesh_load_failures") and "reason=deadline" in k) >= 1
+    assert sum(v for k, v in m.items() if k.startswith("vllm:kvmesh_load_failures")) >= 2  # frozen, killed
     # vLLM's own prefix-cache counter split by tier (get_external_cache_hit_sources).
     assert m["vllm:prompt_tokens_cached_by_source{source=p2p}"] >= _report(run.engine2["B"])["peer_tokens"]
 
