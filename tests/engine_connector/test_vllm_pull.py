@@ -93,7 +93,10 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, start_fleet)
                 {"id": "E", "prompt": prompts["E"], "max_tokens": MAX_TOKENS, "logprobs": TOP_K,
                  "kv_transfer_params": _source(fleet, "dp1"), "at_s": 0.5},
             ]))
-            # Killed while dp2's pull of F's blocks waits on it.
+            # Killed while dp2's pull of F's blocks waits on it (resumed first, so the fleet sees it alive).
+            dp1.send_signal(signal.SIGCONT)
+            time.sleep(1.0)
+            dp1.send_signal(signal.SIGSTOP)
             killer = threading.Timer(1.0, fleet.data_planes["dp1"].kill)
             killer.start()
             started = time.perf_counter()
