@@ -41,7 +41,7 @@ from kvmesh.channels import channel
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import LOGPROB_TOLERANCE, same_computation
 from kvmesh.namespace import CacheConfig, Namespace
-from kvmesh_apps.tiny_model import DEMO_PRESET, TinyLlamaSpec, build_tiny_llama
+from kvmesh_apps.tiny_model import DEMO_PRESET, TEST_INIT_STD, TinyLlamaSpec, build_tiny_llama
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from tenancy.api_keys import new_key
 
@@ -49,7 +49,7 @@ BLOCK_SIZE = 32
 TENANT = "demo"
 MODEL_NAME = "demo-llama"
 WEIGHT_VERSION = "random-init"
-MODELS: dict[str, dict[str, Any]] = {"demo": DEMO_PRESET, "tiny": {}}
+MODELS: dict[str, dict[str, Any]] = {"demo": DEMO_PRESET, "tiny": {"init_std": TEST_INIT_STD}}
 INDEX_WAIT_S = 3.0
 TOP_K = 5
 

@@ -40,13 +40,16 @@ def test_usage_and_unknown_commands():
 @pytest.mark.timeout(900)
 def test_demo_pulls_prefixes_between_engines_with_identical_outputs(tmp_path):
     """The demo's scenario on the small model (the default model only changes timings): every turn
-    after the first finds its prefix on the other node, pulls it and matches a cold recompute."""
-    result = run_kvmesh("demo", "--json", "--model", "tiny", "--model-dir", str(tmp_path / "models"),
+    after the first finds its prefix on the other node, pulls it and matches a cold recompute (tokens and
+    logprobs); ``--check``'s negative control (a misplaced block) fails that comparison."""
+    result = run_kvmesh("demo", "--json", "--check", "--model", "tiny", "--model-dir", str(tmp_path / "models"),
                         "--sessions", "2", "--turns", "2", "--prefix-tokens", "640", timeout=900)
-    for key in ("external_hit_rate", "outputs_match", "ttft_pull_ms", "ttft_recompute_ms", "bytes_pulled",
-                "prefix_tokens", "hit_rate_by_tier"):
+    for key in ("external_hit_rate", "outputs_match", "max_logprob_diff", "ttft_pull_ms", "ttft_recompute_ms",
+                "bytes_pulled", "prefix_tokens", "hit_rate_by_tier"):
         assert key in result
-    assert result["outputs_match"] is True
+    assert result["outputs_match"] is True and result["max_logprob_diff"] <= result["logprob_tolerance"]
+    # The negative control: an engine that misplaces one loaded block fails the same comparison.
+    assert result["negative_control_loaded_tokens"] > 0 and result["negative_control_failed"] is True
     assert result["requests"] == 4 and result["requests_pulled"] >= 2
     assert result["external_hit_rate"] >= 0.9
     assert result["bytes_pulled"] >= result["tokens_pulled"] // 32 * result["block_bytes"] > 0

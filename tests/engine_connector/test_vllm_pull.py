@@ -204,10 +204,3 @@ def test_the_pull_is_one_trace_from_the_engine_to_the_source(run: Run) -> None:
         servers = {(s["service"], s["name"].rsplit("/", 1)[-1]) for s in spans
                    if s["trace_id"] == root["trace_id"] and s["kind"] == "SERVER"}
         assert wanted <= servers, servers
-
-
-def test_max_logprob_diff_sees_a_token_missing_from_the_other_top_k() -> None:
-    a = [[[5, -0.1], [6, -2.0]]]
-    assert max_logprob_diff(a, a) == 0.0
-    assert max_logprob_diff(a, [[[5, -0.1], [7, -3.0]]]) == pytest.approx(1.0)  # 6 at -2.0 vs floor -3.0
-    assert max_logprob_diff(a, a + a) == float("inf")
