@@ -79,7 +79,8 @@ class LoadReport:
     peer_tokens: int = 0  # loaded after a pull from a peer
     failed_blocks: int = 0
     stored_blocks: int = 0
-    bytes_pulled: int = 0
+    bytes_pulled: int = 0  # moved by this request's pulls (blocks another pull on the node brought: ``joined_blocks``)
+    joined_blocks: int = 0
     pull_ms: float = 0.0  # the Pull RPC as the connector saw it
     peer_lookup_ms: float = 0.0  # the source's Lookup, inside the pull
     transfer_ms: float = 0.0  # the NIXL READ, inside the pull
@@ -302,6 +303,7 @@ class SchedulerSide:
             report.pull_ms += (time.perf_counter() - started) * 1e3
             report.source = node_id
         report.bytes_pulled += result.bytes_pulled
+        report.joined_blocks += result.joined
         report.peer_lookup_ms += result.lookup_ms
         report.transfer_ms += result.transfer_ms
         report.outcome = "pulled" if result.pulled else "pull_missed"

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
         "prefix_bytes": prefix_bytes,
         "coalesced_bytes_ratio": round(moved / prefix_bytes, 3),
         "coalesced_peer_tokens": sum(_report(r).get("peer_tokens", 0) for r in coalesced.values()),
+        "coalesced_joined_blocks": sum(_report(r).get("joined_blocks", 0) for r in coalesced.values()),
         "outputs_match": all(matches.values()),
         "max_logprob_diff": worst,
         "running_requests": args.running,
