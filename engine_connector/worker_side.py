@@ -91,7 +91,8 @@ class WorkerSide:
             except (IndexError, ValueError, RuntimeError) as exc:
                 failed += 1
                 self._failed_block_ids.add(load.block_id)
-                logger.warning("request %s: loading slot %d failed: %s", load.req_id, load.slot, exc)
+                # str(exc): a logged exception would keep a view of the tier alive through its traceback.
+                logger.warning("request %s: loading slot %d failed: %s", load.req_id, load.slot, str(exc))
         self._in_flight.append(_InFlight({load.req_id for load in loads}, list(meta.leases), layout.fence()))
         logger.info("%s %d of %d block(s) in %.1f ms", "queued" if layout.on_gpu else "loaded",
                     len(loads) - failed, len(loads), (time.perf_counter() - started) * 1e3)
