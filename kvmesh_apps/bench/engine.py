@@ -79,7 +79,9 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
     running = [{"id": f"run-{i}", "prompt": draw(64), "max_tokens": args.decode_tokens} for i in range(args.running)]
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-engine-") as tmp:
-        fleet = Fleet(Path(tmp), 2, new_key()[1], tenant="bench", block_bytes=block_bytes, block_tokens=BLOCK_SIZE,
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        fleet = Fleet(workdir, 2, new_key()[1], tenant="bench", block_bytes=block_bytes, block_tokens=BLOCK_SIZE,
                       capacity=f"{4096 * block_bytes}")
         try:
             fleet.start()
@@ -102,6 +104,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
                         "at_s": PULL_START_S + i * PULL_SPACING_S} for i in range(args.pullers)]
             say(f"pulls: {args.pullers} pulls of {args.prefix_tokens} tokens while they run")
             pulled = dst.concurrent(running + pullers)
+            if args.workdir:
+                (workdir / "scenarios.json").write_text(json.dumps({"baseline": baseline, "pulls": pulled}))
             start = min(pulled[p["id"]]["added_s"] for p in pullers)
             end = max(pulled[p["id"]]["token_times"][0] for p in pullers)
             decode_ratio = _ratio(_rate(_running_times(pulled, args.running), start, end),
@@ -180,6 +184,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--decode-tokens", type=int, default=1500, help="tokens each running request decodes (long enough to cover every window)")
     parser.add_argument("--pull-timeout-ms", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--workdir", default="", help="logs of the fleet and engines (default: a temp dir, removed)")
     args = parser.parse_args(argv)
     out = sys.stderr if args.json else sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
