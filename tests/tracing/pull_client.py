@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -43,8 +44,11 @@ def main(args: dict) -> None:
     side = SchedulerSide(link, ns, config, BS, can_load=True, can_save=True)
     side.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (list(range(1000)),)))
     request = Request("traced-1", [bytes.fromhex(h) for h in args["hashes"]], args["kv_transfer_params"])
-    matched = side.num_new_matched_tokens(request, 0)
-    report = side.finished(request)["kvmesh"]
+    deadline = time.monotonic() + 30
+    # The scheduler side answers None while its background lookup and pull run; vLLM asks each step.
+    while (matched := side.num_new_matched_tokens(request, 0)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report = side.finished(request)[1]["kvmesh"]
     link.close()
     tracing.shutdown()
     print(json.dumps({"matched_tokens": matched, "report": report}), flush=True)
