@@ -42,6 +42,7 @@ from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata, SaveRu
 from engine_connector.node_link import NodeLink
 
 logger = logging.getLogger(__name__)
+SLOW_SAVE_MS = 500.0
 
 
 @dataclass(slots=True)
@@ -142,7 +143,10 @@ class WorkerSide:
             logger.warning("committing %d block(s) failed (%s); they stay unpublished", len(written), exc)
             self._link.abort(self._ns, list(dict.fromkeys(written)))
             return
-        logger.info("saved %d block(s) in %.1f ms", len(written), (time.perf_counter() - started) * 1e3)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        # Saves run inside the step (the forward waits): a slow data plane shows here first.
+        (logger.warning if elapsed_ms > SLOW_SAVE_MS else logger.info)(
+            "saved %d block(s) of %d request(s) in %.1f ms", len(written), len(meta.saves), elapsed_ms)
 
     def _save_run(self, run: SaveRun) -> list[bytes]:
         layout, tier = self._require()
