@@ -144,6 +144,9 @@ class NodeAuth:
             self._issue_grant, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
             is_fresh=lambda grant, _age: grant[1] - GRANT_REFRESH_MARGIN_MS > time.time() * 1000,
             is_usable=lambda grant: grant[1] - GRANT_MIN_LIFE_MS > time.time() * 1000)
+        self._grant_key: Answers[str, bytes] = Answers(
+            self._fetch_grant_key, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
+            is_fresh=lambda _key, _age: True, is_usable=lambda _key: True)
         self._limits: Answers[str, int | None] = Answers(
             self._fetch_limit, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
             is_fresh=lambda _limit, age: age < refresh_s, is_usable=lambda _limit: True)
@@ -175,10 +178,13 @@ class NodeAuth:
             if not self._cp_address:
                 raise PermissionDenied("this node cannot verify pull grants: configure grant_public_key or "
                                        "control_plane_address")
-            reply = await self._call(lambda stub: stub.GetGrantKey(cp_pb.GetGrantKeyRequest(),
-                                                                   timeout=self._timeout_s))
-            self._verifier = GrantVerifier(reply.ed25519_public_key, self.node_id)
+            key = await self._grant_key.get("grant key", self._timeout_s)
+            self._verifier = GrantVerifier(key, self.node_id)
         return self._verifier
+
+    async def _fetch_grant_key(self, _key: str, timeout_s: float) -> bytes:
+        reply = await self._call(lambda stub: stub.GetGrantKey(cp_pb.GetGrantKeyRequest(), timeout=timeout_s))
+        return reply.ed25519_public_key
 
     async def grant_for(self, ns: Namespace, source_node_id: str, timeout_s: float = 5.0) -> bytes:
         """A grant for this node to pull ``ns`` from ``source_node_id``, from the control plane (cached,

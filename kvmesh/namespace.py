@@ -8,6 +8,7 @@ have different fingerprints and therefore never share a key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -76,6 +77,16 @@ class CacheConfig:
         return BlockHasher(self.hash_algo, self.hash_seed)
 
 
+@functools.lru_cache(maxsize=4096)  # asked for once per block on hot paths; a namespace never changes
+def _fingerprint(ns: "Namespace") -> str:
+    c = ns.cache_config
+    fields = (
+        ns.tenant, ns.model, ns.weight_version, str(c.block_size), c.kv_dtype, c.kv_layout,
+        c.parallel_layout, c.hash_algo.value, c.hash_seed,
+    )
+    return hashlib.sha256("\x1f".join(fields).encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Tenant + model + weights + cache configuration."""
@@ -98,12 +109,7 @@ class Namespace:
     @property
     def fingerprint(self) -> str:
         """16 hex digits identifying the namespace; part of every key for it."""
-        c = self.cache_config
-        fields = (
-            self.tenant, self.model, self.weight_version, str(c.block_size), c.kv_dtype, c.kv_layout,
-            c.parallel_layout, c.hash_algo.value, c.hash_seed,
-        )
-        return hashlib.sha256("\x1f".join(fields).encode()).hexdigest()[:16]
+        return _fingerprint(self)
 
     @classmethod
     def from_proto(cls, msg: pb.Namespace) -> "Namespace":
