@@ -8,12 +8,15 @@ equal trace prefixes are equal token prefixes) is replayed twice per policy:
   CPU engines on a random-weight tiny Llama, each with the kvmesh connector on its
   own node. Every request is placed by a real ``Route`` call (the candidates'
   queues as this driver sees them) and sent with the answer's
-  ``kv_transfer_params``; an engine serves one request at a time. TTFT = time
-  queued here + vLLM's own time to first token.
+  ``kv_transfer_params``; an engine serves one request at a time. With one
+  output token, TTFT = time queued here + the request's time in the engine
+  process (any pull included).
 - **sim**: :class:`~kvmesh_apps.replay.sim.Simulation` with the same router in
-  process, on a profile measured on those engines first: prefill time against
-  prompt length (fitted: per step, per token, per token of context) and the time
-  of one peer pull (its bandwidth).
+  process, on a profile measured on those engines first: request time against
+  prompt length (fitted per step, per token and per token of context) and the
+  time of a peer pull. The two engines share this machine's cores, so the
+  simulated engines do too (``Profile.shared_machine``: a step is as much slower
+  as engines are busy at once).
 
 Arrivals are spaced so the two engines run at ``--load`` of their measured
 capacity. Each policy gets its own token ids (nothing cached carries over). The
@@ -79,18 +82,20 @@ def scaled_window(trace: Path, start: int, count: int, block_tokens: int, max_pr
     return out
 
 
-def _ttft_ms(engine: EngineProcess, prompt: list[int], max_tokens: int, **kw) -> float:
-    return 1000.0 * engine.generate(prompt, max_tokens, reset_prefix_cache=True, **kw)["ttft_s"]
+def _engine_ms(engine: EngineProcess, prompt: list[int], max_tokens: int, **kw) -> float:
+    """Wall time of one request inside the engine process (prefill, any KV load, ``max_tokens`` tokens)."""
+    return 1000.0 * engine.generate(prompt, max_tokens, reset_prefix_cache=True, **kw)["elapsed_s"]
 
 
 def measure(fleet: Fleet, engines: dict[str, EngineProcess], vocab: int, kv_bytes: int, max_tokens: int) -> dict:
-    """Prefill time against prompt length on e1 (fitted), and pulls of 1,024-token prefixes into e2. Every run
-    has prompts of its own: a repeated one would be loaded from the node's CPU tier instead."""
+    """Request time against prompt length, each engine alone (fitted), and pulls of 1,024-token prefixes into e2.
+    Every run has prompts of its own: a repeated one would be loaded from the node's CPU tier instead."""
     rng = np.random.default_rng(99)
     draw = lambda n: rng.integers(2, vocab, n).tolist()  # noqa: E731
     samples = []
     for n in CALIBRATION_LENGTHS:
-        samples.append((n, statistics.median(_ttft_ms(engines["e1"], draw(n), max_tokens) for _ in range(3))))
+        samples.append((n, statistics.median(_engine_ms(e, draw(n), max_tokens) for e in engines.values()
+                                             for _ in range(2))))
     costs = FittedCosts.fit(samples)
     prefixes = [draw(1024) for _ in range(3)]
     for prefix in prefixes:
@@ -101,9 +106,9 @@ def measure(fleet: Fleet, engines: dict[str, EngineProcess], vocab: int, kv_byte
     for i, prefix in enumerate(prefixes):
         source = {"remote_kv_source": {"kv_request_id": f"probe-{i}", "remote_host": host, "remote_port": int(port),
                                        "remote_node_id": "dp1"}}
-        pulled.append(_ttft_ms(engines["e2"], prefix + draw(64), max_tokens, kv_transfer_params=source))
-    pull_ms = max(0.1, statistics.median(pulled) - costs.step_ms(64, [(64, 1024)], 0))
-    return {"costs": costs, "samples": samples, "pull_ms_1024": pull_ms, "pulled_ttft_ms": pulled,
+        pulled.append(_engine_ms(engines["e2"], prefix + draw(64), max_tokens, kv_transfer_params=source))
+    pull_ms = max(1.0, statistics.median(pulled) - costs.step_ms(64, [(64, 1024)], 0))
+    return {"costs": costs, "samples": samples, "pull_ms_1024": pull_ms, "pulled_ms": pulled,
             "pull_bytes_per_s": 1024 * kv_bytes / (pull_ms / 1000.0)}
 
 
@@ -124,7 +129,7 @@ async def replay_real(fleet: Fleet, engines: dict[str, EngineProcess], ns: Names
             backlog[name][0] -= 1
             reply = await asyncio.to_thread(engines[name].generate, prompt, max_tokens, params)
             backlog[name][1] -= planned
-            ttft.append(1000.0 * (started - arrived) + 1000.0 * reply["ttft_s"])
+            ttft.append(1000.0 * (started - arrived + reply["elapsed_s"]))
 
     async with SchedulerClient(fleet.control_plane.address, ns, api_key=fleet.admin_key) as client:
         await client.report_stats(
@@ -156,7 +161,7 @@ def replay_sim(window: list[TraceRequest], policy: str, measured: dict, kv_bytes
     profile = replace(Profile(), name="measured tiny-Llama vLLM CPU engines", kv_bytes_per_token=kv_bytes,
                       block_tokens=block_tokens, gpu_kv_blocks=10_000, cpu_tier_blocks=10_000, max_running=1,
                       max_batched_tokens=8192, racks=1, nic_bytes_per_s=measured["pull_bytes_per_s"],
-                      promotion_bytes_per_s=1e12, step_noise=0.05, engine_noise=0.02)
+                      promotion_bytes_per_s=1e12, step_noise=0.05, engine_noise=0.02, shared_machine=True)
     ns = Namespace("sim", policy, "sim", CacheConfig(block_size=block_tokens)).validate()
     sim = Simulation(variant, window, BlockHashes(block_tokens), profile, len(NODES),
                      InProcessBackend(ns, RoutingSettings()), event_delay_ms=20.0, seed=seed, costs=measured["costs"])
@@ -176,7 +181,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=36)
     parser.add_argument("--block-tokens", type=int, default=2 * BLOCK_SIZE, help="tokens per 512-token trace block")
     parser.add_argument("--max-prompt", type=int, default=2048)
-    parser.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=1, help="output tokens per request")
     parser.add_argument("--load", type=float, default=0.7, help="arrival rate over the two engines' capacity")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--json", action="store_true")
@@ -227,7 +232,7 @@ def main(argv: list[str]) -> int:
         "same_ranking": rank("sim_ttft_p50_ms") == rank("real_ttft_p50_ms"),
         "profile": {**measured["costs"].as_dict(), "pull_ms_1024_tokens": round(measured["pull_ms_1024"], 2),
                     "pull_bytes_per_s": round(measured["pull_bytes_per_s"]),
-                    "pulled_ttft_ms": [round(x, 2) for x in measured["pulled_ttft_ms"]],
+                    "pulled_ms": [round(x, 2) for x in measured["pulled_ms"]],
                     "calibration": [[n, round(ms, 2)] for n, ms in measured["samples"]],
                     "kv_bytes_per_token": kv_bytes},
         "window": {"start": args.start, "requests": len(window), "block_tokens": args.block_tokens,

@@ -306,6 +306,8 @@ class Simulation:
         tokens = len(decodes) + sum(c for _, c in chunks)
         per = self.costs.step_ms(tokens, [(c, s.cached + s.computed) for s, c in chunks], context)
         per *= self.factor[e.index] * self.rng.lognormvariate(0.0, p.step_noise / math.sqrt(steps))
+        if p.shared_machine:
+            per *= sum(x.busy for x in self.engines)
         e.step_version += 1
         self._macro[e.index] = (now_ms, per, steps, decodes, chunks)
         self._push(now_ms + steps * per, _STEP, (e, e.step_version))
