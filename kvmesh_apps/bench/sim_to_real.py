@@ -213,7 +213,7 @@ def main(argv: list[str]) -> int:
             ns = Namespace("simreal", str(model), "random-init", CacheConfig(  # as the connector names its blocks
                 block_size=BLOCK_SIZE, kv_dtype=spec.dtype, kv_layout=KV_LAYOUT, parallel_layout="tp1-pp1",
                 hash_seed=os.environ.get("PYTHONHASHSEED", ""))).validate()
-            # a discarded pass first: the first replay on fresh engines ran slower than later ones
+            # a discarded pass first, so that no measured policy runs on cold engines
             asyncio.run(replay_real(fleet, engines, ns, window, Prompts(spec.vocab, args.block_tokens, 0),
                                     policies[0], args.max_tokens, kv_bytes, measured))
             real = {}
