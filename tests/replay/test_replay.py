@@ -153,3 +153,22 @@ def test_replay_ends_with_its_json(tmp_path):
             assert {"goodput_rps", "max_slo_rate_rps", "ttft_p50_ms", "ttft_p99_ms"} <= set(r)
     assert (tmp_path / "replay.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "replay.json").read_text())["policies"].keys() == result["policies"].keys()
+
+
+def test_fitted_costs_recover_a_known_engine():
+    from kvmesh_apps.replay.costs import FittedCosts
+
+    true = FittedCosts(12.0, 0.05, 2e-5)
+    fit = FittedCosts.fit([(n, true.step_ms(n, [(n, 0)], 0)) for n in (64, 256, 512, 1024, 2048)])
+    assert (fit.overhead_ms, fit.ms_per_token, fit.ms_per_token_context) == pytest.approx((12.0, 0.05, 2e-5), rel=1e-6)
+
+
+def test_scaled_prompts_share_exactly_the_prefixes_the_trace_shares():
+    from kvmesh_apps.bench.sim_to_real import Prompts
+
+    prompts = Prompts(vocab=2048, block_tokens=64, salt=1)
+    a = prompts.of(TraceRequest(0, 3 * 64 + 10, 1, (0, 1, 2, 3)), 0)
+    b = prompts.of(TraceRequest(0, 2 * 64 + 5, 1, (0, 1, 9)), 1)
+    assert len(a) == 202 and len(b) == 133 and a[:128] == b[:128] and a[128:] != b[128:133]
+    other = Prompts(vocab=2048, block_tokens=64, salt=2).of(TraceRequest(0, 64, 1, (0,)), 0)
+    assert other != a[:64]   # another salt (another policy's run): nothing shared
