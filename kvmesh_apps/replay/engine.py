@@ -95,7 +95,6 @@ class Phase(enum.Enum):
 class Seq:
     """All state of one request on one engine."""
 
-    index: int
     arrival_ms: float
     prompt: int
     output: int
@@ -109,7 +108,6 @@ class Seq:
     generated: int = 0
     private_blocks: int = 0         # GPU KV blocks of its own
     pinned: list[bytes] = field(default_factory=list)
-    first_token_ms: float = -1.0
     wait_ms: float = 0.0            # queue and load time before its prefill began
 
     @property

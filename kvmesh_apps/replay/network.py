@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    requested_ms: float
     start_ms: float
     end_ms: float
     nbytes: int
@@ -48,4 +47,4 @@ class Network:
         end = start + 1000.0 * nbytes / bps
         for r in resources:
             self._free[r] = end
-        return Transfer(now_ms, start, end, nbytes)
+        return Transfer(start, end, nbytes)

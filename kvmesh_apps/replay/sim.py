@@ -327,7 +327,6 @@ class Simulation:
             s.computed += c
             if s.remaining_prefill:
                 continue
-            s.first_token_ms = now_ms
             t.ttft_ms.append(now_ms - s.arrival_ms)
             t.alone_ms.append(self._alone_ms(s.prompt))
             t.wait_ms.append(s.wait_ms)
@@ -378,7 +377,7 @@ class Simulation:
         self._next_probe = 1000.0 * p.reprobe_s
         t.first_arrival_ms = self.requests[0].arrival_ms
         t.last_arrival_ms = self.requests[-1].arrival_ms
-        for i, r in enumerate(self.requests):
+        for r in self.requests:
             self._advance(r.arrival_ms)
             await self._tell_router(r.arrival_ms)
             hashes = self.hashes.of(r) if self.v.sharing else []
@@ -390,7 +389,7 @@ class Simulation:
             cached = d.source.cached_tokens if d.source else d.local_cached_tokens
             prompt = max(1, r.input_tokens)
             t.prompt_tokens += prompt
-            e.waiting.append(Seq(i, r.arrival_ms, prompt, max(1, r.output_tokens), hashes, d.source,
+            e.waiting.append(Seq(r.arrival_ms, prompt, max(1, r.output_tokens), hashes, d.source,
                                  max(1, prompt - cached)))
             self._kick(e, r.arrival_ms)
         self._advance(math.inf)
