@@ -329,8 +329,10 @@ def main(argv: list[str]) -> int:
             with Progress("starting two vLLM engines (~40-90 s on 2 cores)"):
                 for engine in engines.values():
                     engine.wait_ready()
-                    # Warm-up (first-forward costs stay out of the TTFTs), nothing loaded or saved.
-                    engine.generate(list(range(2, 2 + 4 * BLOCK_SIZE)), 2, {"kvmesh": {"load": False, "save": False}})
+                    # Warm-up (first-forward costs and the compilation of the top-k logprob path stay out of the
+                    # TTFTs), nothing loaded or saved.
+                    engine.generate(list(range(2, 2 + 4 * BLOCK_SIZE)), 2, {"kvmesh": {"load": False, "save": False}},
+                                    logprobs=TOP_K)
             turns, outputs_match, last_pulled = run_scenario(fleet, engines, args, spec.vocab, say)
             control: dict[str, Any] = {}
             if args.check and last_pulled:

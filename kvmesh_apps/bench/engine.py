@@ -95,7 +95,9 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
             src.wait_ready(), dst.wait_ready()
             for prefix in prefixes.values():
                 src.generate(prefix, 1)  # its connector saves the prefix to dp1
-            dst.generate(draw(64), 4, QUIET)  # warm-up
+            # Warm-up, with logprobs: vLLM compiles the top-k logprob path on first use (~10 s here, a stall that
+            # would land in the first measured window).
+            dst.generate(draw(64), 4, QUIET, logprobs=TOP_K)
 
             say("baseline: running requests alone")
             baseline = dst.concurrent(running)
