@@ -7,12 +7,14 @@ each token's arrival time recorded):
 
 * ``baseline``: ``--running`` short requests decoding, nothing else;
 * ``pulls``: the same, plus ``--pullers`` requests (one ``--prefix-tokens`` prefix each, named
-  source dp1) added one every 100 ms; the window runs from the first one's arrival to the last
-  one's first token. ``decode_ratio_during_pulls``: the running requests' tokens/s in that
-  window over the baseline's in the same window;
+  source dp1) added one every 100 ms from 3 s on; the window runs from the first one's arrival to
+  the last one's first token. ``decode_ratio_during_pulls``: the running requests' tokens/s in
+  that window over the baseline run's in the same window; ``decode_ratio_vs_before_pulls``: over
+  the same run's in the window of equal length just before (immune to load that changes between
+  runs on a shared machine);
 * ``frozen``: the same with dp1 stopped (SIGSTOP) and one puller: it waits, then recomputes.
   ``frozen_source_fallback_ms``: its wait (the connector's ``wait_ms``), bounded by
-  ``pull_timeout_ms``; ``frozen_source_decode_ratio`` as above over its wait;
+  ``pull_timeout_ms``; ``frozen_source_decode_ratio`` (``_vs_before``) as above over its wait;
 * ``coalesced``: ``--coalesced`` requests on one new prefix at once (16 by default):
   ``coalesced_bytes_ratio`` is the bytes their pulls moved (the data plane's ``bytes_pulled``
   per Pull, summed) over one prefix's bytes; 1.0 when concurrent pulls share one transfer.
@@ -43,7 +45,7 @@ from tenancy.api_keys import new_key
 BLOCK_SIZE = 32
 TOP_K = 5
 QUIET = {"kvmesh": {"load": False, "save": False}}
-PULL_START_S = 1.0
+PULL_START_S = 3.0  # leaves a window of the same run before the pulls, as long as the longest pull window
 PULL_SPACING_S = 0.1
 
 
@@ -112,6 +114,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
             end = max(pulled[p["id"]]["token_times"][0] for p in pullers)
             decode_ratio = _ratio(_rate(_running_times(pulled, args.running), start, end),
                                   _rate(_running_times(baseline, args.running), start, end))
+            decode_ratio_before = _ratio(_rate(_running_times(pulled, args.running), start, end),
+                                         _rate(_running_times(pulled, args.running), 2 * start - end, start))
 
             say("frozen: the source stopped (SIGSTOP) during one pull")
             frozen_req = {"id": "frozen", "prompt": prefixes["frozen"] + suffix(), "max_tokens": 4, "logprobs": TOP_K,
@@ -128,6 +132,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
             f_end = f_start + fallback_ms / 1e3
             frozen_ratio = _ratio(_rate(_running_times(frozen, args.running), f_start, f_end),
                                   _rate(_running_times(baseline, args.running), f_start, f_end))
+            frozen_ratio_before = _ratio(_rate(_running_times(frozen, args.running), f_start, f_end),
+                                         _rate(_running_times(frozen, args.running), 2 * f_start - f_end, f_start))
 
             say(f"coalesced: {args.coalesced} requests on one {args.prefix_tokens}-token prefix at once")
             coalesced_reqs = [{"id": f"co-{i}", "prompt": prefixes["coalesced"] + suffix(), "max_tokens": 4,
@@ -152,6 +158,7 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
     pulled_reports = [_report(pulled[p["id"]]) for p in pullers]
     return {
         "decode_ratio_during_pulls": decode_ratio,
+        "decode_ratio_vs_before_pulls": decode_ratio_before,
         "pull_window_ms": round((end - start) * 1e3, 1),
         "pulls_in_window": args.pullers,
         "pull_ms_p50": round(float(np.median([r.get("pull_ms", 0.0) for r in pulled_reports])), 1),
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
         "frozen_source_fallback_ms": round(fallback_ms, 1),
         "frozen_source_outcome": frozen_report.get("outcome", ""),
         "frozen_source_decode_ratio": frozen_ratio,
+        "frozen_source_decode_ratio_vs_before": frozen_ratio_before,
         "frozen_source_output_match": matches["frozen"],
         "pull_timeout_ms": args.pull_timeout_ms,
         "coalesced_requests": args.coalesced,
