@@ -8,7 +8,8 @@ each token's arrival time recorded):
 * ``baseline``: ``--running`` short requests decoding, nothing else;
 * ``pulls``: the same, plus ``--pullers`` requests (one ``--prefix-tokens`` prefix each, named
   source dp1) added one every 100 ms from 3 s on; the window runs from the first one's arrival to
-  the last one's first token. ``decode_ratio_during_pulls``: the running requests' tokens/s in
+  the last one's answer (its lookup and pull in flight; copies and suffix prefill come after).
+  ``decode_ratio_during_pulls``: the running requests' tokens/s in
   that window over the baseline run's in the same window; ``decode_ratio_vs_before_pulls``: over
   the same run's in the window of equal length just before (immune to load that changes between
   runs on a shared machine);
@@ -65,7 +66,26 @@ def _running_times(results: dict[str, dict[str, Any]], running: int) -> list[flo
     return [t for i in range(running) for t in results[f"run-{i}"]["token_times"]]
 
 
+def pull_window(results: dict[str, dict[str, Any]], ids: list[str]) -> tuple[float, float]:
+    """[first arrival, last answer] of requests ``ids``: while their lookups and pulls were in flight (the
+    connector's ``wait_ms`` from the first ask; the copies and the prefill of the suffix come after)."""
+    start = min(results[i]["added_s"] for i in ids)
+    end = max(results[i]["added_s"] + _report(results[i]).get("wait_ms", 0.0) / 1e3 for i in ids)
+    return start, end
+
+
+def decode_ratios(run: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]], running: int,
+                  window: tuple[float, float]) -> tuple[float | None, float | None]:
+    """The running requests' decode rate in ``window`` of ``run`` over (the same window of ``baseline``, the
+    window of equal length just before it in ``run``)."""
+    start, end = window
+    during = _rate(_running_times(run, running), start, end)
+    return (_ratio(during, _rate(_running_times(baseline, running), start, end)),
+            _ratio(during, _rate(_running_times(run, running), 2 * start - end, start)))
+
+
 def _report(result: dict[str, Any]) -> dict[str, Any]:
+    """The connector's per-request report (``kv_transfer_params["kvmesh"]``)."""
     return (result.get("kv_transfer_params") or {}).get("kvmesh", {})
 
 
@@ -110,12 +130,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
             pulled = dst.concurrent(running + pullers)
             if args.workdir:
                 (workdir / "scenarios.json").write_text(json.dumps({"baseline": baseline, "pulls": pulled}))
-            start = min(pulled[p["id"]]["added_s"] for p in pullers)
-            end = max(pulled[p["id"]]["token_times"][0] for p in pullers)
-            decode_ratio = _ratio(_rate(_running_times(pulled, args.running), start, end),
-                                  _rate(_running_times(baseline, args.running), start, end))
-            decode_ratio_before = _ratio(_rate(_running_times(pulled, args.running), start, end),
-                                         _rate(_running_times(pulled, args.running), 2 * start - end, start))
+            start, end = pull_window(pulled, [p["id"] for p in pullers])
+            decode_ratio, decode_ratio_before = decode_ratios(pulled, baseline, args.running, (start, end))
 
             say("frozen: the source stopped (SIGSTOP) during one pull")
             frozen_req = {"id": "frozen", "prompt": prefixes["frozen"] + suffix(), "max_tokens": 4, "logprobs": TOP_K,
@@ -128,12 +144,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
                 dp1.send_signal(signal.SIGCONT)
             frozen_report = _report(frozen["frozen"])
             fallback_ms = frozen_report.get("wait_ms", 0.0)
-            f_start = frozen["frozen"]["added_s"]
-            f_end = f_start + fallback_ms / 1e3
-            frozen_ratio = _ratio(_rate(_running_times(frozen, args.running), f_start, f_end),
-                                  _rate(_running_times(baseline, args.running), f_start, f_end))
-            frozen_ratio_before = _ratio(_rate(_running_times(frozen, args.running), f_start, f_end),
-                                         _rate(_running_times(frozen, args.running), 2 * f_start - f_end, f_start))
+            frozen_ratio, frozen_ratio_before = decode_ratios(frozen, baseline, args.running,
+                                                              pull_window(frozen, ["frozen"]))
 
             say(f"coalesced: {args.coalesced} requests on one {args.prefix_tokens}-token prefix at once")
             coalesced_reqs = [{"id": f"co-{i}", "prompt": prefixes["coalesced"] + suffix(), "max_tokens": 4,
