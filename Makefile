@@ -1,10 +1,11 @@
 # kvmesh: `make demo` runs a local fleet, `make test` runs the suite. Both set up .venv first.
+# `make compose-test` runs docker-compose.yml end to end (as root: it may install Docker and start dockerd).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(wildcard proto/kvmesh/v1/*.proto)
 
-.PHONY: demo test test-fast proto setup clean
+.PHONY: demo test test-fast compose-test proto setup clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_venv.sh
@@ -24,6 +25,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# Builds the images, brings the compose stack up, proves a pull between its engines, takes it down (docs/deployment.md).
+compose-test: setup
+	PY=$(abspath $(PY)) bash scripts/compose_test.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,10 +1,11 @@
-"""docker-compose.yml, checked offline (no Docker engine here).
+"""docker-compose.yml, checked offline (test_compose_stack.py runs it, under `make compose-test`).
 
 1. It validates against the Compose Specification JSON schema (``compose_spec.json``, vendored from the
    docker-compose 1.29.2 wheel, Apache-2.0 — the schema `docker-compose config` itself applies).
 2. Structural checks the schema cannot make: depends_on targets exist, services reach each other by name
    and never over localhost, every build file and bind-mounted file exists, healthchecks are present,
-   host ports are unique, and every KVMESH_CP_* / KVMESH_DP_* variable is a real setting.
+   host ports are unique, every KVMESH_CP_* / KVMESH_DP_* variable is a real setting, no password or key has
+   a default, and each node's secret volume is mounted into that node's services only.
 """
 
 from __future__ import annotations
@@ -90,9 +91,51 @@ def test_build_files_and_bind_mounts_exist():
                 assert source in COMPOSE["volumes"], f"{name} uses undeclared volume {source}"
 
 
-def test_host_ports_are_unique():
-    ports = [p.split(":")[0] for s in SERVICES.values() for p in s.get("ports") or []]
+def _interpolate(text: str) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR-default}`` with nothing set: the defaults."""
+    return re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", text)
+
+
+def test_host_ports_are_unique_and_loopback_by_default():
+    ports = [_interpolate(p).rsplit(":", 1)[0] for s in SERVICES.values() for p in s.get("ports") or []]
     assert len(ports) == len(set(ports))
+    assert all(p.startswith("127.0.0.1:") for p in ports), ports
+
+
+def test_no_password_or_key_has_a_default():
+    text = (ROOT / "docker-compose.yml").read_text()
+    defaults = re.findall(r"\$\{(\w*(?:PASSWORD|KEY|SECRET|TOKEN)\w*):?-", text)
+    assert not defaults
+    secrets = [k for s in SERVICES.values() for k, v in _env(s).items()
+               if re.search(r"PASSWORD|_KEY$|SECRET|_TOKEN$", k) and not k.endswith("_FILE")]
+    assert not secrets, f"secrets belong in files on the secret volumes: {secrets}"
+    acl = (ROOT / "docker/redis/users.acl").read_text()
+    assert not re.search(r"#[0-9a-f]{64}|>\S|nopass", acl)  # placeholders (#@user) only
+
+
+NODE_SERVICES = {"dp1": {"dp1", "engine1"}, "dp2": {"dp2", "engine2"}}
+INIT_STEPS = {"secrets-init", "keys-init"}
+
+
+def _mounting(volume: str) -> set[str]:
+    return {name for name, s in SERVICES.items() for v in s.get("volumes") or [] if v.split(":")[0] == volume}
+
+
+def test_each_node_secret_is_mounted_into_that_node_only():
+    for node, services in NODE_SERVICES.items():
+        assert _mounting(f"{node}-secrets") == services | INIT_STEPS
+        for service in services:
+            mount = next(v for v in SERVICES[service]["volumes"] if v.startswith(f"{node}-secrets:"))
+            assert mount.endswith(":ro")
+    assert _mounting("cp-secrets") == {"control-plane", "secrets-init"}
+    assert _mounting("redis-secrets") == {"redis", "secrets-init"}
+    assert _mounting("admin-secrets") == {"control-plane", "admin"} | INIT_STEPS
+    for name, service in SERVICES.items():
+        if "vllm" in (service.get("command") or []):
+            flag = next(c for c in service["command"] if c.startswith("--kv-transfer-config="))
+            key_file = json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]["api_key_file"]
+            mounted = [v.split(":")[1] for v in service["volumes"] if v.split(":")[0].endswith("-secrets")]
+            assert [m for m in mounted if key_file.startswith(m + "/")], f"{name}: {key_file} is on no secret volume"
 
 
 @pytest.mark.parametrize("prefix, settings", [("KVMESH_CP_", ControlPlaneConfig), ("KVMESH_DP_", DataPlaneConfig)])
@@ -114,12 +157,14 @@ def test_engines_load_the_kvmesh_connector_and_share_their_node_memory():
         assert service["ipc"].startswith("service:") and service["ipc"].split(":")[1] in SERVICES
         assert _env(service)["PYTHONHASHSEED"] == "0"
         assert _env(service)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+        assert _env(service)["KVMESH_TRACE_FILE"].startswith("/var/log/kvmesh/traces/")
 
 
 def test_redis_uses_the_acl_file_and_persists():
     conf = (ROOT / "docker/redis/redis.conf").read_text()
     acl = (ROOT / "docker/redis/users.acl").read_text().splitlines()
-    assert "appendonly yes" in conf and "aclfile /usr/local/etc/redis/users.acl" in conf
+    assert "appendonly yes" in conf and "aclfile /run/kvmesh/redis/users.acl" in conf
+    assert any(v == "redis-secrets:/run/kvmesh/redis" for v in SERVICES["redis"]["volumes"])
     assert "user default off" in acl
     cp_user = _env(SERVICES["control-plane"])["KVMESH_CP_REDIS_USERNAME"]
     assert any(line.startswith(f"user {cp_user} on #") for line in acl)  # a hash, never a plain password
