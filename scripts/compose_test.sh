@@ -7,6 +7,7 @@
 # once with debootstrap (cached as kvmesh-base:bookworm), stages the host's CA bundle and CPU torch wheel in
 # docker/local/ for pip inside the build. KVMESH_BASE_IMAGE=python:3.11-slim (with KVMESH_REDIS_BASE_IMAGE=
 # redis:7.2-bookworm and KVMESH_TORCH_INDEX_URL unset) builds from the public images instead.
+# KVMESH_COMPOSE_KEEP=1 leaves a failed stack up for inspection (and then dockerd too, if this run started it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -31,10 +32,14 @@ cleanup() {
       compose logs --no-color --tail=60 > "$WORK/compose.log" 2>&1 || true
       say "failed; last container logs in $WORK/compose.log"
     fi
-    compose down -v --remove-orphans >/dev/null 2>&1 || say "docker-compose down failed"
+    if [ "$rc" != 0 ] && [ -n "${KVMESH_COMPOSE_KEEP:-}" ]; then
+      say "KVMESH_COMPOSE_KEEP: the stack stays up; docker-compose -p $PROJECT down -v removes it"
+    else
+      compose down -v --remove-orphans >/dev/null 2>&1 || say "docker-compose down failed"
+    fi
   fi
   rm -f docker/local/ca-bundle.crt docker/local/torch-*.whl
-  if [ -n "$DOCKERD_PID" ]; then
+  if [ -n "$DOCKERD_PID" ] && ! { [ "$rc" != 0 ] && [ -n "${KVMESH_COMPOSE_KEEP:-}" ]; }; then
     say "stopping the dockerd this run started (pid $DOCKERD_PID)"
     kill "$DOCKERD_PID" 2>/dev/null || true
     for _ in $(seq 30); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 1; done
