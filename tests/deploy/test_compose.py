@@ -36,10 +36,14 @@ def test_valid_against_the_compose_spec():
     assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]
 
 
+def _is_engine(service: dict) -> bool:
+    return "vllm.entrypoints.openai.api_server" in (service.get("command") or [])
+
+
 def test_topology_has_every_part():
     assert {"redis", "control-plane", "otel-collector", "jaeger"} <= set(SERVICES)
     data_planes = [n for n, s in SERVICES.items() if s.get("command") == ["data-plane"]]
-    engines = [n for n, s in SERVICES.items() if "vllm" in (s.get("command") or [])]
+    engines = [n for n, s in SERVICES.items() if _is_engine(s)]
     assert len(data_planes) >= 2 and len(engines) >= 2
 
 
@@ -131,7 +135,7 @@ def test_each_node_secret_is_mounted_into_that_node_only():
     assert _mounting("redis-secrets") == {"redis", "secrets-init"}
     assert _mounting("admin-secrets") == {"control-plane", "admin"} | INIT_STEPS
     for name, service in SERVICES.items():
-        if "vllm" in (service.get("command") or []):
+        if _is_engine(service):
             flag = next(c for c in service["command"] if c.startswith("--kv-transfer-config="))
             key_file = json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]["api_key_file"]
             mounted = [v.split(":")[1] for v in service["volumes"] if v.split(":")[0].endswith("-secrets")]
@@ -148,7 +152,7 @@ def test_kvmesh_variables_are_real_settings(prefix, settings):
 
 def test_engines_load_the_kvmesh_connector_and_share_their_node_memory():
     for name, service in SERVICES.items():
-        if "vllm" not in (service.get("command") or []):
+        if not _is_engine(service):
             continue
         flag = next(c for c in service["command"] if c.startswith("--kv-transfer-config="))
         config = json.loads(flag.split("=", 1)[1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import socket
 import struct
 import subprocess
@@ -21,7 +22,6 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,6 +48,8 @@ PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
 NODES = {"dp1": "engine1", "dp2": "engine2"}
 TRACES = "/var/log/kvmesh/traces"
+RUN = secrets.randbits(32)  # fresh prompts and tenant names: the module may run again on the same stack
+OTHER_TENANT = f"acme-{RUN:08x}"
 RESULTS: dict = {}
 
 
@@ -149,7 +151,7 @@ def wait_held(key: str, prompt: list[int], want: dict[str, int], timeout: float 
 
 
 def draw(seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(2, VOCAB, PROMPT_TOKENS).tolist()
+    return np.random.default_rng([RUN, seed]).integers(2, VOCAB, PROMPT_TOKENS).tolist()
 
 
 USABLE_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK  # vLLM computes at least the last token
@@ -165,10 +167,9 @@ def summary():
 @pytest.fixture(scope="module")
 def keys() -> dict[str, str]:
     """Through the admin CLI: a new tenant, and a scheduler key each for it and for the engines' tenant."""
-    admin("tenants", "create", "acme", "--name", "compose-test tenant")
-    issued = {tenant: admin("keys", "issue", "--role", "scheduler", "--tenant", tenant,
-                            "--description", "compose-test router")["secret"] for tenant in (TENANT, "acme")}
-    return issued
+    admin("tenants", "create", OTHER_TENANT, "--name", "compose-test tenant")
+    return {tenant: admin("keys", "issue", "--role", "scheduler", "--tenant", tenant,
+                          "--description", "compose-test router")["secret"] for tenant in (TENANT, OTHER_TENANT)}
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def scenario(keys) -> dict:
 
 def test_the_admin_cli_manages_tenants_and_keys_through_a_container(keys):
     tenants = {t["tenant_id"] for t in admin("tenants", "list")["tenants"]}
-    assert {TENANT, "acme"} <= tenants
+    assert {TENANT, OTHER_TENANT} <= tenants
     node_keys = {k.get("node_id") for k in admin("keys", "list")["keys"] if k.get("role") == "ROLE_NODE"}
     assert {"dp1", "dp2"} <= node_keys  # issued by keys-init
     assert all(key.startswith("kvm_") for key in keys.values())
@@ -204,10 +205,8 @@ def test_the_admin_cli_manages_tenants_and_keys_through_a_container(keys):
 def test_a_tenant_key_sees_only_its_own_blocks(keys, scenario):
     # Positive control: the engines' tenant's scheduler key sees engine1's blocks on dp1.
     assert scenario["held"].get("dp1", 0) >= USABLE_BLOCKS
-    # The attacker: acme's key asks for the same namespace.
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
-        holders(keys["acme"], scenario["prompt"])
-    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # The attacker: acme's key asks for the same namespace, and learns nothing (answered like absent blocks).
+    assert holders(keys[OTHER_TENANT], scenario["prompt"]) == {}
 
 
 def test_engine2_loads_the_prefix_engine1_computed_pulled_from_dp1(scenario):
@@ -334,7 +333,7 @@ def test_the_control_plane_survives_a_restart_with_its_map(keys, scenario):
     while (after := holders(keys[TENANT], scenario["prompt"])) != before and time.monotonic() < deadline:
         time.sleep(1)
     assert after == before
-    assert "acme" in {t["tenant_id"] for t in admin("tenants", "list")["tenants"]}
+    assert OTHER_TENANT in {t["tenant_id"] for t in admin("tenants", "list")["tenants"]}
     # And pulls still work: engine1 loads what engine2 computes after the restart (grants signed by the new process).
     prompt = draw(3)
     computed = complete("engine2", prompt)
