@@ -63,8 +63,8 @@ def _pct(values: list[float], q: float) -> float:
 # ---- load generators (child processes) ----
 
 def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
-                   seed: int) -> tuple[int, list[float], float]:
-    """(lookups, their latencies in ms, seconds of the measured window)."""
+                   seed: int, rate: float = 0.0) -> tuple[int, list[float], float]:
+    """(lookups, their latencies in ms, seconds of the measured window); ``rate`` > 0 paces them (per s)."""
 
     async def run() -> tuple[int, list[float], float]:
         prompts = [prompt(i) for i in range(PROMPTS)]
@@ -78,6 +78,8 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
 
             async def loop() -> None:
                 while time.perf_counter() < deadline:
+                    if rate:
+                        await asyncio.sleep(max(0.0, start + len(latencies) / rate - time.perf_counter()))
                     request = pb.LookupPrefixRequest(namespace=NS, block_hashes=rng.choice(prompts))
                     t0 = time.perf_counter()
                     reply = await stub.LookupPrefix(request, timeout=30)
@@ -277,8 +279,8 @@ def slope_per_hour(samples: list[tuple[float, float]]) -> float:
     return 0.0 if den == 0 else sum((t - mt) * (v - mv) for t, v in zip(ts, vs)) / den * 3600
 
 
-async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: int) -> dict:
-    """Simulated nodes join, stream, evict, restart and leave for ``seconds``; counts each action."""
+async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: int, rate: float) -> dict:
+    """Simulated nodes join, stream, evict, restart and leave for ``seconds``, ``rate`` actions/s; counts each."""
     rng = random.Random(seed)
     counts = {"join": 0, "evict": 0, "restart": 0, "leave": 0, "stored_blocks": 0}
     live: dict[str, tuple[int, int, list[list[bytes]]]] = {}  # node -> (incarnation, seq, runs)
@@ -303,9 +305,13 @@ async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: 
                     block_hashes=run, block_size=BLOCK_SIZE, medium=common_pb2.MEDIUM_CPU))])
                 counts["stored_blocks"] += len(run)
 
-        deadline = time.monotonic() + seconds
+        start = time.monotonic()
+        deadline = start + seconds
         pool = [f"churn-{seed}-{i}" for i in range(nodes)]
+        actions = 0
         while time.monotonic() < deadline:
+            await asyncio.sleep(max(0.0, start + actions / rate - time.monotonic()))
+            actions += 1
             node_id = rng.choice(pool)
             if node_id not in live:
                 await join(node_id)
@@ -342,8 +348,9 @@ def soak(workdir: Path, pool, args) -> dict:
         key = asyncio.run(prepare(address, backend.admin_key))
         seconds = args.soak_minutes * 60
         pid = backend.replicas[0].proc.pid
-        job = pool.apply_async(_churn_process, (address, backend.admin_key, seconds, args.soak_nodes))
-        lookups = pool.apply_async(_lookup_worker, (address, key, seconds, 2, 99))
+        job = pool.apply_async(_churn_process, (address, backend.admin_key, seconds, args.soak_nodes,
+                                                args.churn_rate))
+        lookups = pool.apply_async(_lookup_worker, (address, key, seconds, 2, 99, args.soak_lookup_rate))
         rss, fds, mem = [], [], []
         t0 = time.monotonic()
         interval = max(1.0, min(10.0, seconds / 30))
@@ -369,8 +376,8 @@ def soak(workdir: Path, pool, args) -> dict:
         backend.stop()
 
 
-def _churn_process(address: str, admin_key: str, seconds: float, nodes: int) -> dict:
-    return asyncio.run(churn(address, admin_key, seconds, nodes, seed=7))
+def _churn_process(address: str, admin_key: str, seconds: float, nodes: int, rate: float) -> dict:
+    return asyncio.run(churn(address, admin_key, seconds, nodes, seed=7, rate=rate))
 
 
 def main(argv: list[str]) -> int:
@@ -384,7 +391,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--soak-minutes", type=float, default=10.0)
     parser.add_argument("--soak-nodes", type=int, default=24, help="simulated nodes the churn cycles through")
+    parser.add_argument("--churn-rate", type=float, default=50.0, help="soak: churn actions per second")
+    parser.add_argument("--soak-lookup-rate", type=float, default=100.0, help="soak: lookups per second")
     parser.add_argument("--no-cluster", action="store_true", help="skip the Redis Cluster runs")
+    parser.add_argument("--soak-only", action="store_true", help="skip the saturation runs")
     args = parser.parse_args(argv)
 
     ctx = multiprocessing.get_context("spawn")
@@ -392,18 +402,19 @@ def main(argv: list[str]) -> int:
             ctx.Pool(args.clients + 2) as pool:
         workdir = Path(tmp)
         pool.map(_cpu_s, [os.getpid()] * (args.clients + 2))  # start the workers before anything is timed
-        single = measure_backend(workdir / "single", False, pool, args)
-        cluster = {} if args.no_cluster else measure_backend(workdir / "cluster", True, pool, args)
+        single = {} if args.soak_only else measure_backend(workdir / "single", False, pool, args)
+        cluster = {} if args.no_cluster or args.soak_only else measure_backend(workdir / "cluster", True, pool, args)
         soaked = soak(workdir, pool, args) if args.soak_minutes > 0 else {}
     result = {
         "lookups_per_s": {n: r["lookups_per_s"] for n, r in single.items()},
-        "lookup_p99_ms_at_saturation": single[str(args.replicas[0])]["p99_ms"],
-        "lookup_p50_ms_at_saturation": single[str(args.replicas[0])]["p50_ms"],
+        "lookup_p99_ms_at_saturation": single[str(args.replicas[0])]["p99_ms"] if single else None,
+        "lookup_p50_ms_at_saturation": single[str(args.replicas[0])]["p50_ms"] if single else None,
         "cluster": {"lookups_per_s": {n: r["lookups_per_s"] for n, r in cluster.items()},
                     "lookup_p99_ms_at_saturation": cluster[str(args.replicas[0])]["p99_ms"] if cluster else None},
         "soak": soaked,
         "detail": {"single": single, "cluster": cluster},
         "load": {"clients": args.clients, "concurrency": args.concurrency, "streams": args.streams, "stream_batches_per_s_per_node": args.stream_rate,
+                 "soak_churn_actions_per_s": args.churn_rate, "soak_lookups_per_s": args.soak_lookup_rate,
                  "prompt_blocks": PROMPT_BLOCKS, "holders": HOLDERS, "seconds": args.seconds,
                  "cpus": os.cpu_count()},
     }
