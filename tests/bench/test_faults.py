@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +15,8 @@ import pytest
 from kvmesh_apps.bench.faults import BLOCK_BYTES, block_ok, pattern
 from kvmesh_apps.netns import Network
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not all(map(shutil.which, ("ip", "tc", "iptables"))),
+                                reason="network namespaces need root, iproute2 and iptables")
 
 
 def _namespaces() -> set[str]:
