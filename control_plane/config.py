@@ -32,7 +32,10 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     )
     admin_key_file: str | None = Field(None, description="file holding the bootstrap admin key, if admin_key is unset")
     grant_ttl_ms: int = Field(30_000, ge=1000, description="lifetime of the pull grants this control plane signs")
-    policy_ttl_s: float = Field(2.0, ge=0, description="how long a replica caches a tenant's policy")
+    policy_ttl_s: float = Field(2.0, ge=0, description="how long a replica caches a tenant's policy (changes are "
+                                "also pushed to every replica)")
+    auth_cache_ttl_s: float = Field(5.0, ge=0, description="how long a verified API key is cached in process; "
+                                    "revocations are pushed at once, this bounds a lost notification (0: no cache)")
     tls_cert_file: str | None = Field(None, description="server certificate (PEM): serve TLS")
     tls_key_file: str | None = Field(None, description="its private key (PEM)")
     tls_client_ca_file: str | None = Field(None, description="CA for client certificates: require mutual TLS")

@@ -8,6 +8,7 @@ the ControlPlane and TenantAdmin services, health, reflection and TLS.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
 from tenancy.auth import AuthInterceptor, Authenticator
 from tenancy.authz import Authorizer
 from tenancy.grants import GrantSigner
+from tenancy.key_cache import ChangeListener, KeyCache
 from tenancy.servicer import TenantAdminServicer
 from tenancy.store import RedisTenantStore
 
@@ -33,12 +35,15 @@ from control_plane.servicer import ControlPlaneServicer
 
 log = logging.getLogger(__name__)
 
+SUBSCRIBE_WAIT_S = 5.0
+
 
 @dataclass
 class RunningControlPlane:
     core: ControlPlane
     server: RunningServer
     metrics: MetricsEndpoint
+    key_changes: ChangeListener
 
     @property
     def port(self) -> int:
@@ -47,6 +52,7 @@ class RunningControlPlane:
     async def stop(self) -> None:
         await self.server.stop()
         self.metrics.stop()
+        await self.key_changes.stop()
         await self.core.close()
 
 
@@ -65,7 +71,10 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
     core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config))
-    auth = AuthInterceptor(Authenticator(tenants.get_key, admin_key).authenticate, tenants.audit)
+    keys = KeyCache(tenants.get_key, config.auth_cache_ttl_s)
+    key_changes = ChangeListener(tenants.subscribe_changes, keys, on_tenant=authz.forget)
+    key_changes.start()
+    auth = AuthInterceptor(Authenticator(keys.get, admin_key).authenticate, tenants.audit)
     services = [
         ServiceBinding(ControlPlaneServicer(core), control_plane_pb2_grpc.add_ControlPlaneServicer_to_server,
                        "kvmesh.v1.ControlPlane"),
@@ -78,7 +87,12 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     core.start_background()
     host, _, port = config.metrics_listen.rpartition(":")
     metrics = MetricsEndpoint(registry, host or "127.0.0.1", int(port or 0))
-    return RunningControlPlane(core, server, metrics)
+    try:  # serve from a warm cache only once revocations flow (until then every call reads Redis)
+        await asyncio.wait_for(key_changes.subscribed.wait(), SUBSCRIBE_WAIT_S)
+    except asyncio.TimeoutError:
+        log.warning("revocation feed not subscribed within %.0f s; API keys are read from Redis per call",
+                    SUBSCRIBE_WAIT_S)
+    return RunningControlPlane(core, server, metrics, key_changes)
 
 
 async def _run(config: ControlPlaneConfig) -> None:

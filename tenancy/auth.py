@@ -1,15 +1,20 @@
 """Authentication of every RPC: a gRPC server interceptor and the current principal.
 
 Clients send ``authorization: Bearer kvm_<key_id>_<secret>``. The interceptor
-resolves the key to a :class:`Principal` (no cache: a revoked key fails on its
-next call), makes it available to the handler through :func:`current_principal`
-and answers UNAUTHENTICATED otherwise. Health checks and reflection are exempt
-so orchestrators can probe liveness (they reveal no tenant data).
+resolves the key to a :class:`Principal` (key records come through
+:class:`tenancy.key_cache.KeyCache`: revocations are pushed, so a revoked key
+fails on its next call, within a stated bound), makes it available to the
+handler through :func:`current_principal` and answers UNAUTHENTICATED
+otherwise. On a client-streaming RPC the key is checked again before each
+message, so a key revoked while its stream is open is refused at the next
+message. Health checks and reflection are exempt so orchestrators can probe
+liveness (they reveal no tenant data).
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import hmac
 import logging
 import time
@@ -95,19 +100,20 @@ class Authenticator:
         return Principal.from_key(key)
 
 
-def _with_principal(principal: Principal):
+def _with_principal(principal: Principal, recheck=None):
+    """Runs the handler as ``principal``; ``recheck`` (client-streaming calls) wraps the request stream."""
     def wrap(behavior, streaming: bool):
         if streaming:
             async def stream(request, context):
                 _principal.set(principal)
-                async for item in behavior(request, context):
+                async for item in behavior(recheck(request, context) if recheck else request, context):
                     yield item
 
             return stream
 
         async def unary(request, context):
             _principal.set(principal)
-            return await behavior(request, context)
+            return await behavior(recheck(request, context) if recheck else request, context)
 
         return unary
 
@@ -147,7 +153,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         except Exception:  # noqa: BLE001 - the key store is down: fail closed, and say so
             log.warning("could not check credentials", exc_info=True)
             return rewrap_handler(handler, _denial(grpc.StatusCode.UNAVAILABLE, "credential store unavailable"))
-        return rewrap_handler(handler, _with_principal(principal))
+        recheck = None
+        if handler.stream_unary or handler.stream_stream:
+            recheck = functools.partial(self._rechecked, bearer(details.invocation_metadata))
+        return rewrap_handler(handler, _with_principal(principal, recheck))
+
+    async def _rechecked(self, presented: str, requests, context):
+        """The request stream, with the caller's key checked again before each message."""
+        async for message in requests:
+            try:
+                await self._authenticate(presented)
+            except Unauthenticated as exc:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{exc} (stream closed)")
+            except Exception:  # noqa: BLE001 - the key store is down: fail closed
+                log.warning("could not check credentials", exc_info=True)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "credential store unavailable")
+            yield message
 
     async def record_denial(self, actor: str, method: str, outcome: str, detail: str) -> None:
         if self._audit is None:

@@ -33,6 +33,11 @@ class TenantKeys:
         return f"{self._ten}:grant-signing-key"
 
     @property
+    def changes(self) -> str:
+        """Pub/sub channel announcing revoked keys and changed tenants (tenancy.key_cache)."""
+        return f"{self._ten}:changes"
+
+    @property
     def audit(self) -> str:
         return f"{self._ten}:audit"
 

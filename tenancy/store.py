@@ -14,6 +14,7 @@ import json
 import secrets
 import time
 
+import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
@@ -24,6 +25,7 @@ from kvmesh.redis_client import connect
 from kvmesh.redis_keys import Keys
 from kvmesh.namespace import validate_node_id
 from tenancy import api_keys
+from tenancy.key_cache import KEY_CHANGE, TENANT_CHANGE
 from tenancy.keys import TenantKeys
 from tenancy.model import ApiKey, AuditEntry, Role, Tenant, TenantPolicy
 
@@ -58,6 +60,9 @@ class RedisTenantStore:
                  password: str | None = None) -> None:
         self._url = url
         self._redis = connect(url, username=username, password=password)
+        self._auth = {"username": username, "password": password, "socket_connect_timeout": 2.0,
+                      "health_check_interval": 5}
+        self._sub_client = None
         self._keys = TenantKeys(key_prefix)
         self._map_keys = Keys(key_prefix)
         self._read_only_slots: bool | None = None
@@ -138,6 +143,7 @@ class RedisTenantStore:
     async def set_policy(self, tenant_id: str, policy: TenantPolicy) -> Tenant:
         await self._record(tenant_id)
         await self._redis.hset(self._keys.tenant(tenant_id), "policy", policy_to_json(policy.validate()))
+        await self.publish_change(TENANT_CHANGE + tenant_id)
         return await self.get_tenant(tenant_id)
 
     async def redis_credentials(self, tenant_id: str, refused_before: bool = False) -> tuple[str, str]:
@@ -179,6 +185,7 @@ class RedisTenantStore:
             pass
         await self._redis.delete(self._keys.tenant(tenant_id))
         await self._redis.srem(self._keys.tenants, tenant_id)
+        await self.publish_change(TENANT_CHANGE + tenant_id)
 
     # -- API keys ----------------------------------------------------------------
 
@@ -225,12 +232,32 @@ class RedisTenantStore:
         if key is None:
             raise NotFound(f"unknown key {key_id!r}")
         await self._redis.hset(self._keys.api_key(key_id), "revoked", 1)
+        await self.publish_change(KEY_CHANGE + key_id)
         return key
 
     async def rotate_key(self, key_id: str) -> tuple[ApiKey, str]:
         old = await self.revoke_key(key_id)
         return await self.issue_key(old.role, tenant_id=old.tenant_id, node_id=old.node_id, pool=old.pool,
                                     description=old.description)
+
+    # -- change notifications (tenancy.key_cache) ------------------------------------
+
+    async def publish_change(self, change: str) -> None:
+        """Tells every replica to drop what it caches about a key or tenant (best effort: caches
+        also expire, see tenancy.key_cache)."""
+        await self._redis.publish(self._keys.changes, change)
+
+    async def subscribe_changes(self):
+        """A PubSub subscribed to the change channel (in a cluster: on one node; PUBLISH reaches all)."""
+        if self._sub_client is None:
+            if isinstance(self._redis, RedisCluster):
+                node = self._redis.get_random_node()
+                self._sub_client = aioredis.Redis(host=node.host, port=node.port, **self._auth)
+            else:
+                self._sub_client = aioredis.Redis.from_url(self._url, **self._auth)
+        pubsub = self._sub_client.pubsub()
+        await pubsub.subscribe(self._keys.changes)
+        return pubsub
 
     # -- grant signing key ---------------------------------------------------------
 
@@ -255,4 +282,6 @@ class RedisTenantStore:
         return out
 
     async def close(self) -> None:
+        if self._sub_client is not None:
+            await self._sub_client.aclose()
         await self._redis.aclose()
