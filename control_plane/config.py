@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,6 +25,15 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     )
     redis_username: str | None = Field(None, description="Redis ACL user of the control plane")
     redis_password: str | None = Field(None, description="its password")
+    redis_password_file: str | None = Field(None, description="file holding that password, if redis_password "
+                                            "is unset (keeps it off command lines)")
+    redis_acl_username: str | None = Field(None, description="Redis user allowed ACL SETUSER/DELUSER/SAVE only, "
+                                           "used for tenant users (unset: the main user makes them)")
+    redis_acl_password: str | None = Field(None, description="its password")
+    redis_acl_password_file: str | None = Field(None, description="file holding it, if redis_acl_password is unset")
+    tenant_secret_file: str | None = Field(None, description="file with the secret tenant Redis passwords are "
+                                           "derived from, the same on every replica (unset: derived from the "
+                                           "bootstrap admin key)")
     key_prefix: str = Field("kvm", description="prefix of every Redis key kvmesh writes")
     lease_ms: int = Field(10_000, ge=500, description="node lease; nodes heartbeat well within it")
     max_batch_blocks: int = Field(65_536, ge=1, description="most block hashes one event batch may carry")
@@ -40,6 +52,18 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     tls_key_file: str | None = Field(None, description="its private key (PEM)")
     tls_client_ca_file: str | None = Field(None, description="CA for client certificates: require mutual TLS")
     metrics_listen: str = Field("", description="host:port of the Prometheus /metrics endpoint (empty: off)")
+
+    def redis_secret(self) -> str | None:
+        return api_keys.from_setting(self.redis_password, self.redis_password_file)
+
+    def redis_acl_secret(self) -> str | None:
+        return api_keys.from_setting(self.redis_acl_password, self.redis_acl_password_file)
+
+    def tenant_secret(self) -> bytes:
+        """What tenant Redis passwords are derived from (tenancy.redis_acl)."""
+        if self.tenant_secret_file:
+            return Path(self.tenant_secret_file).read_bytes().strip()
+        return hmac.new(self.bootstrap_admin_key().encode(), b"kvmesh tenant redis secret", hashlib.sha256).digest()
 
     def bootstrap_admin_key(self) -> str:
         """The admin key from admin_key or admin_key_file; ValueError when neither gives one."""

@@ -55,9 +55,9 @@ def _s(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-# (tenant, failed_before) -> (Redis user, password). failed_before: the last credentials were
-# refused, e.g. because Redis restarted without an ACL file; the provider re-creates the user.
-TenantCredentials = Callable[[str, bool], Awaitable[tuple[str, str]]]
+# (tenant, failed_before) -> (Redis user, password, tenant epoch). failed_before: the last credentials
+# were refused, e.g. because Redis restarted without an ACL file; the provider re-creates the user.
+TenantCredentials = Callable[[str, bool], Awaitable[tuple[str, str, str]]]
 
 
 class RedisBlockMap(BlockMap):
@@ -70,7 +70,7 @@ class RedisBlockMap(BlockMap):
         self._url = url
         self._redis = connect(url, username=username, password=password)
         self._tenant_credentials = tenant_credentials
-        self._tenant_clients: dict[str, object] = {}
+        self._tenant_clients: dict[str, tuple[object, str]] = {}  # tenant -> (client, epoch)
         self._refused: set[str] = set()
         self._keys = Keys(key_prefix)
         self._lease_ms = lease_ms
@@ -112,19 +112,26 @@ class RedisBlockMap(BlockMap):
         return await run(self._sha[name], len(keys), *keys, *args)
 
     async def _client(self, tenant: str | None):
+        return (await self._tenant(tenant))[0]
+
+    async def _tenant(self, tenant: str | None) -> tuple[object, str]:
+        """(the client to use for ``tenant``, the tenant's epoch)."""
         if tenant is None or self._tenant_credentials is None:
-            return self._redis
-        client = self._tenant_clients.get(tenant)
-        if client is None:
-            user, password = await self._tenant_credentials(tenant, tenant in self._refused)
+            return self._redis, ""
+        found = self._tenant_clients.get(tenant)
+        if found is None:
+            user, password, epoch = await self._tenant_credentials(tenant, tenant in self._refused)
             self._refused.discard(tenant)
-            client = self._tenant_clients[tenant] = connect(self._url, username=user, password=password)
-        return client
+            found = self._tenant_clients[tenant] = (connect(self._url, username=user, password=password), epoch)
+        return found
+
+    async def blocks_key(self, ns: Namespace) -> str:
+        return self._keys.blocks(ns, (await self._tenant(ns.tenant))[1])
 
     async def _drop_client(self, tenant: str | None) -> None:
-        client = self._tenant_clients.pop(tenant, None) if tenant else None
-        if client is not None:
-            await client.aclose()
+        found = self._tenant_clients.pop(tenant, None) if tenant else None
+        if found is not None:
+            await found[0].aclose()
 
     # -- registry --------------------------------------------------------------
 
@@ -217,7 +224,7 @@ class RedisBlockMap(BlockMap):
         if isinstance(slot, Ack):
             return slot
         tenant = batch.namespace.tenant
-        ns_key = k.blocks(batch.namespace)
+        ns_key = await self.blocks_key(batch.namespace)
         await self._remember_namespace(batch.node_id, ns_key)
         hash_len = batch.namespace.cache_config.hash_algo.digest_size
         runs: list = []
@@ -269,7 +276,7 @@ class RedisBlockMap(BlockMap):
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
         if not block_hashes:
             return PrefixMatch(0, [], [])
-        blocks_key = self._keys.blocks(ns)
+        blocks_key = await self.blocks_key(ns)
         args = [ns.cache_config.hash_algo.digest_size, b"".join(block_hashes), tiers]
         tenant = ns.tenant
         if self._cluster:  # the live-slot table is in another slot: fetch it concurrently
@@ -318,8 +325,8 @@ class RedisBlockMap(BlockMap):
 
     async def count_new(self, ns: Namespace, block_hashes: list[bytes]) -> tuple[int, int]:
         """(entries the namespace has, how many of ``block_hashes`` it lacks), as the tenant."""
-        client = await self._client(ns.tenant)
-        key = self._keys.blocks(ns)
+        client, epoch = await self._tenant(ns.tenant)
+        key = self._keys.blocks(ns, epoch)
         pipe = client.pipeline(transaction=False)
         pipe.hlen(key)
         pipe.hmget(key, block_hashes)

@@ -60,8 +60,10 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     """Starts the service in this event loop; returns once it is serving."""
     admin_key = config.bootstrap_admin_key()
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
-    redis_auth = dict(username=config.redis_username, password=config.redis_password)
-    tenants = RedisTenantStore(config.redis_url, key_prefix=config.key_prefix, **redis_auth)
+    redis_auth = dict(username=config.redis_username, password=config.redis_secret())
+    tenants = RedisTenantStore(config.redis_url, key_prefix=config.key_prefix, tenant_secret=config.tenant_secret(),
+                               acl_username=config.redis_acl_username, acl_password=config.redis_acl_secret(),
+                               **redis_auth)
     signer = GrantSigner.from_pem(await tenants.grant_signing_key(lambda: GrantSigner.generate().to_pem()))
     registry = CollectorRegistry()
     block_map = MeteredBlockMap(RedisBlockMap(config.redis_url, lease_ms=config.lease_ms,

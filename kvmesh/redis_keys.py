@@ -61,5 +61,8 @@ class Keys:
         """Every key of the tenant starts with this (its ACL pattern is this + '*')."""
         return f"{self.prefix}:{{t:{tenant}:"
 
-    def blocks(self, ns: Namespace) -> str:
-        return f"{self.tenant_prefix(ns.tenant)}{ns.fingerprint}}}:blocks"
+    def blocks(self, ns: Namespace, epoch: str = "") -> str:
+        """The namespace's block map; ``epoch`` (the tenant's, see tenancy) keeps a re-created tenant
+        from ever reading its deleted predecessor's keys."""
+        tag = f"{ns.fingerprint}.{epoch}" if epoch else ns.fingerprint
+        return f"{self.tenant_prefix(ns.tenant)}{tag}}}:blocks"

@@ -55,6 +55,7 @@ class Tenant:
     policy: TenantPolicy
     created_unix_ms: int
     redis_user: str
+    epoch: str = ""  # changes each time the tenant id is created: keys of a deleted predecessor never match
 
 
 @dataclass(frozen=True, slots=True)

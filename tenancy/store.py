@@ -27,6 +27,7 @@ from kvmesh.namespace import validate_node_id
 from tenancy import api_keys
 from tenancy.key_cache import KEY_CHANGE, TENANT_CHANGE
 from tenancy.keys import TenantKeys
+from tenancy.redis_acl import TenantAcl, tenant_password
 from tenancy.model import ApiKey, AuditEntry, Role, Tenant, TenantPolicy
 
 AUDIT_MAX = 100_000
@@ -57,15 +58,21 @@ def policy_from_json(text: str) -> TenantPolicy:
 
 class RedisTenantStore:
     def __init__(self, url: str, *, key_prefix: str = "kvm", username: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, tenant_secret: bytes, acl_username: str | None = None,
+                 acl_password: str | None = None) -> None:
+        """``tenant_secret`` derives tenant Redis passwords (tenancy.redis_acl); ``acl_username`` /
+        ``acl_password``: the Redis user for ACL changes (unset: the main connection makes them)."""
         self._url = url
         self._redis = connect(url, username=username, password=password)
+        self._acl_redis = connect(url, username=acl_username, password=acl_password) if acl_username else None
         self._auth = {"username": username, "password": password, "socket_connect_timeout": 2.0,
                       "health_check_interval": 5}
         self._sub_client = None
         self._keys = TenantKeys(key_prefix)
         self._map_keys = Keys(key_prefix)
-        self._read_only_slots: bool | None = None
+        self._key_prefix = key_prefix
+        self._tenant_secret = tenant_secret
+        self._acl: TenantAcl | None = None
 
     @property
     def url(self) -> str:
@@ -77,42 +84,48 @@ class RedisTenantStore:
         validate_tenant(tenant_id)
         policy.validate()
         user = self._keys.redis_user(tenant_id)
-        password = secrets.token_urlsafe(32)
         created = await self._redis.hsetnx(self._keys.tenant(tenant_id), "tenant_id", tenant_id)
         if not created:
             raise AlreadyExists(f"tenant {tenant_id!r} exists")
-        await self._set_acl_user(tenant_id, password)
+        # A fresh epoch per creation: a tenant deleted and created again never shares a block-map key
+        # (or a Redis password) with its predecessor.
+        epoch = secrets.token_hex(4)
+        await self._set_acl_user(tenant_id, self._password(tenant_id, epoch, 0))
         now = _now_ms()
         await self._redis.hset(self._keys.tenant(tenant_id), mapping={
             "display_name": display_name, "policy": policy_to_json(policy), "created_ms": now,
-            "redis_user": user, "redis_password": password})
+            "redis_user": user, "epoch": epoch, "redis_generation": 0})
         await self._redis.sadd(self._keys.tenants, tenant_id)
-        return Tenant(tenant_id, display_name, policy, now, user)
+        return Tenant(tenant_id, display_name, policy, now, user, epoch)
 
-    async def _set_acl_user(self, tenant_id: str, password: str) -> None:
-        if self._read_only_slots is None:
+    def _password(self, tenant_id: str, epoch: str, generation: int) -> str:
+        return tenant_password(self._tenant_secret, tenant_id, epoch, generation)
+
+    async def _tenant_acl(self) -> TenantAcl:
+        if self._acl is None:
             info = await self._redis.info("server")
             version = (info if "redis_version" in info else next(iter(info.values())))["redis_version"]
-            self._read_only_slots = int(str(version).split(".")[0]) >= 7
-        slots_rule = ("%R~" if self._read_only_slots else "~") + self._map_keys.slots
-        rules = ["reset", "on", f">{password}", f"~{self._map_keys.tenant_prefix(tenant_id)}*", slots_rule,
-                 "+@read", "+@write", "+@scripting", "+@connection", "+time", "-@dangerous", "-@admin"]
-        if isinstance(self._redis, RedisCluster):  # a cluster client learns the slot map before any command
-            rules += ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+cluster|myid", "+readonly"]
-        await self._on_every_node("ACL", "SETUSER", self._keys.redis_user(tenant_id), *rules)
+            self._acl = TenantAcl(self._key_prefix, self._on_every_node, int(str(version).split(".")[0]) >= 7,
+                                  cluster=isinstance(self._redis, RedisCluster))
+        return self._acl
+
+    async def _set_acl_user(self, tenant_id: str, password: str) -> None:
+        acl = await self._tenant_acl()
+        await acl.set_user(tenant_id, password)
         try:  # persist when Redis runs with an ACL file; without one the user is re-created on demand
-            await self._on_every_node("ACL", "SAVE")
+            await acl.save()
         except redis.exceptions.ResponseError:
             pass
 
     async def _on_every_node(self, *command: str) -> None:
-        if isinstance(self._redis, RedisCluster):
+        client = self._acl_redis or self._redis
+        if isinstance(client, RedisCluster):
             # Every node, replicas too (ACLs are not replicated). Named nodes, not the ALL_NODES flag:
             # redis-py 8 ignores node flags on execute_command and then finds no key to route by.
-            await self._redis.initialize()
-            await self._redis.execute_command(*command, target_nodes=self._redis.get_nodes())
+            await client.initialize()
+            await client.execute_command(*command, target_nodes=client.get_nodes())
         else:
-            await self._redis.execute_command(*command)
+            await client.execute_command(*command)
 
     async def _record(self, tenant_id: str) -> dict[str, str]:
         raw = await self._redis.hgetall(self._keys.tenant(tenant_id))
@@ -124,7 +137,7 @@ class RedisTenantStore:
     @staticmethod
     def _tenant(record: dict[str, str]) -> Tenant:
         return Tenant(record["tenant_id"], record.get("display_name", ""), policy_from_json(record.get("policy")),
-                      int(record["created_ms"]), record.get("redis_user", ""))
+                      int(record["created_ms"]), record.get("redis_user", ""), record.get("epoch", ""))
 
     async def get_tenant(self, tenant_id: str) -> Tenant:
         validate_tenant(tenant_id)
@@ -146,19 +159,21 @@ class RedisTenantStore:
         await self.publish_change(TENANT_CHANGE + tenant_id)
         return await self.get_tenant(tenant_id)
 
-    async def redis_credentials(self, tenant_id: str, refused_before: bool = False) -> tuple[str, str]:
-        """The tenant's Redis user and password; re-creates the user after a refusal (a Redis
-        restarted without an ACL file forgets its users; the tenant record keeps the password)."""
+    async def redis_credentials(self, tenant_id: str, refused_before: bool = False) -> tuple[str, str, str]:
+        """The tenant's Redis user, password and epoch; re-creates the user after a refusal (a Redis
+        restarted without an ACL file forgets its users; the password is derived again)."""
         record = await self._record(tenant_id)
-        if refused_before:
-            await self._set_acl_user(tenant_id, record["redis_password"])
-        return record["redis_user"], record["redis_password"]
+        password = self._password(tenant_id, record.get("epoch", ""), int(record.get("redis_generation", 0)))
+        if refused_before or "redis_password" in record:
+            await self._set_acl_user(tenant_id, password)
+            await self._redis.hdel(self._keys.tenant(tenant_id), "redis_password")  # stored by older versions
+        return record["redis_user"], password, record.get("epoch", "")
 
     async def rotate_redis_password(self, tenant_id: str) -> Tenant:
-        await self._record(tenant_id)
-        password = secrets.token_urlsafe(32)
-        await self._set_acl_user(tenant_id, password)
-        await self._redis.hset(self._keys.tenant(tenant_id), "redis_password", password)
+        record = await self._record(tenant_id)
+        generation = int(record.get("redis_generation", 0)) + 1
+        await self._set_acl_user(tenant_id, self._password(tenant_id, record.get("epoch", ""), generation))
+        await self._redis.hset(self._keys.tenant(tenant_id), "redis_generation", generation)
         return await self.get_tenant(tenant_id)
 
     async def tenant_namespaces(self, tenant_id: str) -> list[str]:
@@ -179,8 +194,10 @@ class RedisTenantStore:
         for ns_key in await self.tenant_namespaces(tenant_id):
             await self._redis.delete(ns_key)
             await self._redis.srem(self._map_keys.namespaces, ns_key)
+        acl = await self._tenant_acl()
         try:
-            await self._on_every_node("ACL", "DELUSER", self._keys.redis_user(tenant_id))
+            await acl.delete_user(tenant_id)
+            await acl.save()
         except redis.exceptions.ResponseError:
             pass
         await self._redis.delete(self._keys.tenant(tenant_id))
@@ -282,6 +299,8 @@ class RedisTenantStore:
         return out
 
     async def close(self) -> None:
+        if self._acl_redis is not None:
+            await self._acl_redis.aclose()
         if self._sub_client is not None:
             await self._sub_client.aclose()
         await self._redis.aclose()

@@ -100,8 +100,9 @@ async def test_tenant_b_cannot_read_tenant_a_keys_through_its_redis_user(fleet, 
     cp_a, _, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
     await cp_a.PublishEvents(batch)
     store = control_plane.core.tenants
-    b_user, b_password = await store.redis_credentials("tenant-b")
-    a_key = control_plane.core.block_map._keys.blocks(Namespace.from_proto(ns_pb("tenant-a")))
+    b_user, b_password, b_epoch = await store.redis_credentials("tenant-b")
+    a_epoch = (await store.get_tenant("tenant-a")).epoch
+    a_key = control_plane.core.block_map._keys.blocks(Namespace.from_proto(ns_pb("tenant-a")), a_epoch)
     as_b = aioredis.Redis.from_url(redis_server.url, username=b_user, password=b_password)
     try:
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -110,7 +111,7 @@ async def test_tenant_b_cannot_read_tenant_a_keys_through_its_redis_user(fleet, 
             await as_b.hset(a_key, "x", "y")
         with pytest.raises(redis.exceptions.NoPermissionError):
             await as_b.keys("*")
-        b_key = control_plane.core.block_map._keys.blocks(Namespace.from_proto(ns_pb("tenant-b")))
+        b_key = control_plane.core.block_map._keys.blocks(Namespace.from_proto(ns_pb("tenant-b")), b_epoch)
         assert await as_b.hgetall(b_key) == {}  # its own prefix is fine
     finally:
         await as_b.aclose()
