@@ -1,10 +1,15 @@
 """A local kvmesh fleet as processes on loopback: Redis, the control plane, data planes, vLLM engines.
 
 Shared by ``kvmesh up``, ``kvmesh demo`` and the end-to-end tests. :meth:`Fleet.start` starts
-Redis (AOF on, in ``workdir``) and the control plane with a bootstrap admin key, creates the
+Redis (AOF on, in ``workdir``; no password-less user: the control plane and its ACL-only user get
+fresh passwords) and the control plane with a bootstrap admin key, creates the
 tenant, issues one node key per data plane through the TenantAdmin API and starts the data
 planes with their keys (they publish tier changes and fetch pull grants with them). Engines
 (:mod:`kvmesh_apps.engine_host`) are started on demand, attached to a node's data plane.
+
+Secrets (Redis passwords, the admin key, node keys) go to files in ``<workdir>/secrets`` (0700
+directory, 0600 files) and reach processes by file name: never on a command line, in the
+environment or in a log.
 
 With ``trace_dir`` every process writes its spans to ``<trace_dir>/<process>.jsonl``
 (``KVMESH_TRACE_EXPORTER=file``, see kvmesh.tracing).
@@ -23,7 +28,7 @@ from typing import Any
 from kvmesh.channels import channel
 from kvmesh_apps.engine_host import EngineProcess
 from kvmesh_apps.procs import ServiceProcess
-from kvmesh_apps.redis_server import RedisServer
+from kvmesh_apps.redis_server import RedisServer, fleet_users, write_secret
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 
 DEFAULT_BLOCK_BYTES = 2 * 1024 * 1024
@@ -42,7 +47,9 @@ class Fleet:
         self.block_tokens = block_tokens
         self.capacity = capacity
         self.trace_dir = trace_dir
-        self.redis = RedisServer(self.workdir / "redis")
+        self.secrets_dir = self.workdir / "secrets"
+        self.redis_users = fleet_users(self.secrets_dir)
+        self.redis = RedisServer(self.workdir / "redis", users=list(self.redis_users.values()))
         tmpfs = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-", dir=tmpfs))
         self.control_plane: ServiceProcess | None = None
@@ -56,13 +63,18 @@ class Fleet:
     def start(self) -> "Fleet":
         try:
             self.redis.start()
+            cp_user, acl_user = self.redis_users["control_plane"], self.redis_users["acl"]
             self.control_plane = ServiceProcess(
-                ["control-plane", "--listen", "127.0.0.1:0", "--redis-url", self.redis.url],
-                env={"KVMESH_CP_ADMIN_KEY": self.admin_key, **self._trace_env("control-plane")},
-                log_path=self.workdir / "control-plane.log").start()
+                ["control-plane", "--listen", "127.0.0.1:0", "--redis-url", self.redis.url,
+                 "--redis-username", cp_user.name, "--redis-password-file", str(cp_user.password_file),
+                 "--redis-acl-username", acl_user.name, "--redis-acl-password-file", str(acl_user.password_file),
+                 "--admin-key-file", str(self.admin_key_file)],
+                env=self._trace_env("control-plane"), log_path=self.workdir / "control-plane.log").start()
             if self._wanted_data_planes and importlib.util.find_spec("data_plane.server") is not None:
                 nodes = [f"dp{i}" for i in range(1, self._wanted_data_planes + 1)]
                 self.node_keys = asyncio.run(self._provision(nodes))
+                for node, key in self.node_keys.items():
+                    write_secret(self.node_key_file(node), key)
                 for node in nodes:
                     self.data_planes[node] = self._start_data_plane(node)
         except BaseException:
@@ -88,8 +100,8 @@ class Fleet:
                 self.control_plane.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", self.capacity,
                 "--block-bytes", str(self.block_bytes), "--block-tokens", str(self.block_tokens),
                 "--no-lock-memory"]
-        env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), "KVMESH_DP_API_KEY": self.node_keys[node],
-               **self._trace_env(f"data-plane-{node}")}
+        args += ["--api-key-file", str(self.node_key_file(node))]
+        env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **self._trace_env(f"data-plane-{node}")}
         return ServiceProcess(args, env=env, log_path=self.workdir / f"{node}.log").start()
 
     def stop(self) -> None:
@@ -115,12 +127,7 @@ class Fleet:
 
         The key goes by file: vLLM logs its engine arguments, extra config included.
         """
-        key_file = self.workdir / "keys" / f"{node}.key"
-        if not key_file.exists():
-            key_file.parent.mkdir(mode=0o700, exist_ok=True)
-            key_file.touch(mode=0o600)
-            key_file.write_text(self.node_keys[node])
-        return {"data_plane_address": self.data_planes[node].address, "api_key_file": str(key_file),
+        return {"data_plane_address": self.data_planes[node].address, "api_key_file": str(self.node_key_file(node)),
                 "control_plane_address": self.control_plane.address, "tenant": self.tenant,
                 "weight_version": "random-init", **overrides}
 
@@ -156,6 +163,16 @@ class Fleet:
 
     # ---- helpers ----
 
+    @property
+    def admin_key_file(self) -> Path:
+        path = self.secrets_dir / "admin.key"
+        if not path.exists():
+            write_secret(path, self.admin_key)
+        return path
+
+    def node_key_file(self, node: str) -> Path:
+        return self.secrets_dir / f"{node}.key"
+
     def _trace_env(self, process: str) -> dict[str, str]:
         if self.trace_dir is None:
             return {}
@@ -168,8 +185,10 @@ class Fleet:
             "redis": self.redis.url,
             "control_plane": self.control_plane.address if self.control_plane else "",
             "data_planes": {node: p.address for node, p in self.data_planes.items()},
-            "node_keys": dict(self.node_keys),
+            "node_key_files": {node: str(self.node_key_file(node)) for node in self.node_keys},
             "tenant": self.tenant,
-            "admin_key": self.admin_key,
+            "admin_key_file": str(self.admin_key_file),
+            "redis_user": self.redis_users["control_plane"].name,
+            "redis_password_file": str(self.redis_users["control_plane"].password_file),
             "workdir": str(self.workdir),
         }

@@ -7,8 +7,10 @@ bind 127.0.0.1 on a free port and keep their files in their own directory.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -76,14 +78,57 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path) -> None:
     raise Unavailable(f"redis-server did not listen on port {port} within {START_TIMEOUT_S}s")
 
 
+@dataclass(frozen=True)
+class RedisUser:
+    """An ACL user of a :class:`RedisServer`: name, rules (without the password) and the file holding
+    its password (mode 0600; only its SHA-256 goes into the server's ACL file)."""
+
+    name: str
+    rules: str
+    password_file: Path
+
+    def password(self) -> str:
+        return self.password_file.read_text().strip()
+
+
+def write_secret(path: Path, value: str) -> Path:
+    """Writes ``value`` to a new file only its owner can read (in a 0700 directory)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value)
+    os.chmod(path, 0o600)
+    return path
+
+
+def fleet_users(secrets_dir: Path, key_prefix: str = "kvm") -> dict[str, RedisUser]:
+    """The users of a local fleet's Redis, with fresh passwords in ``secrets_dir``: the control plane
+    (its key prefix and channels, no dangerous or ACL commands) and its ACL-only user (tenant users)."""
+    def user(name: str, rules: str) -> RedisUser:
+        return RedisUser(name, rules, write_secret(secrets_dir / f"redis-{name}.password", secrets.token_urlsafe(32)))
+
+    return {
+        "control_plane": user("kvmesh-cp", f"~{key_prefix}:* &{key_prefix}:* +@all -@dangerous +info "
+                                           "-script|flush -script|kill -function"),
+        "acl": user("kvmesh-acl", "resetkeys resetchannels -@all +auth +hello +ping +client|setname "
+                                  "+acl|setuser +acl|deluser +acl|save"),
+    }
+
+
 @dataclass
 class RedisServer:
-    """One redis-server process; ``stop()`` ends it, ``restart()`` keeps its data (AOF)."""
+    """One redis-server process; ``stop()`` ends it, ``restart()`` keeps its data (AOF).
+
+    With ``users`` the server starts from an ACL file: those users (passwords as SHA-256 only) and
+    the ``default`` user switched off, so nothing connects without a password. Without, it is the
+    password-less test server.
+    """
 
     workdir: Path
     port: int = 0
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
+    users: list[RedisUser] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -96,11 +141,22 @@ class RedisServer:
         args = [
             find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port),
             "--dir", str(self.workdir), "--appendonly", "yes", "--save", "",
-            "--logfile", str(log), "--protected-mode", "yes", *self.extra_args,
+            "--logfile", str(log), "--protected-mode", "yes", *self._acl_args(), *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         _wait_listening(self.port, self.proc, log)
         return self
+
+    def _acl_args(self) -> list[str]:
+        if not self.users:
+            return []
+        acl_file = self.workdir / "users.acl"
+        if not acl_file.exists():  # a restart keeps the file (tenant users were saved into it)
+            lines = ["user default off resetkeys resetchannels -@all"]
+            lines += [f"user {u.name} on #{hashlib.sha256(u.password().encode()).hexdigest()} {u.rules}"
+                      for u in self.users]
+            write_secret(acl_file, "\n".join(lines) + "\n")
+        return ["--aclfile", str(acl_file)]
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

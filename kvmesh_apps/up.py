@@ -1,8 +1,9 @@
 """``kvmesh up``: the docker-compose.yml topology as local processes, without Docker.
 
-Starts a :class:`kvmesh_apps.fleet.Fleet`: Redis (AOF on, in ``--workdir``), the control
-plane, a tenant and ``--data-planes`` data-plane nodes with their node keys, on free
-loopback ports; prints their addresses and keys, and stops everything on Ctrl-C.
+Starts a :class:`kvmesh_apps.fleet.Fleet`: Redis (AOF on, in ``--workdir``, passwords
+generated, no password-less user), the control plane, a tenant and ``--data-planes``
+data-plane nodes with their node keys, on free loopback ports; prints their addresses and
+the files holding the keys (never a secret itself), and stops everything on Ctrl-C.
 Engines are not started (they need a model): the printed ``vllm serve`` line attaches
 one to a data plane. ``--json`` prints the addresses as one JSON line.
 """
@@ -23,7 +24,7 @@ from tenancy.api_keys import new_key
 ENGINE_HINT = (
     "vllm serve MODEL --block-size 32 --kv-transfer-config "
     "'{{\"kv_connector\":\"KvmeshConnector\",\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"recompute\","
-    "\"kv_connector_extra_config\":{{\"data_plane_address\":\"{address}\",\"api_key\":\"{key}\","
+    "\"kv_connector_extra_config\":{{\"data_plane_address\":\"{address}\",\"api_key_file\":\"{key_file}\","
     "\"control_plane_address\":\"{cp}\",\"tenant\":\"{tenant}\",\"auto_source\":true}}}}'"
 )
 
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    admin_key = os.environ.get("KVMESH_ADMIN_KEY") or new_key()[1]
+    admin_key = os.environ.get("KVMESH_ADMIN_KEY") or new_key()[1]  # written to <workdir>/secrets/admin.key
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -50,10 +51,11 @@ def main(argv: list[str]) -> int:
             print(f"control plane  {info['control_plane']}")
             for node, address in info["data_planes"].items():
                 print(f"data plane     {node} {address}")
-                hint = ENGINE_HINT.format(address=address, key=info["node_keys"][node], cp=info["control_plane"],
-                                          tenant=info["tenant"])
+                hint = ENGINE_HINT.format(address=address, key_file=info["node_key_files"][node],
+                                          cp=info["control_plane"], tenant=info["tenant"])
                 print(f"  engine:      {hint}")
-            print(f"admin key      {admin_key}")
+            print(f"admin key      in {info['admin_key_file']}")
+            print(f"redis user     {info['redis_user']}, password in {info['redis_password_file']}")
             print(f"logs           {workdir}\nCtrl-C stops everything.", flush=True)
         while not stop.wait(0.5):
             pass
