@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 
 import grpc
 
+from kvmesh.channels import ClientTLS
 from kvmesh.grpc_server import channel_options
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
@@ -65,8 +66,9 @@ class _Resync(Exception):
 class EventPublisher:
     def __init__(self, control_plane_address: str, node: NodeInfo, snapshot: Snapshot, *,
                  max_batch_blocks: int = 4096, retry_s: float = 0.5,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 metadata: tuple[tuple[str, str], ...] = (), tls: ClientTLS | None = None) -> None:
         self._address = control_plane_address
+        self._tls = tls
         self._node = node.validate()
         self._snapshot = snapshot
         self._max_batch_blocks = max_batch_blocks
@@ -112,7 +114,9 @@ class EventPublisher:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake, self._idle = asyncio.Event(), asyncio.Event()
-        self._channel = grpc.aio.insecure_channel(self._address, options=channel_options())
+        self._channel = (grpc.aio.insecure_channel(self._address, options=channel_options()) if self._tls is None
+                         else grpc.aio.secure_channel(self._address, self._tls.credentials(),
+                                                      options=self._tls.options(channel_options())))
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self._tasks = [asyncio.create_task(self._run(), name="kvmesh-publisher"),
                        asyncio.create_task(self._heartbeats(), name="kvmesh-heartbeat")]

@@ -28,7 +28,7 @@ from typing import Awaitable, Callable, Generic, Hashable, TypeVar
 
 import grpc
 
-from kvmesh.channels import channel
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.errors import PermissionDenied, Unavailable
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
@@ -130,10 +130,12 @@ class Answers(Generic[K, V]):
 class NodeAuth:
     def __init__(self, node_id: str, node_key: str, grant_public_key: str, control_plane_address: str, *,
                  timeout_s: float = 2.0, refresh_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tls: ClientTLS | None = None) -> None:
         """``timeout_s``: the longest wait for one control-plane call; ``refresh_s``: how long tenant limits
-        stay fresh and how long a failed call is not retried."""
+        stay fresh and how long a failed call is not retried; ``tls``: how to reach the control plane
+        (None: plaintext)."""
         self.node_id = node_id
+        self._tls = tls
         self.node_key = node_key
         self._key_id, secret = api_keys.parse(node_key)
         self._key_hash = api_keys.hash_secret(secret)
@@ -220,7 +222,7 @@ class NodeAuth:
 
     async def _call(self, rpc):
         try:
-            async with channel(self._cp_address, self.node_key) as ch:
+            async with channel(self._cp_address, self.node_key, self._tls) as ch:
                 return await rpc(cp_grpc.ControlPlaneStub(ch))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:

@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvmesh.channels import ClientTLS
 from tenancy import api_keys
 
 MIB = 1 << 20
@@ -77,6 +78,14 @@ class DataPlaneConfig(BaseSettings):
                                                   "and it authenticates the node to the control plane and to peers")
     api_key_file: str | None = Field(None, description="file holding the API key, if api_key is unset")
     metrics_listen: str = Field("", description="host:port of the Prometheus /metrics endpoint (empty: off)")
+    tls_cert_file: str | None = Field(None, description="this node's certificate (PEM): serve TLS, and present it "
+                                      "to peers and the control plane that require mutual TLS")
+    tls_key_file: str | None = Field(None, description="its private key (PEM)")
+    tls_client_ca_file: str | None = Field(None, description="CA for client certificates: require mutual TLS")
+    tls_ca_file: str | None = Field(None, description="CA that signs the control plane's and peers' certificates: "
+                                    "connect to them over TLS (unset: plaintext)")
+    tls_server_name: str | None = Field(None, description="name to check in their certificates instead of the "
+                                        "host in the address")
     grant_public_key: str = Field("", description="base64 Ed25519 key that verifies pull grants (unset: fetched "
                                                   "from the control plane)")
 
@@ -87,6 +96,12 @@ class DataPlaneConfig(BaseSettings):
             return key
         raise ValueError("no API key: set KVMESH_DP_API_KEY or --api-key-file (an admin issues node keys: "
                          "`kvmesh admin keys issue --role node --node <node_id>`)")
+
+    def client_tls(self) -> ClientTLS | None:
+        """TLS for this node's calls to the control plane and to peers (None: plaintext)."""
+        if not self.tls_ca_file:
+            return None
+        return ClientTLS(self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name)
 
     @property
     def num_slots(self) -> int:

@@ -33,6 +33,7 @@ from kvmesh.errors import (
     FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
 )
 from kvmesh import tracing
+from kvmesh.channels import ClientTLS
 from kvmesh.namespace import Namespace
 from kvmesh.tracing import ATTR
 
@@ -86,10 +87,11 @@ class DataPlaneCore:
         node_key: str | None = None,
         metrics: DataPlaneMetrics | None = None,
         limits: LimitSource | None = None,
+        peer_tls: ClientTLS | None = None,
     ) -> None:
         """``grants`` gets a pull grant (namespace, source node id) when a Pull brings none;
         ``limits`` a tenant's CPU-tier limit on this node (None: no limits);
-        ``node_key`` authenticates this node to its peers."""
+        ``node_key`` authenticates this node to its peers (over ``peer_tls`` when given)."""
         self.config = config
         self.node_id = config.node_id
         self.address = ""  # set by the server once bound
@@ -104,7 +106,7 @@ class DataPlaneCore:
         self._grants = grants
         self._limits = limits
         self.metrics = metrics or DataPlaneMetrics()
-        self._peers = PeerPool(self.node_id, transport, self.block_bytes, node_key)
+        self._peers = PeerPool(self.node_id, transport, self.block_bytes, node_key, peer_tls)
         self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
         # blocks an in-flight pull is bringing (claimed before its first await, so a concurrent pull or a

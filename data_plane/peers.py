@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvmesh.channels import ClientTLS
 from kvmesh.errors import FailedPrecondition, PermissionDenied, Unavailable
 
 from data_plane.client import DataPlaneClient
@@ -34,9 +35,11 @@ class Peer:
 
 
 class PeerPool:
-    def __init__(self, node_id: str, transport: Transport, block_bytes: int, node_key: str | None = None) -> None:
+    def __init__(self, node_id: str, transport: Transport, block_bytes: int, node_key: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
         self._node_id = node_id
         self._node_key = node_key
+        self._tls = tls
         self._transport = transport
         self._block_bytes = block_bytes
         self._peers: dict[str, Peer] = {}
@@ -49,7 +52,7 @@ class PeerPool:
             peer = self._peers.get(address)
             if peer is not None:
                 return peer
-            client = DataPlaneClient(address, key=self._node_key)
+            client = DataPlaneClient(address, key=self._node_key, tls=self._tls)
             try:
                 hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(),
                                                           self._block_bytes, timeout=timeout_s, grant=grant)

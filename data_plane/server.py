@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.grpc_server import RunningServer, ServiceBinding, wait_for_signal, start_server
+from kvmesh.grpc_server import RunningServer, ServiceBinding, server_tls, wait_for_signal, start_server
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
 from kvmesh.settings_cli import service_main
 from kvmesh.v1 import data_plane_pb2_grpc
@@ -72,21 +72,22 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
     with_cp = bool(config.control_plane_address)
     return DataPlaneCore(config, region, policy, transport, disk=disk, metrics=metrics,
                          grants=auth.grant_for if with_cp else None, limits=auth.tenant_limit if with_cp else None,
-                         node_key=auth.node_key)
+                         node_key=auth.node_key, peer_tls=config.client_tls())
 
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
     """Starts the node in this event loop; returns once it is serving."""
+    tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address,
                     timeout_s=config.control_plane_timeout_ms / 1000,
-                    refresh_s=config.control_plane_refresh_ms / 1000)
+                    refresh_s=config.control_plane_refresh_ms / 1000, tls=config.client_tls())
     metrics = DataPlaneMetrics()
     core = build_core(config, auth, metrics)
     try:
         binding = ServiceBinding(DataPlaneServicer(core, auth), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
                                  "kvmesh.v1.DataPlane")
         interceptors = [RpcMetricsInterceptor(metrics.registry, "data-plane"), AuthInterceptor(auth.authenticate)]
-        server = await start_server(config.listen, [binding], interceptors=interceptors)
+        server = await start_server(config.listen, [binding], interceptors=interceptors, tls=tls)
     except BaseException:
         await core.close()
         raise
@@ -98,7 +99,7 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
 
         publisher = EventPublisher(config.control_plane_address,
                                    NodeInfo(config.node_id, core.address, pool=config.pool), core.snapshot,
-                                   metadata=auth_metadata(auth.node_key))
+                                   metadata=auth_metadata(auth.node_key), tls=config.client_tls())
         core.events = publisher
         await publisher.start()
     host, _, port = config.metrics_listen.rpartition(":")

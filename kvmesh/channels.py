@@ -27,6 +27,10 @@ class ClientTLS:
         read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
         return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
 
+    def options(self, options: list) -> list:
+        """Channel ``options`` plus the server-name override, if any."""
+        return [*options, ("grpc.ssl_target_name_override", self.server_name)] if self.server_name else options
+
 
 class _Bearer:
     def __init__(self, key: str) -> None:
@@ -71,6 +75,5 @@ def channel(address: str, key: str | None, tls: ClientTLS | None = None) -> grpc
     options = channel_options()
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    if tls.server_name:
-        options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
-    return grpc.aio.secure_channel(address, tls.credentials(), options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=tls.options(options),
+                                   interceptors=interceptors)

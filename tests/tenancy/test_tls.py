@@ -48,7 +48,20 @@ def pki(tmp_path):
     for name in ("server", "client"):
         key = ec.generate_private_key(ec.SECP256R1())
         out[name] = _write_pair(tmp_path, name, _cert(name, ca_name, ca_key, key), key)
+    other_key = ec.generate_private_key(ec.SECP256R1())
+    other_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "another CA")])
+    out["other_ca"], _ = _write_pair(tmp_path, "other-ca", _cert("another CA", other_name, other_key, other_key,
+                                                                  ca=True), other_key)
+    key = ec.generate_private_key(ec.SECP256R1())
+    out["other_client"] = _write_pair(tmp_path, "other-client", _cert("intruder", other_name, other_key, key), key)
     return out
+
+
+async def _refused(address, key, tls):
+    async with channel(address, key, tls) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await control_plane_pb2_grpc.ControlPlaneStub(ch).Ping(common_pb2.PingRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_tls_and_mutual_tls(cp_config, pki, admin_key):
@@ -58,6 +71,8 @@ async def test_tls_and_mutual_tls(cp_config, pki, admin_key):
     try:
         async with channel(f"127.0.0.1:{running.port}", admin_key, ClientTLS(pki["ca"])) as ch:
             await control_plane_pb2_grpc.ControlPlaneStub(ch).Ping(common_pb2.PingRequest(), timeout=10)
+        await _refused(f"127.0.0.1:{running.port}", admin_key, None)  # plaintext
+        await _refused(f"127.0.0.1:{running.port}", admin_key, ClientTLS(pki["other_ca"]))  # server not trusted
     finally:
         await running.stop()
 
@@ -68,6 +83,7 @@ async def test_tls_and_mutual_tls(cp_config, pki, admin_key):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await control_plane_pb2_grpc.ControlPlaneStub(ch).Ping(common_pb2.PingRequest(), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # no client certificate: no handshake
+        await _refused(f"127.0.0.1:{running.port}", admin_key, ClientTLS(pki["ca"], *pki["other_client"]))
         client_cert, client_key = pki["client"]
         async with channel(f"127.0.0.1:{running.port}", admin_key, ClientTLS(pki["ca"], client_cert, client_key)) as ch:
             await control_plane_pb2_grpc.ControlPlaneStub(ch).Ping(common_pb2.PingRequest(), timeout=10)
