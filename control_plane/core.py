@@ -30,6 +30,11 @@ from control_plane.routing.types import RouteDecision, RouteRequest, StatsReport
 log = logging.getLogger(__name__)
 
 
+def owns_engine(node_id: str, engine_id: str) -> bool:
+    """Engines of a node are named after it: ``<node id>`` or ``<node id>:<name>``."""
+    return engine_id == node_id or engine_id.startswith(node_id + ":")
+
+
 class BatchRefused(Exception):
     """A well-formed batch the control plane will not index (tenant policy or quota)."""
 
@@ -69,7 +74,11 @@ class ControlPlane:
         await self.authz.require_node(principal, node_id, "DeregisterNode")
         await self.block_map.deregister_node(node_id, incarnation)
 
-    async def list_nodes(self) -> list[NodeStatus]:
+    async def list_nodes(self, principal: Principal) -> list[NodeStatus]:
+        """Every node and its address: for nodes and admins, not tenants' schedulers (who learn holders
+        only of prefixes they may read)."""
+        if principal.role not in (Role.ADMIN, Role.NODE):
+            raise await self.authz.deny(principal, "ListNodes", "", "ListNodes needs a node or admin key")
         return await self.block_map.list_nodes()
 
     # -- events --------------------------------------------------------------------
@@ -202,6 +211,11 @@ class ControlPlane:
         if principal.role is Role.NODE and any(s.dest_node_id != principal.node_id for s in report.links):
             raise await self.authz.deny(principal, "ReportStats", principal.node_id,
                                         "a node reports the bandwidth of pulls into itself only")
+        if principal.role is Role.NODE and not all(owns_engine(principal.node_id, e.engine_id)
+                                                   for e in report.engines):
+            raise await self.authz.deny(principal, "ReportStats", principal.node_id,
+                                        "a node reports its own engines only (engine id = node id, or "
+                                        "'<node id>:<name>')")
         await self.router.report(report)
 
     # -- background --------------------------------------------------------------

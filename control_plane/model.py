@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from kvmesh.errors import InvalidArgument
 from kvmesh.namespace import Namespace, validate_node_id  # noqa: F401  (re-exported)
 
-_ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
+_ADDRESS_RE = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]{1,253}):\d{1,5}")  # whole strings (fullmatch)
+_POOL_RE = re.compile(r"[A-Za-z0-9_.:-]{0,128}")
+MAX_LABELS = 32
+MAX_LABEL_LEN = 256
 
 
 class Medium(enum.IntEnum):
@@ -40,7 +43,7 @@ def tier_mask(media: "list[Medium] | tuple[Medium, ...]") -> int:
 
 
 def validate_address(address: str, what: str = "data_plane_address") -> str:
-    if not _ADDRESS_RE.match(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+    if not _ADDRESS_RE.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
         raise InvalidArgument(f"{what} {address!r} must be host:port")
     return address
 
@@ -55,6 +58,14 @@ class NodeInfo:
     def validate(self) -> "NodeInfo":
         validate_node_id(self.node_id)
         validate_address(self.data_plane_address)
+        if not _POOL_RE.fullmatch(self.pool):
+            raise InvalidArgument(f"pool {self.pool[:64]!r} is not valid: up to 128 letters, digits, '_', '.', ':', '-'")
+        if len(self.labels) > MAX_LABELS:
+            raise InvalidArgument(f"{len(self.labels)} labels; the limit is {MAX_LABELS}")
+        for k, v in self.labels.items():
+            if not k or len(k) > MAX_LABEL_LEN or len(v) > MAX_LABEL_LEN:
+                raise InvalidArgument(f"label {k[:64]!r}: keys must be 1-{MAX_LABEL_LEN} characters, values at most "
+                                      f"{MAX_LABEL_LEN}")
         return self
 
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_SLOTS = 8192  # entries are 2 bytes: 13 bits of slot, 3 of tiers
 SWEEP_CHUNK = 1000
 GC_LOCK_MS = 30_000
+GC_HINT = "gc_interval_s"  # a node may retire 16 slots (prelude.lua) per garbage collection
 _SCRIPTS = ("register", "heartbeat", "deregister", "begin_batch", "end_batch", "apply", "rotate",
             "lookup", "sweep", "reap", "unlock")
 _NEEDS_PRELUDE = {"register", "heartbeat", "deregister", "begin_batch", "rotate", "reap"}
@@ -104,11 +105,17 @@ class RedisBlockMap(BlockMap):
                 return await run(self._sha[name], len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:  # the server restarted or was flushed
                 await self._load()
-            except redis.exceptions.AuthenticationError:  # rotated password, or Redis lost its ACL users
-                if attempt:
+            except redis.exceptions.ConnectionError as exc:
+                # A tenant connection closed by Redis (its user was deleted or changed) or refused (rotated
+                # password, or Redis lost its ACL users): reconnect once with fresh credentials.
+                if tenant is None or self._tenant_credentials is None or attempt:
                     raise
+                epoch = self._tenant_clients.get(tenant, (None, ""))[1]
                 await self._drop_client(tenant)
-                self._refused.add(tenant)
+                if isinstance(exc, redis.exceptions.AuthenticationError):
+                    self._refused.add(tenant)
+                if (await self._tenant(tenant))[1] != epoch:  # never touch the old tenant's keys
+                    raise errors.Unavailable(f"tenant {tenant!r} was deleted and created again; retry") from None
         return await run(self._sha[name], len(keys), *keys, *args)
 
     async def _client(self, tenant: str | None):
@@ -124,6 +131,12 @@ class RedisBlockMap(BlockMap):
             self._refused.discard(tenant)
             found = self._tenant_clients[tenant] = (connect(self._url, username=user, password=password), epoch)
         return found
+
+    def forget_tenant(self, tenant: str) -> None:
+        """Drops the tenant's connection and epoch (the tenant changed); the next use reconnects."""
+        found = self._tenant_clients.pop(tenant, None)
+        if found is not None:
+            asyncio.get_running_loop().create_task(found[0].aclose())
 
     async def blocks_key(self, ns: Namespace) -> str:
         return self._keys.blocks(ns, (await self._tenant(ns.tenant))[1])
@@ -146,6 +159,10 @@ class RedisBlockMap(BlockMap):
             [node.node_id, node.data_plane_address, node.pool, json.dumps(node.labels, sort_keys=True),
              self._lease_ms, MAX_SLOTS],
         )
+        if int(slot) == -2:
+            raise errors.ResourceExhausted(
+                f"node {node.node_id!r} re-registered too often: its retired slots await garbage collection "
+                f"(every {GC_HINT}); try again later")
         if int(slot) < 0:
             raise errors.ResourceExhausted(f"no free node slot: {MAX_SLOTS} node incarnations are live or unswept")
         return Registration(incarnation=int(inc), lease_ms=self._lease_ms)
@@ -163,6 +180,9 @@ class RedisBlockMap(BlockMap):
             raise errors.FailedPrecondition(f"lease of node {node_id!r} expired; register again and resync")
         if status == "noslot":
             raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
+        if status == "retired":
+            raise errors.ResourceExhausted(
+                f"node {node_id!r} retired too many slots: they await garbage collection (every {GC_HINT})")
 
     async def heartbeat(self, node_id: str, incarnation: int) -> int:
         k = self._keys
@@ -254,6 +274,9 @@ class RedisBlockMap(BlockMap):
         """AllBlocksCleared: every tier fences by rotating the slot; one tier is swept."""
         if medium is None:
             new_slot = int(await self._eval("rotate", self._reg_keys(node_id), [MAX_SLOTS]))
+            if new_slot == -2:
+                raise errors.ResourceExhausted(
+                    f"node {node_id!r} retired too many slots: they await garbage collection (every {GC_HINT})")
             if new_slot < 0:
                 raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
             return new_slot
@@ -319,6 +342,10 @@ class RedisBlockMap(BlockMap):
                 await self._sweep(_s(ns_key), clear)
                 await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
             await self._redis.srem(k.dead_slots, *dead)
+            pipe = self._redis.pipeline(transaction=False)
+            for node_id in await self._redis.smembers(k.nodes):  # their retired slots are swept: allow more
+                pipe.hset(k.node(_s(node_id)), "retired", 0)
+            await pipe.execute()
             return len(dead)
         finally:
             await self._eval("unlock", [k.gc_lock], [self._replica_id])

@@ -66,15 +66,20 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
                                **redis_auth)
     signer = GrantSigner.from_pem(await tenants.grant_signing_key(lambda: GrantSigner.generate().to_pem()))
     registry = CollectorRegistry()
-    block_map = MeteredBlockMap(RedisBlockMap(config.redis_url, lease_ms=config.lease_ms,
-                                              key_prefix=config.key_prefix,
-                                              tenant_credentials=tenants.redis_credentials, **redis_auth), registry)
+    redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
+                              tenant_credentials=tenants.redis_credentials, **redis_auth)
+    block_map = MeteredBlockMap(redis_map, registry)
     authz = Authorizer(tenants, tenants.audit, config.policy_ttl_s)
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
     core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config))
     keys = KeyCache(tenants.get_key, config.auth_cache_ttl_s)
-    key_changes = ChangeListener(tenants.subscribe_changes, keys, on_tenant=authz.forget)
+
+    def tenant_changed(tenant_id: str) -> None:
+        authz.forget(tenant_id)
+        redis_map.forget_tenant(tenant_id)
+
+    key_changes = ChangeListener(tenants.subscribe_changes, keys, on_tenant=tenant_changed)
     key_changes.start()
     auth = AuthInterceptor(Authenticator(keys.get, admin_key).authenticate, tenants.audit)
     services = [

@@ -36,8 +36,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     @grpc_errors
     async def ListNodes(self, request, context):
-        current_principal()
-        nodes = await self._core.list_nodes()
+        nodes = await self._core.list_nodes(current_principal())
         return pb.ListNodesResponse(nodes=[wire.node_status_to_pb(n) for n in nodes])
 
     @grpc_errors

@@ -37,7 +37,7 @@ def medium(value: int, what: str) -> Medium:
 
 
 def extras(msg: common_pb2.HashExtras) -> Extras:
-    return Extras(lora_name=msg.lora_name, lora_path=msg.lora_path, cache_salt=msg.cache_salt)
+    return Extras(lora_name=msg.lora_name, lora_path=msg.lora_path, cache_salt=msg.cache_salt).validate()
 
 
 def namespace(msg: common_pb2.Namespace, present: bool) -> Namespace:

@@ -20,6 +20,8 @@ import cbor2
 
 from kvmesh.errors import InvalidArgument
 
+MAX_EXTRA_LEN = 1024  # characters of a LoRA name or path, or a cache salt
+
 DEFAULT_SEED = "vllm-none-hash"
 
 
@@ -78,6 +80,12 @@ class Extras:
     lora_name: str = ""
     lora_path: str = ""
     cache_salt: str = ""
+
+    def validate(self) -> "Extras":
+        for name in ("lora_name", "lora_path", "cache_salt"):
+            if len(getattr(self, name)) > MAX_EXTRA_LEN:
+                raise InvalidArgument(f"{name} is longer than {MAX_EXTRA_LEN} characters")
+        return self
 
     def keys_for_block(self, index: int) -> tuple[Any, ...] | None:
         keys: list[tuple[str, ...]] = []

@@ -17,8 +17,8 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.hashing import BlockHasher, HashAlgo
 from kvmesh.v1 import common_pb2 as pb
 
-_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")  # whole strings (fullmatch)
+_NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 MAX_BLOCK_SIZE = 4096
 MAX_FIELD_LEN = 256
 
@@ -36,7 +36,7 @@ _ALGO_TO_PB = {
 
 
 def validate_tenant(tenant: str) -> str:
-    if not _TENANT_RE.match(tenant):
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
         raise InvalidArgument(
             f"tenant {tenant!r} is not a valid tenant id: 1-63 characters of a-z, 0-9, '_', '.', '-', "
             "starting with a letter or digit"

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.namespace import validate_tenant
+from kvmesh.namespace import validate_node_id, validate_tenant
 
 MAX_LIST = 256
 
@@ -34,6 +34,11 @@ class TenantPolicy:
         for tenant in self.shared_with:
             if tenant != "*":
                 validate_tenant(tenant)
+        for node_id in self.allowed_nodes:
+            validate_node_id(node_id)
+        for pool in self.allowed_pools:
+            if not pool or len(pool) > 128:
+                raise InvalidArgument("policy.allowed_pools entries must be 1-128 characters")
         if self.max_index_entries < 0 or self.max_cpu_tier_bytes_per_node < 0:
             raise InvalidArgument("policy quotas must not be negative")
         return self

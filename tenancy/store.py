@@ -83,6 +83,8 @@ class RedisTenantStore:
     async def create_tenant(self, tenant_id: str, display_name: str, policy: TenantPolicy) -> Tenant:
         validate_tenant(tenant_id)
         policy.validate()
+        if len(display_name) > 256:
+            raise InvalidArgument("display_name is longer than 256 characters")
         user = self._keys.redis_user(tenant_id)
         created = await self._redis.hsetnx(self._keys.tenant(tenant_id), "tenant_id", tenant_id)
         if not created:
@@ -222,6 +224,8 @@ class RedisTenantStore:
             raise InvalidArgument(f"a {role.name.lower()} key is not bound to a node or pool")
         if len(description) > 256:
             raise InvalidArgument("description is longer than 256 characters")
+        if len(pool) > 128:
+            raise InvalidArgument("pool is longer than 128 characters")
         key_id, secret, secret_hash = api_keys.new_key()
         key = ApiKey(key_id, role, secret_hash, tenant_id, node_id, _now_ms(), False, description, pool)
         await self._redis.hset(self._keys.api_key(key_id), mapping={

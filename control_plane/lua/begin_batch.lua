@@ -23,6 +23,9 @@ if seq <= last then
 end
 if ARGV[3] == '1' then
   local s = rotate_slot(KEYS[1], KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[4]))
+  if s == false then
+    return {'retired'}
+  end
   if s == nil then
     return {'noslot'}
   end

@@ -20,12 +20,25 @@ local function claim_slot(slots_key, dead_key, cursor_key, max_slots)
   return nil
 end
 
+-- Most slots one node may retire between two garbage collections: re-registering (or clearing)
+-- in a loop must not fill the slot table with unswept slots and lock every other node out.
+local MAX_RETIRED_PER_NODE = 16
+
+local function retire_limit_reached(node_key)
+  return tonumber(redis.call('HGET', node_key, 'retired') or '0') >= MAX_RETIRED_PER_NODE
+end
+
 -- Retires the node's current slot (its entries stop matching at once) and claims a new one.
+-- Returns the slot, nil when none is free, false when the node retired too many (nothing changed).
 local function rotate_slot(node_key, slots_key, dead_key, cursor_key, max_slots)
   local old = redis.call('HGET', node_key, 'slot')
   if old and old ~= '' then
+    if retire_limit_reached(node_key) then
+      return false
+    end
     redis.call('HDEL', slots_key, old)
     redis.call('SADD', dead_key, old)
+    redis.call('HINCRBY', node_key, 'retired', 1)
   end
   local s = claim_slot(slots_key, dead_key, cursor_key, max_slots)
   if s == nil then

@@ -1,7 +1,12 @@
 -- Registers a node: new incarnation, new slot, fresh lease, seq restarts at 1.
 -- KEYS: node hash, slots hash, dead set, slot cursor, nodes set
 -- ARGV: node_id, address, pool, labels_json, lease_ms, max_slots
--- Returns {incarnation, slot} or {incarnation, -1} when no slot is free.
+-- Returns {incarnation, slot}, {incarnation, -1} when no slot is free, {0, -2} when the node
+-- retired too many slots since the last garbage collection (nothing changed).
+local current = redis.call('HGET', KEYS[1], 'slot')
+if current and current ~= '' and retire_limit_reached(KEYS[1]) then
+  return {0, -2}
+end
 local now = now_ms()
 local inc = redis.call('HINCRBY', KEYS[1], 'incarnation', 1)
 local lease_until = now + tonumber(ARGV[5])
