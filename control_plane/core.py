@@ -202,7 +202,9 @@ class ControlPlane:
 
     async def route(self, principal: Principal, request: RouteRequest) -> RouteDecision:
         """Where to run a prompt; sees the block map through the caller's lookup rights."""
-        return await self.router.route(request, functools.partial(self.lookup_prefix, principal))
+        may_read = (await self.authz.tenant(request.namespace.tenant) is not None
+                    and await self.authz.may_read(principal, request.namespace.tenant))
+        return await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read)
 
     async def report_stats(self, principal: Principal, report: StatsReport) -> None:
         if principal.role is Role.SCHEDULER:

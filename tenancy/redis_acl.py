@@ -30,7 +30,7 @@ from kvmesh.redis_keys import Keys
 TENANT_COMMANDS = ("auth", "hello", "ping", "select", "client|setname", "time", "evalsha", "evalsha_ro",
                    "hget", "hmget", "hset", "hdel", "hlen", "hgetall", "hscan")
 
-CLUSTER_COMMANDS = ["cluster|slots", "cluster|shards", "cluster|nodes", "cluster|myid", "readonly"]
+CLUSTER_COMMANDS = ["cluster|slots", "cluster|shards", "cluster|nodes", "cluster|myid", "readonly", "command"]
 
 
 def tenant_password(secret: bytes, tenant_id: str, epoch: str, generation: int) -> str:

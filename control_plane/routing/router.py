@@ -75,16 +75,19 @@ class Router:
         self.speculative = SpeculativeIndex(settings.route_speculative_ttl_ms / 1000.0, clock)
         self.ledger = PullLedger(clock)
 
-    async def route(self, request: RouteRequest, lookup: Lookup) -> RouteDecision:
-        """``lookup`` is the core's (authorized, validating) prefix lookup for the caller."""
+    async def route(self, request: RouteRequest, lookup: Lookup, may_read: bool = True) -> RouteDecision:
+        """``lookup`` is the core's (authorized, validating) prefix lookup for the caller; ``may_read``: may the
+        caller learn what is cached in the namespace? If not, routes it has not seen (speculative state, built
+        from other callers' decisions) neither inform nor record this one."""
         request.validate()
         match = await lookup(request.namespace, list(request.block_hashes), list(request.token_ids),
                                    request.extras, ALL_TIERS)
         s = self._settings
         hashes = list(request.block_hashes or match.block_hashes)
         scope = (request.namespace, request.extras)
-        match = _with_speculative(
-            match, self.speculative.leading_blocks(scope, [c.node_id for c in request.candidates], hashes))
+        if may_read:
+            match = _with_speculative(
+                match, self.speculative.leading_blocks(scope, [c.node_id for c in request.candidates], hashes))
         cost = CostModel(await self._stats.figures(), s, request.kv_bytes_per_token or s.route_kv_bytes_per_token,
                          self.ledger.wait_s)
         ctx = RouteContext(request.candidates, request.prompt_length, request.namespace.cache_config.block_size,
@@ -94,7 +97,8 @@ class Router:
         policy = request.policy or self._default_policy
         placement = POLICIES[policy].choose(ctx)
         chosen = placement.candidate
-        self.speculative.record(scope, chosen.node_id, hashes)
+        if may_read:
+            self.speculative.record(scope, chosen.node_id, hashes)
         source = None
         if placement.source is not None:
             host, port = _split_address(placement.source.address)

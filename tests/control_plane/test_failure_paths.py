@@ -157,7 +157,7 @@ async def test_the_gc_loop_sweeps_fenced_entries_on_its_own(cp_config, admin_key
         batch = EventBatch("node-gc", reg.incarnation, 1, ns, (Stored(tuple(hs), Medium.CPU, 32),), False)
         assert (await running.core.apply_batch(ADMIN, batch)).status is AckStatus.APPLIED
         r = aioredis.Redis.from_url(redis_server.url)
-        key = Keys(cp_config.key_prefix).blocks(ns)
+        key = Keys(cp_config.key_prefix).blocks(ns, (await running.core.tenants.get_tenant("acme")).epoch)
         try:
             assert await r.hlen(key) == 5
             with caplog.at_level(logging.INFO, logger="control_plane.core"):

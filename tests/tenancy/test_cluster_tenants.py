@@ -12,10 +12,10 @@ from tenancy.store import RedisTenantStore
 
 
 async def test_create_tenant_sets_its_acl_user_on_every_cluster_node(redis_cluster, key_prefix):
-    store = RedisTenantStore(redis_cluster.url, key_prefix=key_prefix)
+    store = RedisTenantStore(redis_cluster.url, key_prefix=key_prefix, tenant_secret=b"test secret")
     try:
         tenant = await store.create_tenant("clustered", "", TenantPolicy())
-        username, password = await store.redis_credentials("clustered")
+        username, password, _epoch = await store.redis_credentials("clustered")
     finally:
         await store.close()
     host, port = redis_cluster.url.removeprefix("redis+cluster://").split(":")
