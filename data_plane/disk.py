@@ -24,6 +24,7 @@ from kvmesh.namespace import Namespace
 
 from data_plane.checksum import checksum
 from data_plane.eviction import BlockInfo, EvictionPolicy
+from data_plane.files import create_exclusive
 from data_plane.types import BlockKey
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class DiskTier:
         self._policy = policy
         self._blocks: dict[BlockKey, DiskBlock] = {}
         self._free = list(range(num_slots - 1, -1, -1))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Scratch space: a file this user left behind (a crash) is replaced; anything else refused.
+        self._fd = create_exclusive(self.path, stale=lambda _path: True)
         os.ftruncate(self._fd, block_bytes * num_slots)
 
     def get(self, key: BlockKey) -> DiskBlock | None:

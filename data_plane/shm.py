@@ -5,9 +5,11 @@ process owns it (creates, locks, registers it with NIXL, removes it), and the
 engine process on the same node maps the same file (:class:`SharedTier` in
 :mod:`data_plane.client`) to read and write slots without a copy through gRPC.
 
-The owner takes an exclusive ``flock`` on the file for its lifetime, so a
-second data plane with the same file fails at start instead of clobbering it,
-while a file left behind by a crashed process is reused.
+The owner creates the file exclusively (:mod:`data_plane.files`: ``O_EXCL |
+O_NOFOLLOW``, mode 0600, owner and mode checked) and takes an exclusive
+``flock`` on it for its lifetime, so a second data plane with the same file
+fails at start instead of clobbering it, while a file left behind by a crashed
+process (this user's, unlocked) is replaced.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data_plane.files import create_exclusive, open_existing
+
 log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -29,6 +33,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 class RegionBusy(RuntimeError):
     """Another live process owns the region file."""
+
+
+def _abandoned(path: Path) -> bool:
+    """A region file no live data plane holds (its owner crashed); RegionBusy when one does."""
+    fd = open_existing(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RegionBusy(f"{path} is owned by another running data plane") from None
+    finally:
+        os.close(fd)
+    return True
 
 
 class SharedRegion:
@@ -45,8 +61,7 @@ class SharedRegion:
         self.size = block_bytes * num_slots
         self.owner = owner
         self.locked = False
-        flags = os.O_RDWR | (os.O_CREAT if owner else 0)
-        self._fd = os.open(self.path, flags, 0o600)
+        self._fd = create_exclusive(self.path, _abandoned) if owner else open_existing(self.path)
         try:
             if owner:
                 try:
