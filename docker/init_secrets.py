@@ -7,7 +7,7 @@ Runs as root in the ``secrets-init`` one-shot service (docker-compose.yml) with 
 | path | volume | written here | mounted afterwards into |
 |---|---|---|---|
 | /secrets/admin | admin-secrets | ``admin.key`` (bootstrap admin API key) | control-plane, keys-init, admin |
-| /secrets/control-plane | cp-secrets | ``redis-password``, ``grant-key.pem`` (Ed25519, signs pull grants) | control-plane |
+| /secrets/control-plane | cp-secrets | ``redis-password``, ``redis-acl-password`` (its ACL-only user), ``grant-key.pem`` (Ed25519, signs pull grants), ``tenant-secret`` (tenant Redis passwords derive from it) | control-plane |
 | /secrets/redis | redis-secrets | ``users.acl`` (password hashes only), ``healthcheck-password`` | redis |
 | /secrets/nodes/<node> | <node>-secrets | nothing: the directory, owned by the kvmesh user; ``keys-init`` issues the node key into it | that node's data plane and engine |
 
@@ -35,6 +35,7 @@ REDIS_UID = 999  # the redis user of both Redis images (docker/redis/Dockerfile)
 # Redis ACL user -> (file its password is written to, under the root, and the uid owning that file).
 REDIS_PASSWORDS = {
     "kvmesh-cp": ("control-plane/redis-password", KVMESH_UID),
+    "kvmesh-acl": ("control-plane/redis-acl-password", KVMESH_UID),
     "healthcheck": ("redis/healthcheck-password", REDIS_UID),
 }
 
@@ -94,6 +95,7 @@ def main(argv: list[str]) -> int:
     os.umask(0o077)
     _ensure(root / "admin/admin.key", lambda: new_key()[1] + "\n", KVMESH_UID)
     _ensure(root / "control-plane/grant-key.pem", _grant_key, KVMESH_UID, 0o600)
+    _ensure(root / "control-plane/tenant-secret", lambda: secrets.token_urlsafe(32) + "\n", KVMESH_UID)
     # The ACL file is Redis's to rewrite (ACL SAVE keeps the per-tenant users): writable by Redis alone.
     _ensure(root / "redis/users.acl", lambda: _render_acl(root, args.acl_template.read_text()), REDIS_UID, 0o600)
     for node in filter(None, args.nodes.split(",")):

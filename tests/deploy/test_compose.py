@@ -169,7 +169,8 @@ def test_redis_uses_the_acl_file_and_persists():
     acl = (ROOT / "docker/redis/users.acl").read_text().splitlines()
     assert "appendonly yes" in conf and "aclfile /run/kvmesh/redis/users.acl" in conf
     assert any(v == "redis-secrets:/run/kvmesh/redis" for v in SERVICES["redis"]["volumes"])
-    assert "user default off" in acl
-    cp_user = _env(SERVICES["control-plane"])["KVMESH_CP_REDIS_USERNAME"]
-    assert any(line.startswith(f"user {cp_user} on #") for line in acl)  # a hash, never a plain password
+    assert any(line.startswith("user default off") for line in acl)
+    cp = _env(SERVICES["control-plane"])
+    for user in (cp["KVMESH_CP_REDIS_USERNAME"], cp["KVMESH_CP_REDIS_ACL_USERNAME"]):
+        assert any(line.startswith(f"user {user} on #@{user} ") for line in acl)  # a generated password's hash
     assert any(v.endswith(":/data") for v in SERVICES["redis"]["volumes"])

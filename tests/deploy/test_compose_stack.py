@@ -291,7 +291,8 @@ def test_one_trace_follows_the_pull_across_containers(scenario):
     RESULTS["trace_services"] = sorted(services)
 
 
-SECRETS = ("node.key", "admin.key", "redis-password", "grant-key.pem", "users.acl", "healthcheck-password")
+SECRETS = ("node.key", "admin.key", "redis-password", "redis-acl-password", "tenant-secret", "grant-key.pem",
+           "users.acl", "healthcheck-password")
 
 
 def _secret_files(service: str) -> dict[str, str]:

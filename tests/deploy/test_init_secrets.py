@@ -43,6 +43,8 @@ def test_every_secret_is_generated_for_its_consumer_alone(secrets_root):
     files = {
         "admin/admin.key": (10001, 0o400),
         "control-plane/redis-password": (10001, 0o400),
+        "control-plane/redis-acl-password": (10001, 0o400),
+        "control-plane/tenant-secret": (10001, 0o400),
         "control-plane/grant-key.pem": (10001, 0o600),
         "redis/users.acl": (999, 0o600),
         "redis/healthcheck-password": (999, 0o400),
@@ -98,11 +100,15 @@ def acl_redis(secrets_root, tmp_path):
 
 def test_the_rendered_acl_admits_each_user_with_its_password_only(secrets_root, acl_redis):
     cp_password = (secrets_root / "control-plane/redis-password").read_text().strip()
+    acl_password = (secrets_root / "control-plane/redis-acl-password").read_text().strip()
     hc_password = (secrets_root / "redis/healthcheck-password").read_text().strip()
-    # Positive controls: the control plane's user works on kvmesh's keys; the healthcheck user may ping.
+    # Positive controls: the control plane's user works on kvmesh's keys; its ACL user makes a tenant user;
+    # the healthcheck user may ping.
     cp = redis.Redis(port=acl_redis, username="kvmesh-cp", password=cp_password)
     cp.set("kvm:probe", "1")
     assert cp.get("kvm:probe") == b"1"
+    acl = redis.Redis(port=acl_redis, username="kvmesh-acl", password=acl_password)
+    acl.execute_command("ACL", "SETUSER", "kvm-t-probe", "on", ">probe-password", "~kvm:{t:probe:*", "+get")
     assert redis.Redis(port=acl_redis, username="healthcheck", password=hc_password).ping()
     # The attacker: no default user, no swapped password, no key outside kvmesh's prefix, no command beyond PING.
     with pytest.raises(redis.AuthenticationError):
@@ -111,5 +117,9 @@ def test_the_rendered_acl_admits_each_user_with_its_password_only(secrets_root, 
         redis.Redis(port=acl_redis, username="kvmesh-cp", password=hc_password).ping()
     with pytest.raises(redis.exceptions.NoPermissionError):
         cp.set("other:probe", "1")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        cp.execute_command("ACL", "SETUSER", "intruder", "on", ">x", "~*", "+@all")  # only the ACL user may
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        acl.get("kvm:probe")  # and that one touches no key
     with pytest.raises(redis.exceptions.NoPermissionError):
         redis.Redis(port=acl_redis, username="healthcheck", password=hc_password).get("kvm:probe")
