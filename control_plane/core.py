@@ -143,7 +143,7 @@ class ControlPlane:
         if len(block_hashes) > self.config.max_lookup_blocks:
             raise InvalidArgument(f"{len(block_hashes)} block hashes; the limit is {self.config.max_lookup_blocks}")
         digest = cfg.hash_algo.digest_size
-        if any(len(h) != digest for h in block_hashes):
+        if block_hashes and set(map(len, block_hashes)) != {digest}:  # map(len): C speed on 64k hashes
             i = next(i for i, h in enumerate(block_hashes) if len(h) != digest)
             raise InvalidArgument(
                 f"block_hashes[{i}] has {len(block_hashes[i])} bytes; {cfg.hash_algo.value} hashes are {digest}"
