@@ -247,8 +247,9 @@ class DataPlaneCore:
         self.metrics.found("local", "miss", len(hashes) - len(pinned))
         return [b.slot for b in pinned], self._lease(holder, pinned, lease_ms)
 
-    def release(self, lease_id: str) -> None:
-        for block in self._leases.release(lease_id):
+    def release(self, lease_id: str, holder: str | None = None) -> None:
+        """Ends a lease; with ``holder``, only a lease that holder took (a peer releases its own leases only)."""
+        for block in self._leases.release(lease_id, holder):
             self.tier.unpin(block)
 
     def _lease(self, holder: str, blocks: list[Block], lease_ms: int) -> str:
@@ -326,7 +327,8 @@ class DataPlaneCore:
         return self.transport.agent_name, self.transport.metadata()
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
-                     lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium)) -> LookupAnswer:
+                     lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),
+                     holder: str = "") -> LookupAnswer:
         """Per hash HIT (pinned under the returned lease) or MISS; pending writes are awaited, bounded."""
         hashes = self._check(ns, hashes)
         n = len(hashes)
@@ -359,7 +361,7 @@ class DataPlaneCore:
         pinned = [b for b in blocks if b is not None]
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
-        lease_id = self._lease(consumer or "peer", pinned, lease_ms)
+        lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms)
         return LookupAnswer(
             statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
             addrs=[self.region.base_addr + self.region.offset(b.slot) if b else -1 for b in blocks],

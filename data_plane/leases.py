@@ -46,10 +46,14 @@ class LeaseTable(Generic[T]):
         self._leases[lease_id] = Lease(lease_id, holder, items, self._clock.monotonic() + ttl_s)
         return lease_id
 
-    def release(self, lease_id: str) -> list[T]:
-        """The lease's items (to unpin); empty if unknown, already released or expired."""
-        lease = self._leases.pop(lease_id, None)
-        return lease.items if lease is not None else []
+    def release(self, lease_id: str, holder: str | None = None) -> list[T]:
+        """The lease's items (to unpin); empty if unknown, already released, expired or (``holder`` given)
+        held by someone else."""
+        lease = self._leases.get(lease_id)
+        if lease is None or (holder is not None and lease.holder != holder):
+            return []
+        del self._leases[lease_id]
+        return lease.items
 
     def expire(self) -> list[Lease[T]]:
         now = self._clock.monotonic()

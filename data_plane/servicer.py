@@ -10,9 +10,17 @@ from kvmesh.grpc_errors import grpc_errors
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
 
+from tenancy.auth import current_principal
+from tenancy.model import Principal
+
 from data_plane import wire
 from data_plane.auth import NodeAuth
 from data_plane.core import DataPlaneCore
+
+
+def lease_holder(principal: Principal) -> str:
+    """Leases are held by the calling key: a peer can release only the leases its own lookups took."""
+    return f"key:{principal.key_id}"
 
 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
@@ -37,13 +45,15 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         answer = await self._core.lookup(
             ns, list(request.block_hashes),
             consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,
-            lease_ms=request.lease_ms, media=wire.media_from_pb(request.media))
+            lease_ms=request.lease_ms, media=wire.media_from_pb(request.media),
+            holder=lease_holder(current_principal()))
         return wire.lookup_response(answer, self._core.block_bytes)
 
     @grpc_errors
     async def Release(self, request, context):
         await self._auth.require_grant(context.invocation_metadata(), None)
-        self._core.release(request.lease_id)
+        principal = current_principal()
+        self._core.release(request.lease_id, None if self._auth.is_local(principal) else lease_holder(principal))
         return pb.ReleaseResponse()
 
     # ---- local API ----

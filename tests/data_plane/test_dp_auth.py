@@ -13,7 +13,7 @@ from tenancy import api_keys
 from tenancy.grants import Grant, GrantSigner
 
 from data_plane.client import DataPlaneClient
-from data_plane.types import LookupStatus
+from data_plane.types import BlockKey, LookupStatus
 
 
 @pytest.fixture
@@ -65,3 +65,24 @@ async def test_peer_lookups_need_a_valid_grant(source, ns, grant):
                      grpc.StatusCode.PERMISSION_DENIED, "needs a pull grant")
         answer, _ = await peer.lookup(ns, hashes, grant=good)  # the real thing is served
         assert answer.statuses == [LookupStatus.MISS]
+
+
+async def test_a_peer_cannot_release_another_tenants_lease(source, ns, grant):
+    """Tenant A's puller holds a lease on A's block; tenant B's puller, with a valid grant of its own and A's
+    lease id, cannot release it (the block stays pinned); A's own Release does."""
+    block = os.urandom(32)
+    async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner:
+        slots = await owner.reserve(ns, [block])
+        await owner.commit(ns, [block])
+    a_key, b_key = api_keys.new_key()[1], api_keys.new_key()[1]
+    other_ns = Namespace("tenant-b", ns.model, ns.weight_version, ns.cache_config)
+    async with DataPlaneClient(source.address, key=a_key) as a, DataPlaneClient(source.address, key=b_key) as b:
+        answer, _ = await a.lookup(ns, [block], lease_ms=60_000, grant=grant(a_key, "node-a", "src", ns))
+        assert answer.statuses == [LookupStatus.HIT] and answer.lease_id  # positive control: A holds a lease
+        pinned = source.core.tier.get(BlockKey(ns.fingerprint, block))
+        assert pinned is not None and pinned.pins == 1
+        await b.release(answer.lease_id, grant=grant(b_key, "node-b", "src", other_ns))
+        assert pinned.pins == 1  # B's release of A's lease did nothing
+        await a.release(answer.lease_id, grant=grant(a_key, "node-a", "src", ns))
+        assert pinned.pins == 0
+    assert slots
