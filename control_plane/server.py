@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from kvmesh.grpc_server import RunningServer, ServiceBinding, wait_for_signal, server_tls, start_server
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
+from kvmesh.redis_client import redacted
 from kvmesh.settings_cli import service_main
 from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
 from tenancy.auth import AuthInterceptor, Authenticator
@@ -105,7 +106,7 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
 async def _run(config: ControlPlaneConfig) -> None:
     running = await serve(config)
     host = config.listen.rsplit(":", 1)[0]
-    log.info("control plane serving on %s:%d (redis %s)", host, running.port, config.redis_url)
+    log.info("control plane serving on %s:%d (redis %s)", host, running.port, redacted(config.redis_url))
     if running.metrics.port:
         log.info("metrics on http://%s:%d/metrics", config.metrics_listen.rpartition(":")[0], running.metrics.port)
     print(f"kvmesh control-plane listening on {host}:{running.port}", flush=True)

@@ -16,6 +16,15 @@ from kvmesh.errors import InvalidArgument
 SOCKET_TIMEOUT_S = 2.0
 
 
+def redacted(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs and messages)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
 def connect(url: str, username: str | None = None, password: str | None = None):
     """An asyncio client for ``url``; credentials override those in the URL."""
     kwargs = dict(socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S)
@@ -29,4 +38,5 @@ def connect(url: str, username: str | None = None, password: str | None = None):
             return RedisCluster.from_url(plain, **kwargs)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return aioredis.Redis.from_url(url, **kwargs)
-    raise InvalidArgument(f"redis url {url!r} must start with redis://, rediss://, unix:// or redis+cluster://")
+    raise InvalidArgument(f"redis url {redacted(url)!r} must start with redis://, rediss://, unix:// or "
+                          "redis+cluster://")

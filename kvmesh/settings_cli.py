@@ -31,8 +31,10 @@ def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
     args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     try:
         return cls(**args)
-    except ValidationError as exc:
-        print(f"{prog}: invalid configuration:\n{exc}", file=sys.stderr)
+    except ValidationError as exc:  # field and reason only: an input value may be a secret
+        reasons = "\n".join(f"  {'.'.join(map(str, e['loc'])) or '(settings)'}: {e['msg']}"
+                            for e in exc.errors(include_input=False, include_url=False))
+        print(f"{prog}: invalid configuration:\n{reasons}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
