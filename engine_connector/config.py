@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.channels import ClientTLS
 from kvmesh.hashing import HashAlgo
 from kvmesh.namespace import CacheConfig, Namespace
 from tenancy import api_keys
@@ -40,6 +41,9 @@ class ConnectorConfig:
     ``max_offload_tokens``: default per-request cap of saved tokens (0: none).
     ``lease_ms``: how long acquired blocks stay pinned for the worker's copy.
     ``rpc_timeout_s``: deadline of every other RPC.
+    ``tls_ca_file``: CA of the data plane's and control plane's certificates (TLS on both links; unset:
+    plaintext); ``tls_cert_file`` / ``tls_key_file``: this engine's certificate for mutual TLS;
+    ``tls_server_name``: name to check instead of the host in the address.
     ``misplace_one_block``: a negative-control hook for correctness checks, never for serving:
     the worker writes one loaded block per request from the wrong slot (worker_side.py).
     """
@@ -57,6 +61,10 @@ class ConnectorConfig:
     max_offload_tokens: int = 0
     lease_ms: int = 30_000
     rpc_timeout_s: float = 5.0
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
     misplace_one_block: bool = False
 
     @classmethod
@@ -85,6 +93,13 @@ class ConnectorConfig:
         if config.pull_timeout_ms <= 0 or config.lease_ms <= 0 or config.rpc_timeout_s <= 0:
             raise ValueError("KvmeshConnector: pull_timeout_ms, lease_ms and rpc_timeout_s must be positive")
         return config
+
+    def tls(self) -> ClientTLS | None:
+        """TLS for the engine's links (None: plaintext)."""
+        if not self.tls_ca_file:
+            return None
+        return ClientTLS(self.tls_ca_file, self.tls_cert_file or None, self.tls_key_file or None,
+                         self.tls_server_name or None)
 
     def key(self) -> str:
         """The node's API key (``api_key``, else the contents of ``api_key_file``)."""

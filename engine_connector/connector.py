@@ -80,7 +80,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
         ns = config.namespace(vllm_config)
         self._link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address,
-                              config.rpc_timeout_s)
+                              config.rpc_timeout_s, config.tls())
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         try:

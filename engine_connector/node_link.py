@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvmesh import tracing
-from kvmesh.channels import channel
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 
@@ -47,17 +47,19 @@ class Holder:
 
 class NodeLink:
     def __init__(self, data_plane_address: str, key: str, control_plane_address: str = "",
-                 rpc_timeout_s: float = 5.0) -> None:
+                 rpc_timeout_s: float = 5.0, tls: ClientTLS | None = None) -> None:
+        """``tls``: how to reach the data plane and the control plane (None: plaintext)."""
         self._timeout = rpc_timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-connector-rpc", daemon=True)
         self._thread.start()
         self._key = key
         # grpc.aio channels belong to the loop they are created on.
-        self._dp: DataPlaneClient = self.call(self._make(lambda: DataPlaneClient(data_plane_address, key=key)))
+        self._dp: DataPlaneClient = self.call(self._make(lambda: DataPlaneClient(data_plane_address, key=key,
+                                                                                 tls=tls)))
         self._cp = None
         if control_plane_address:
-            self._cp_channel = self.call(self._make(lambda: channel(control_plane_address, key)))
+            self._cp_channel = self.call(self._make(lambda: channel(control_plane_address, key, tls)))
             self._cp = cp_grpc.ControlPlaneStub(self._cp_channel)
         self._node_ids: dict[str, str] = {}  # data-plane address -> node id (from ListNodes; loop thread only)
 

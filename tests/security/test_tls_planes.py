@@ -140,6 +140,19 @@ async def test_data_plane_tls_both_ways(cp_config, pki, admin_key, tmp_path):
                 await asyncio.sleep(0.1)
             else:
                 pytest.fail("the data plane never registered over TLS")
+        # The engine connector's links (to its data plane and the control plane) over mutual TLS too.
+        from engine_connector.config import ConnectorConfig
+        from engine_connector.node_link import NodeLink
+
+        connector = ConnectorConfig.from_extra_config({
+            "data_plane_address": dp.address, "api_key": node_key, "control_plane_address": cp_address,
+            "tls_ca_file": good["ca"], "tls_cert_file": good["client"][0], "tls_key_file": good["client"][1]})
+        link = await asyncio.to_thread(NodeLink, dp.address, node_key, cp_address, 10.0, connector.tls())
+        try:
+            assert (await asyncio.to_thread(link.describe_tier)).node_id == node_id
+            assert await asyncio.to_thread(link.address_of, node_id) == dp.address
+        finally:
+            await asyncio.to_thread(link.close)
     finally:
         await dp.stop()
         await cp.stop()
