@@ -15,8 +15,8 @@ equal trace prefixes are equal token prefixes) is replayed twice per policy:
   process, on a profile measured on those engines first: request time against
   prompt length (fitted per step, per token and per token of context) and the
   time of a peer pull. The two engines share this machine's cores, so the
-  simulated engines do too (``Profile.shared_machine``: a step is as much slower
-  as engines are busy at once).
+  simulated engines do too (``Profile.shared_machine``: how much slower a step is
+  while the other engine is busy, measured as both prefilling at once against one).
 
 Arrivals are spaced so the two engines run at ``--load`` of their measured
 capacity. Each policy gets its own token ids (nothing cached carries over). The
@@ -33,6 +33,7 @@ import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -97,6 +98,10 @@ def measure(fleet: Fleet, engines: dict[str, EngineProcess], vocab: int, kv_byte
         samples.append((n, statistics.median(_engine_ms(e, draw(n), max_tokens) for e in engines.values()
                                              for _ in range(2))))
     costs = FittedCosts.fit(samples)
+    alone = statistics.median(_engine_ms(engines["e1"], draw(1024), max_tokens) for _ in range(3))
+    with ThreadPoolExecutor(len(engines)) as pool:   # both engines prefilling at once on this machine's cores
+        together = statistics.median(x for _ in range(3) for x in pool.map(
+            lambda e: _engine_ms(e, draw(1024), max_tokens), list(engines.values())))
     prefixes = [draw(1024) for _ in range(3)]
     for prefix in prefixes:
         engines["e1"].generate(prefix, max_tokens)      # its blocks go to dp1's CPU tier
@@ -109,6 +114,7 @@ def measure(fleet: Fleet, engines: dict[str, EngineProcess], vocab: int, kv_byte
         pulled.append(_engine_ms(engines["e2"], prefix + draw(64), max_tokens, kv_transfer_params=source))
     pull_ms = max(1.0, statistics.median(pulled) - costs.step_ms(64, [(64, 1024)], 0))
     return {"costs": costs, "samples": samples, "pull_ms_1024": pull_ms, "pulled_ms": pulled,
+            "contention": max(0.0, together / alone - 1.0),
             "pull_bytes_per_s": 1024 * kv_bytes / (pull_ms / 1000.0)}
 
 
@@ -161,7 +167,8 @@ def replay_sim(window: list[TraceRequest], policy: str, measured: dict, kv_bytes
     profile = replace(Profile(), name="measured tiny-Llama vLLM CPU engines", kv_bytes_per_token=kv_bytes,
                       block_tokens=block_tokens, gpu_kv_blocks=10_000, cpu_tier_blocks=10_000, max_running=1,
                       max_batched_tokens=8192, racks=1, nic_bytes_per_s=measured["pull_bytes_per_s"],
-                      promotion_bytes_per_s=1e12, step_noise=0.05, engine_noise=0.02, shared_machine=True)
+                      promotion_bytes_per_s=1e12, step_noise=0.05, engine_noise=0.02,
+                      shared_machine=measured["contention"])
     ns = Namespace("sim", policy, "sim", CacheConfig(block_size=block_tokens)).validate()
     sim = Simulation(variant, window, BlockHashes(block_tokens), profile, len(NODES),
                      InProcessBackend(ns, RoutingSettings()), event_delay_ms=20.0, seed=seed, costs=measured["costs"])
@@ -236,6 +243,7 @@ def main(argv: list[str]) -> int:
         "profile": {**measured["costs"].as_dict(), "pull_ms_1024_tokens": round(measured["pull_ms_1024"], 2),
                     "pull_bytes_per_s": round(measured["pull_bytes_per_s"]),
                     "pulled_ms": [round(x, 2) for x in measured["pulled_ms"]],
+                    "contention": round(measured["contention"], 3),
                     "calibration": [[n, round(ms, 2)] for n, ms in measured["samples"]],
                     "kv_bytes_per_token": kv_bytes},
         "window": {"start": args.start, "requests": len(window), "block_tokens": args.block_tokens,

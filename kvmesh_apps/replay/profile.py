@@ -34,8 +34,8 @@ class Profile:
     reprobe_s: float = 30.0             # every link is probed again this often
     report_s: float = 5.0               # engines report their measured prefill throughput this often
     block_tokens: int = TRACE_BLOCK_TOKENS
-    shared_machine: bool = False        # engines share one machine's cores (sim-to-real): a step is as many times
-                                        # slower as engines are busy at once
+    shared_machine: float = 0.0         # engines share one machine's cores (sim-to-real): each other busy engine
+                                        # makes a step this much slower (0: engines have their own hardware)
 
     def rack_of(self, engine: int, engines: int) -> int:
         return engine * self.racks // engines

@@ -307,7 +307,7 @@ class Simulation:
         per = self.costs.step_ms(tokens, [(c, s.cached + s.computed) for s, c in chunks], context)
         per *= self.factor[e.index] * self.rng.lognormvariate(0.0, p.step_noise / math.sqrt(steps))
         if p.shared_machine:
-            per *= sum(x.busy for x in self.engines)
+            per *= 1.0 + p.shared_machine * (sum(x.busy for x in self.engines) - 1)
         e.step_version += 1
         self._macro[e.index] = (now_ms, per, steps, decodes, chunks)
         self._push(now_ms + steps * per, _STEP, (e, e.step_version))
