@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from pathlib import Path
 
 from pydantic import Field
@@ -11,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.routing.config import RoutingSettings
 from tenancy import api_keys
+from tenancy.grants import GrantSigner, public_key_from_pem
+
+log = logging.getLogger(__name__)
 
 
 class ControlPlaneConfig(RoutingSettings, BaseSettings):
@@ -44,6 +48,12 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     )
     admin_key_file: str | None = Field(None, description="file holding the bootstrap admin key, if admin_key is unset")
     grant_ttl_ms: int = Field(30_000, ge=1000, description="lifetime of the pull grants this control plane signs")
+    grant_key_file: str | None = Field(
+        None, description="PEM file of the Ed25519 private key that signs pull grants (mode 0600); unset: a key "
+        "generated in memory at start (grants die with the process, replicas disagree). Never stored in Redis")
+    grant_previous_key_files: str = Field(
+        "", description="comma-separated PEM files of earlier grant keys (public or private) still accepted during "
+        "a rotation overlap")
     policy_ttl_s: float = Field(2.0, ge=0, description="how long a replica caches a tenant's policy (changes are "
                                 "also pushed to every replica)")
     auth_cache_ttl_s: float = Field(5.0, ge=0, description="how long a verified API key is cached in process; "
@@ -64,6 +74,18 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
         if self.tenant_secret_file:
             return Path(self.tenant_secret_file).read_bytes().strip()
         return hmac.new(self.bootstrap_admin_key().encode(), b"kvmesh tenant redis secret", hashlib.sha256).digest()
+
+    def grant_keys(self) -> tuple[GrantSigner, list[bytes]]:
+        """The grant signer (from grant_key_file, or generated) and every public key grants may be verified
+        with: the signer's first, then the previous ones. ValueError for an unreadable or exposed file."""
+        if self.grant_key_file:
+            signer = GrantSigner.from_file(self.grant_key_file)
+        else:
+            log.warning("no grant_key_file: signing pull grants with a key generated in memory")
+            signer = GrantSigner.generate()
+        previous = [public_key_from_pem(Path(f.strip()).read_bytes())
+                    for f in self.grant_previous_key_files.split(",") if f.strip()]
+        return signer, [signer.public_key, *(k for k in previous if k != signer.public_key)]
 
     def bootstrap_admin_key(self) -> str:
         """The admin key from admin_key or admin_key_file; ValueError when neither gives one."""

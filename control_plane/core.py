@@ -7,6 +7,7 @@ Plain Python, no gRPC: the servicer converts protos to the types in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -15,7 +16,8 @@ from kvmesh.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
 from tenancy.authz import Authorizer
-from tenancy.grants import Grant, GrantSigner
+from tenancy.grants import Grant, GrantSigner, RouteToken
+from tenancy.peer_proof import encode_public_key
 from tenancy.model import Principal, Role
 from tenancy.store import RedisTenantStore
 
@@ -45,8 +47,11 @@ class BatchRefused(Exception):
 
 class ControlPlane:
     def __init__(self, block_map: BlockMap, config: ControlPlaneConfig, tenants: RedisTenantStore,
-                 authz: Authorizer, signer: GrantSigner, router: Router) -> None:
+                 authz: Authorizer, signer: GrantSigner, router: Router,
+                 grant_public_keys: list[bytes] | None = None) -> None:
+        """``grant_public_keys``: every key grants may be verified with (default: the signer's only)."""
         self.block_map = block_map
+        self.grant_public_keys = grant_public_keys or [signer.public_key]
         self.router = router
         self.config = config
         self.tenants = tenants
@@ -160,9 +165,13 @@ class ControlPlane:
             match = PrefixMatch(match.blocks_queried, match.holders, block_hashes)
         return match
 
-    async def issue_pull_grant(self, principal: Principal, ns: Namespace, source_node_id: str) -> tuple[bytes, int]:
-        """A grant for the calling node to pull ``ns`` blocks from ``source_node_id``."""
+    async def issue_pull_grant(self, principal: Principal, ns: Namespace, source_node_id: str,
+                               consumer_public_key: bytes) -> tuple[bytes, int, str]:
+        """A grant for the calling node to pull ``ns`` blocks from ``source_node_id``, bound to the node's
+        peer public key; with its expiry and the source's registered address ("" when not registered)."""
         validate_node_id(source_node_id)
+        if len(consumer_public_key) != 32:
+            raise InvalidArgument("consumer_public_key must be the node's raw 32-byte Ed25519 peer key")
         if principal.role is not Role.NODE:
             raise await self.authz.deny(principal, "IssuePullGrant", source_node_id,
                                         "pull grants are issued to nodes (the consumer pulls with its own key)")
@@ -172,9 +181,11 @@ class ControlPlane:
             raise await self.authz.deny(principal, "IssuePullGrant", f"{ns.tenant}@{source_node_id}",
                                         f"no pull grant for tenant {ns.tenant!r} from node {source_node_id!r}")
         expires = int(time.time() * 1000) + self.config.grant_ttl_ms
-        grant = Grant(ns.tenant, ns.fingerprint, principal.node_id, principal.key_id, principal.secret_hash,
-                      source_node_id, expires)
-        return self.signer.sign(grant), expires
+        address = next((n.node.data_plane_address for n in await self.block_map.list_nodes()
+                        if n.node.node_id == source_node_id and n.live), "")
+        grant = Grant(ns.tenant, ns.fingerprint, principal.node_id, encode_public_key(consumer_public_key),
+                      source_node_id, expires, source_address=address)
+        return self.signer.sign(grant), expires, address
 
     async def tenant_limits(self, principal: Principal, tenant_id: str) -> int:
         """The CPU-tier bytes the calling node may hold for ``tenant_id`` (0: no limit)."""
@@ -201,10 +212,17 @@ class ControlPlane:
     # -- routing (control_plane.routing) --------------------------------------------
 
     async def route(self, principal: Principal, request: RouteRequest) -> RouteDecision:
-        """Where to run a prompt; sees the block map through the caller's lookup rights."""
+        """Where to run a prompt; sees the block map through the caller's lookup rights. A named source
+        carries a route token (data planes with require_route_token pull only from such sources)."""
         may_read = (await self.authz.tenant(request.namespace.tenant) is not None
                     and await self.authz.may_read(principal, request.namespace.tenant))
-        return await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read)
+        decision = await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read)
+        if decision.source is None:
+            return decision
+        source = decision.source
+        token = self.signer.sign(RouteToken(request.namespace.tenant, source.node_id, source.address,
+                                            int(time.time() * 1000) + self.config.grant_ttl_ms))
+        return dataclasses.replace(decision, source=dataclasses.replace(source, route_token=token.decode()))
 
     async def report_stats(self, principal: Principal, report: StatsReport) -> None:
         if principal.role is Role.SCHEDULER:

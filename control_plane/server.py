@@ -21,7 +21,6 @@ from kvmesh.settings_cli import service_main
 from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
 from tenancy.auth import AuthInterceptor, Authenticator
 from tenancy.authz import Authorizer
-from tenancy.grants import GrantSigner
 from tenancy.key_cache import ChangeListener, KeyCache
 from tenancy.servicer import TenantAdminServicer
 from tenancy.store import RedisTenantStore
@@ -65,7 +64,8 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     tenants = RedisTenantStore(config.redis_url, key_prefix=config.key_prefix, tenant_secret=config.tenant_secret(),
                                acl_username=config.redis_acl_username, acl_password=config.redis_acl_secret(),
                                **redis_auth)
-    signer = GrantSigner.from_pem(await tenants.grant_signing_key(lambda: GrantSigner.generate().to_pem()))
+    signer, grant_keys = config.grant_keys()
+    await tenants.drop_legacy_grant_key()
     registry = CollectorRegistry()
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
                               tenant_credentials=tenants.redis_credentials, **redis_auth)
@@ -73,7 +73,7 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     authz = Authorizer(tenants, tenants.audit, config.policy_ttl_s)
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
-    core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config))
+    core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys)
     keys = KeyCache(tenants.get_key, config.auth_cache_ttl_s)
 
     def tenant_changed(tenant_id: str) -> None:

@@ -6,6 +6,7 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 from tenancy.auth import current_principal
+from tenancy.grants import key_id
 
 from control_plane import wire
 from control_plane.core import BatchRefused, ControlPlane
@@ -69,8 +70,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     @grpc_errors
     async def IssuePullGrant(self, request, context):
         ns = wire.namespace(request.namespace, request.HasField("namespace"))
-        token, expires = await self._core.issue_pull_grant(current_principal(), ns, request.source_node_id)
-        return pb.PullGrant(token=token, expires_unix_ms=expires)
+        token, expires, address = await self._core.issue_pull_grant(current_principal(), ns, request.source_node_id,
+                                                                    request.consumer_public_key)
+        return pb.PullGrant(token=token, expires_unix_ms=expires, source_address=address)
 
     @grpc_errors
     async def GetTenantLimits(self, request, context):
@@ -78,9 +80,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         return pb.TenantLimits(max_cpu_tier_bytes_per_node=limit)
 
     @grpc_errors
-    async def GetGrantKey(self, request, context):
+    async def GetGrantKeys(self, request, context):
         current_principal()
-        return pb.GetGrantKeyResponse(ed25519_public_key=self._core.signer.public_key)
+        current = self._core.signer.public_key
+        return pb.GetGrantKeysResponse(keys=[
+            pb.GrantKey(key_id=key_id(k), ed25519_public_key=k, current=k == current)
+            for k in self._core.grant_public_keys])
 
     @grpc_errors
     async def Route(self, request, context):

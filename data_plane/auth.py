@@ -1,13 +1,13 @@
 """Who may call a data plane, and with what.
 
 - Local callers (the node's own engine and tools) present the node's own API key.
-- Peers (other data planes pulling from this one) present their own node key and
-  a pull grant (``kvmesh-grant`` metadata) that the control plane signed for
-  exactly that key, this source node, and the namespace asked about.
-
-Peer keys cannot be checked here (the key store is the control plane's): a
-grant binds the key's id and hash, so presenting another node's grant, an
-expired or forged one, or one for another namespace or source, is refused.
+- Peers (other data planes pulling from this one) present no API key (a node's
+  key is used with the control plane only): a pull grant (``kvmesh-grant``
+  metadata) that the control plane signed for this source node, the namespace
+  asked about and the consumer's peer public key, plus a proof of possession of
+  that key made for this node and call (``kvmesh-proof``, tenancy.peer_proof).
+  Another node's grant, an expired or forged one, one for another namespace or
+  source, or a proof replayed here later or made for another node, is refused.
 What the control plane answers (tenant limits, pull grants) is cached with
 negative caching and stale-while-revalidate (:class:`Answers`): a hung or
 unreachable control plane costs each key at most one bounded wait per refresh
@@ -34,13 +34,17 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from tenancy import api_keys
 from tenancy.auth import current_principal, grant_from
-from tenancy.grants import Grant, GrantVerifier
+from tenancy.grants import Grant, GrantVerifier, UnknownGrantKey
 from tenancy.model import Principal, Role
+from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, ProofVerifier
 
 log = logging.getLogger(__name__)
 
+PEER = Principal("peer", Role.NODE)  # a call that authenticates by a grant and its proof, not by a key
+
 GRANT_REFRESH_MARGIN_MS = 5_000  # a grant closer than this to its expiry is renewed (in the background)
 GRANT_MIN_LIFE_MS = 1_000  # a grant closer than this to its expiry is not handed out
+GRANT_KEYS_MIN_REFRESH_S = 5.0  # a grant under an unknown key id refreshes the keys at most this often
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -129,10 +133,11 @@ class Answers(Generic[K, V]):
 
 class NodeAuth:
     def __init__(self, node_id: str, node_key: str, grant_public_key: str, control_plane_address: str, *,
-                 timeout_s: float = 2.0, refresh_s: float = 10.0,
+                 timeout_s: float = 2.0, refresh_s: float = 10.0, grant_keys_refresh_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, tls: ClientTLS | None = None) -> None:
         """``timeout_s``: the longest wait for one control-plane call; ``refresh_s``: how long tenant limits
-        stay fresh and how long a failed call is not retried; ``tls``: how to reach the control plane
+        stay fresh and how long a failed call is not retried; ``grant_keys_refresh_s``: how often the
+        accepted grant keys are fetched again (GetGrantKeys); ``tls``: how to reach the control plane
         (None: plaintext)."""
         self.node_id = node_id
         self._tls = tls
@@ -142,13 +147,18 @@ class NodeAuth:
         self._cp_address = control_plane_address
         self._verifier = GrantVerifier(base64.b64decode(grant_public_key), node_id) if grant_public_key else None
         self._timeout_s = timeout_s
-        self._grants: Answers[tuple[Namespace, str], tuple[bytes, int]] = Answers(
+        self.identity = NodeIdentity()  # this process's peer key pair: bound into its grants
+        self._proofs = ProofVerifier(node_id)
+        # A configured key is final; keys from the control plane are refreshed every grant_keys_refresh_s.
+        self._static_keys = bool(grant_public_key)
+        self._forced_at = -float("inf")
+        self._grants: Answers[tuple[Namespace, str], tuple[bytes, int, str]] = Answers(
             self._issue_grant, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
             is_fresh=lambda grant, _age: grant[1] - GRANT_REFRESH_MARGIN_MS > time.time() * 1000,
             is_usable=lambda grant: grant[1] - GRANT_MIN_LIFE_MS > time.time() * 1000)
-        self._grant_key: Answers[str, bytes] = Answers(
-            self._fetch_grant_key, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
-            is_fresh=lambda _key, _age: True, is_usable=lambda _key: True)
+        self._grant_keys: Answers[str, list[bytes]] = Answers(
+            self._fetch_grant_keys, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
+            is_fresh=lambda _keys, age: age < grant_keys_refresh_s, is_usable=lambda _keys: True)
         self._limits: Answers[str, int | None] = Answers(
             self._fetch_limit, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
             is_fresh=lambda _limit, age: age < refresh_s, is_usable=lambda _limit: True)
@@ -166,42 +176,100 @@ class NodeAuth:
         if not self.is_local(current_principal()):
             raise PermissionDenied(f"{what} is this node's local API: present the node's own key")
 
-    async def require_grant(self, metadata, ns: Namespace | None) -> Grant | None:
-        """Local callers pass; a peer needs a valid grant for ``ns`` (None: for any namespace)."""
+    def peer_principal(self, metadata) -> Principal | None:
+        """A call without an API key is a peer's when it carries a proof (checked in :meth:`require_grant`)."""
+        return PEER if any(key == PROOF_METADATA for key, _ in metadata or ()) else None
+
+    async def require_grant(self, metadata, ns: Namespace | None, method: str) -> Grant | None:
+        """Local callers pass; a peer needs a valid grant for ``ns`` (None: for any namespace) and a proof
+        that it holds the grant's consumer key, made for this node and ``method`` just now (never an API
+        key: peers present none)."""
         principal = current_principal()
         if self.is_local(principal):
             return None
+        token = grant_from(metadata)
+        fingerprint = ns.fingerprint if ns is not None else None
         verifier = await self._grant_verifier()
-        return verifier.verify(grant_from(metadata), key_id=principal.key_id, key_hash=principal.secret_hash,
-                               namespace_fingerprint=ns.fingerprint if ns is not None else None)
+        try:
+            grant = verifier.verify(token, namespace_fingerprint=fingerprint)
+        except UnknownGrantKey:  # signed by a key newer than the last refresh, or by nobody we trust
+            if not await self._refresh_grant_keys(GRANT_KEYS_MIN_REFRESH_S):
+                raise
+            grant = self._verifier.verify(token, namespace_fingerprint=fingerprint)
+        proof = next((v for k, v in metadata or () if k == PROOF_METADATA), "")
+        self._proofs.verify(token, grant.consumer_public_key, proof.decode() if isinstance(proof, bytes) else proof,
+                            method)
+        return grant
+
+    async def check_route(self, token: bytes, source_node_id: str, source_address: str) -> None:
+        """PermissionDenied unless ``token`` is Route's signature on this source (require_route_token)."""
+        verifier = await self._grant_verifier()
+        try:
+            verifier.verify_route(token, source_node_id=source_node_id, source_address=source_address)
+        except UnknownGrantKey:
+            if not await self._refresh_grant_keys(GRANT_KEYS_MIN_REFRESH_S):
+                raise
+            self._verifier.verify_route(token, source_node_id=source_node_id, source_address=source_address)
+
+    def peer_proof(self, grant: bytes, method: str, target_node_id: str) -> str:
+        """This node's proof for a peer call to ``target_node_id`` under ``grant``."""
+        return self.identity.proof(grant, method, target_node_id)
 
     async def _grant_verifier(self) -> GrantVerifier:
-        if self._verifier is None:
-            if not self._cp_address:
-                raise PermissionDenied("this node cannot verify pull grants: configure grant_public_key or "
-                                       "control_plane_address")
-            key = await self._grant_key.get("grant key", self._timeout_s)
-            self._verifier = GrantVerifier(key, self.node_id)
+        """The verifier of pull grants: a configured key, or the control plane's accepted keys, refreshed
+        every grant_keys_refresh_s (served stale while revalidated; a rotation's overlap reaches this node
+        within that period)."""
+        if self._static_keys:
+            return self._verifier
+        if not self._cp_address:
+            raise PermissionDenied("this node cannot verify pull grants: configure grant_public_key or "
+                                   "control_plane_address")
+        try:
+            self._use_keys(await self._grant_keys.get("grant keys", self._timeout_s))
+        except Unavailable:
+            if self._verifier is None:
+                raise PermissionDenied("cannot verify pull grants: the control plane is unreachable") from None
         return self._verifier
 
-    async def _fetch_grant_key(self, _key: str, timeout_s: float) -> bytes:
-        reply = await self._call(lambda stub: stub.GetGrantKey(cp_pb.GetGrantKeyRequest(), timeout=timeout_s))
-        return reply.ed25519_public_key
+    def _use_keys(self, keys: list[bytes]) -> None:
+        if self._verifier is None:
+            self._verifier = GrantVerifier(keys, self.node_id)
+        else:
+            self._verifier.set_keys(keys)
 
-    async def grant_for(self, ns: Namespace, source_node_id: str, timeout_s: float = 5.0) -> bytes:
+    async def _fetch_grant_keys(self, _key: str, timeout_s: float) -> list[bytes]:
+        reply = await self._call(lambda stub: stub.GetGrantKeys(cp_pb.GetGrantKeysRequest(), timeout=timeout_s))
+        return [k.ed25519_public_key for k in reply.keys]
+
+    async def _refresh_grant_keys(self, min_age_s: float) -> bool:
+        """Fetches the accepted grant keys now (a grant named a key id this node does not know), unless
+        that was done within ``min_age_s`` or the keys are configured; True if fetched."""
+        now = time.monotonic()
+        if not self._cp_address or self._static_keys or now - self._forced_at < min_age_s:
+            return False
+        self._forced_at = now
+        try:
+            self._use_keys(await self._fetch_grant_keys("grant keys", self._timeout_s))
+        except Unavailable:
+            return False
+        return True
+
+    async def grant_for(self, ns: Namespace, source_node_id: str, timeout_s: float = 5.0) -> tuple[bytes, str]:
         """A grant for this node to pull ``ns`` from ``source_node_id``, from the control plane (cached,
-        renewed before it expires). Fails closed: PermissionDenied when refused, Unavailable when the
-        control plane does not answer within ``timeout_s`` (or failed within the refresh period)."""
+        renewed before it expires), and the source's registered address. Fails closed: PermissionDenied
+        when refused, Unavailable when the control plane does not answer within ``timeout_s`` (or failed
+        within the refresh period)."""
         if not self._cp_address:
             raise PermissionDenied("no pull grant: pass PullRequest.grant or configure control_plane_address")
-        token, _ = await self._grants.get((ns, source_node_id), timeout_s)
-        return token
+        token, _, address = await self._grants.get((ns, source_node_id), timeout_s)
+        return token, address
 
-    async def _issue_grant(self, key: tuple[Namespace, str], timeout_s: float) -> tuple[bytes, int]:
+    async def _issue_grant(self, key: tuple[Namespace, str], timeout_s: float) -> tuple[bytes, int, str]:
         ns, source_node_id = key
-        request = cp_pb.IssuePullGrantRequest(namespace=ns.to_proto(), source_node_id=source_node_id)
+        request = cp_pb.IssuePullGrantRequest(namespace=ns.to_proto(), source_node_id=source_node_id,
+                                              consumer_public_key=self.identity.public_key)
         reply = await self._call(lambda stub: stub.IssuePullGrant(request, timeout=timeout_s))
-        return reply.token, reply.expires_unix_ms
+        return reply.token, reply.expires_unix_ms, reply.source_address
 
     async def tenant_limit(self, tenant: str, timeout_s: float = 5.0) -> int | None:
         """CPU-tier bytes this node may hold for ``tenant`` (None: no limit), from the control plane,

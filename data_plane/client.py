@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
 
 from tenancy.auth import grant_metadata
+from tenancy.peer_proof import PROOF_METADATA
 
 from data_plane import wire
 from data_plane.shm import SharedRegion
@@ -42,6 +43,7 @@ class TierDescription:
     num_slots: int
     locked: bool
     block_tokens: int
+    peer_public_key: bytes = b""  # the node's peer key (grants for its pulls bind it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,21 +54,29 @@ class PeerHandshake:
     block_bytes: int
 
 
-def _grant(token: bytes) -> tuple[tuple[str, str], ...]:
-    return grant_metadata(token) if token else ()
 
 
 class DataPlaneClient:
     """One channel to one data plane. Every call takes an optional deadline in seconds."""
 
-    def __init__(self, address: str, key: str | None = None, tls: ClientTLS | None = None) -> None:
-        """``key``: the node's API key (the local API needs it; peers present their own node key)."""
+    def __init__(self, address: str, key: str | None = None, tls: ClientTLS | None = None,
+                 peer_proof: Callable[[bytes, str], str] | None = None) -> None:
+        """``key``: the node's API key (the local API needs it); a peer presents none, but a grant and
+        ``peer_proof(grant, method)``, its proof of possession of the grant's key (tenancy.peer_proof)."""
         self.address = address
+        self._proof = peer_proof
         self._channel = channel(address, key, tls)
         self._stub = data_plane_pb2_grpc.DataPlaneStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
+
+    def _peer(self, grant: bytes, method: str) -> tuple[tuple[str, str], ...]:
+        """Metadata of a peer call: the grant and, when this client proves a peer key, the proof."""
+        if not grant:
+            return ()
+        proof = ((PROOF_METADATA, self._proof(grant, method)),) if self._proof is not None else ()
+        return grant_metadata(grant) + proof
 
     async def __aenter__(self) -> "DataPlaneClient":
         return self
@@ -78,7 +88,8 @@ class DataPlaneClient:
 
     async def describe_tier(self, timeout: float | None = 10.0) -> TierDescription:
         r = await self._stub.DescribeTier(pb.DescribeTierRequest(), timeout=timeout)
-        return TierDescription(r.node_id, r.shm_path, r.block_bytes, r.num_slots, r.locked, r.block_tokens)
+        return TierDescription(r.node_id, r.shm_path, r.block_bytes, r.num_slots, r.locked, r.block_tokens,
+                               r.peer_public_key)
 
     async def reserve(self, ns: Namespace, hashes: list[bytes], *, max_offload_tokens: int = 0,
                       first_block_index: int = 0, protected_blocks: int = 0,
@@ -103,18 +114,19 @@ class DataPlaneClient:
         return list(r.slots), r.lease_id
 
     async def release(self, lease_id: str, timeout: float | None = 10.0, grant: bytes = b"") -> None:
-        await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout, metadata=_grant(grant))
+        await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout, metadata=self._peer(grant, "Release"))
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: Iterable[Medium] | None = None,
-                   first_block_index: int = 0, grant: bytes = b"", timeout: float | None = None) -> PullResult:
+                   first_block_index: int = 0, grant: bytes = b"", route_token: str = "",
+                   timeout: float | None = None) -> PullResult:
         """``timeout`` (the RPC deadline) defaults to the pull's own bound plus a margin."""
         if timeout is None:
             timeout = (timeout_ms or 60_000) / 1000 + 5
         r = await self._stub.Pull(pb.PullRequest(
             namespace=ns.to_proto(), block_hashes=hashes, source_node_id=source_node_id,
             source_address=source_address, timeout_ms=timeout_ms, source_media=wire.media_to_pb(source_media),
-            first_block_index=first_block_index, grant=grant), timeout=timeout)
+            first_block_index=first_block_index, grant=grant, route_token=route_token), timeout=timeout)
         return wire.pull_result(r)
 
     async def ping(self, timeout: float | None = 10.0) -> None:
@@ -128,17 +140,19 @@ class DataPlaneClient:
                                       timeout: float | None = 10.0, grant: bytes = b"") -> PeerHandshake:
         r = await self._stub.ExchangeAgentMetadata(pb.ExchangeAgentMetadataRequest(
             node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes), timeout=timeout,
-            metadata=_grant(grant))
+            metadata=self._peer(grant, "ExchangeAgentMetadata"))
         return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer_node_id: str = "",
                      pending_wait_ms: int = 0, lease_ms: int = 0, media: Iterable[Medium] | None = None,
-                     timeout: float | None = 10.0, grant: bytes = b"") -> tuple[LookupAnswer, int]:
-        """The settled answer and the source's block_bytes."""
+                     timeout: float | None = 10.0, grant: bytes = b"",
+                     landing_addrs: list[int] | None = None) -> tuple[LookupAnswer, int]:
+        """The settled answer and the source's block_bytes. ``landing_addrs``: the source WRITEs the leading
+        HITs there (addresses in this node's registered region) and pins nothing."""
         r = await self._stub.Lookup(pb.LookupRequest(
             namespace=ns.to_proto(), block_hashes=hashes, consumer_node_id=consumer_node_id,
-            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media)), timeout=timeout,
-            metadata=_grant(grant))
+            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media),
+            landing_addrs=landing_addrs or []), timeout=timeout, metadata=self._peer(grant, "Lookup"))
         return wire.lookup_answer(r, len(hashes)), r.block_bytes
 
 

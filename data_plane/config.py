@@ -61,6 +61,10 @@ class DataPlaneConfig(BaseSettings):
     pull_timeout_ms: int = Field(10_000, ge=1, description="default overall bound of a Pull")
     max_pull_timeout_ms: int = Field(60_000, ge=1, description="longest Pull bound a caller may ask for")
     max_hashes_per_request: int = Field(4096, ge=1, description="most block hashes one request may carry")
+    serve_peer_reads: bool = Field(False, description="hand peers this node's NIXL metadata so they READ blocks "
+                                   "one-sided (ungated: a peer that once handshook can read every tenant's blocks "
+                                   "until restart; trusted single-tenant fleets only). Off: this node WRITEs each "
+                                   "block a peer's grant covers into the peer's landing slots")
     verify_pulls: bool = Field(True, description="check each pulled block's CRC-32C before committing it")
     verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
     nixl_progress_wait_ms: int = Field(
@@ -88,6 +92,11 @@ class DataPlaneConfig(BaseSettings):
                                         "host in the address")
     grant_public_key: str = Field("", description="base64 Ed25519 key that verifies pull grants (unset: fetched "
                                                   "from the control plane)")
+    require_route_token: bool = Field(False, description="pull only from sources a request names with a route "
+                                      "token signed by the control plane's Route (kv_transfer_params."
+                                      "remote_kv_source.route_token); off: any registered node may be named")
+    grant_keys_refresh_s: float = Field(60.0, gt=0, description="how often the grant keys fetched from the control "
+                                        "plane are refreshed (a rotation's overlap must be longer)")
 
     def node_key(self) -> str:
         """The node's API key; ValueError when neither api_key nor api_key_file gives one."""

@@ -45,7 +45,7 @@ from data_plane.events import EventSink, NoEvents
 from data_plane.eviction import BlockInfo, EvictionPolicy
 from data_plane.leases import Clock, LeaseTable, SystemClock
 from data_plane.metrics import DataPlaneMetrics
-from data_plane.peers import Peer, PeerPool
+from data_plane.peers import Peer, PeerPool, PeerProof
 from data_plane.shm import SharedRegion
 from data_plane.tier import Block, MemoryTier
 from data_plane.transfer import TransferFailed, Transport
@@ -60,17 +60,24 @@ LOCAL_HOLDER = "local"
 _ENGINE = "engine"
 _PULL = "pull"
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# A send refused with these never started its WRITE: the landing slots are free again.
+_REFUSED_BEFORE_WRITE = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                         grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def _info(position: int, protected: bool = False) -> BlockInfo:
     return BlockInfo(cost=1.0 + position * ATTENTION_COST_PER_BLOCK, protected=protected)
 
 
-# (namespace, source node id, timeout in s) -> a pull grant signed by the control plane
-GrantSource = Callable[[Namespace, str, float], Awaitable[bytes]]
+# (namespace, source node id, timeout in s) -> a pull grant signed by the control plane, and the source's
+# registered data-plane address
+GrantSource = Callable[[Namespace, str, float], Awaitable[tuple[bytes, str]]]
 # (tenant, timeout in s) -> CPU-tier bytes this node may hold for the tenant (None: no limit);
 # PermissionDenied when the tenant's policy excludes this node
 LimitSource = Callable[[str, float], Awaitable[int | None]]
+# (route token, source node id, source address) -> None; PermissionDenied unless Route signed that source
+RouteCheck = Callable[[bytes, str, str], Awaitable[None]]
 
 
 class DataPlaneCore:
@@ -84,14 +91,17 @@ class DataPlaneCore:
         events: EventSink | None = None,
         clock: Clock | None = None,
         grants: GrantSource | None = None,
-        node_key: str | None = None,
+        peer_proof: PeerProof | None = None,
         metrics: DataPlaneMetrics | None = None,
         limits: LimitSource | None = None,
+        routes: RouteCheck | None = None,
         peer_tls: ClientTLS | None = None,
     ) -> None:
         """``grants`` gets a pull grant (namespace, source node id) when a Pull brings none;
-        ``limits`` a tenant's CPU-tier limit on this node (None: no limits);
-        ``node_key`` authenticates this node to its peers (over ``peer_tls`` when given)."""
+        ``limits`` a tenant's CPU-tier limit on this node (None: no limits); ``routes`` checks a pull's
+        route token (None: sources need none);
+        ``peer_proof`` proves this node's peer key to a source (its API key never goes to peers; calls go
+        over ``peer_tls`` when given)."""
         self.config = config
         self.node_id = config.node_id
         self.address = ""  # set by the server once bound
@@ -105,8 +115,9 @@ class DataPlaneCore:
         self._leases: LeaseTable[Block] = LeaseTable(self._clock)
         self._grants = grants
         self._limits = limits
+        self._routes = routes
         self.metrics = metrics or DataPlaneMetrics()
-        self._peers = PeerPool(self.node_id, transport, self.block_bytes, node_key, peer_tls)
+        self._peers = PeerPool(self.node_id, transport, self.block_bytes, peer_proof, peer_tls)
         self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
         # blocks an in-flight pull is bringing (claimed before its first await, so a concurrent pull or a
@@ -324,7 +335,8 @@ class DataPlaneCore:
             if old is not None and old != name:
                 self.transport.remove_peer(old)
             self._peer_agents[node_id] = name
-        return self.transport.agent_name, self.transport.metadata()
+        # Without serve_peer_reads the caller gets no rkey of this node: bytes leave only by send().
+        return self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b""
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
                      lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),
@@ -369,11 +381,48 @@ class DataPlaneCore:
             lease_id=lease_id,
         )
 
+    async def send(self, ns: Namespace, hashes: list[bytes], landing_addrs: list[int], consumer_node_id: str, *,
+                   timeout_s: float, pending_wait_ms: int = 0,
+                   media: frozenset[Medium] = frozenset(Medium)) -> LookupAnswer:
+        """The gated byte path: WRITEs the leading blocks this node holds in ``ns`` (the namespace the
+        caller's grant was checked for) to the consumer's landing addresses, then answers like
+        :meth:`lookup`, with nothing left pinned. Only these blocks leave: the consumer holds no rkey of
+        this node. Unavailable when the write failed and could not be cancelled (the landing slots may
+        still change); a write that failed cleanly answers MISS."""
+        if len(landing_addrs) != len(hashes):
+            raise InvalidArgument(f"{len(landing_addrs)} landing addresses for {len(hashes)} hashes")
+        agent = self._peer_agents.get(consumer_node_id)
+        if agent is None:
+            raise FailedPrecondition(f"node {consumer_node_id!r} has not handshaken with this node: call "
+                                     "ExchangeAgentMetadata first")
+        started = time.monotonic()
+        answer = await self.lookup(ns, hashes, consumer=consumer_node_id, pending_wait_ms=pending_wait_ms,
+                                   lease_ms=int(timeout_s * 1000) + 1_000, media=media)
+        lead = 0
+        while lead < len(hashes) and answer.statuses[lead] is LookupStatus.HIT and landing_addrs[lead]:
+            lead += 1
+        try:
+            if lead:
+                base = self.region.base_addr
+                await self.transport.write(agent, [a - base for a in answer.addrs[:lead]], landing_addrs[:lead],
+                                           self.block_bytes, max(0.0, timeout_s - (time.monotonic() - started)))
+        except TransferFailed as exc:
+            log.warning("sending %d blocks to %s failed: %s", lead, consumer_node_id, exc)
+            if exc.may_still_write:
+                raise Unavailable(f"the WRITE to {consumer_node_id} failed and could not be cancelled") from None
+            lead = 0
+        finally:
+            self.release(answer.lease_id)
+        n = len(hashes)
+        return LookupAnswer(
+            statuses=[LookupStatus.HIT] * lead + [LookupStatus.MISS] * (n - lead),
+            addrs=[-1] * n, checksums=answer.checksums[:lead] + [0] * (n - lead), lease_id="")
+
     # ---- pulls ----
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: frozenset[Medium] = frozenset(Medium),
-                   first_block_index: int = 0, grant: bytes = b"") -> PullResult:
+                   first_block_index: int = 0, grant: bytes = b"", route_token: bytes = b"") -> PullResult:
         """Copies the blocks the source holds into this node's CPU tier; MISS for the rest.
 
         One deadline (``timeout_ms``, capped) covers everything: the tenant's limit, the grant,
@@ -390,14 +439,14 @@ class DataPlaneCore:
         timeout = self._bounded(timeout_ms, self.config.pull_timeout_ms, self.config.max_pull_timeout_ms)
         task = asyncio.ensure_future(
             self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
-                       source_media, first_block_index, grant))
+                       source_media, first_block_index, grant, route_token))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)
 
     async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
                     deadline: float, source_media: frozenset[Medium], first_block_index: int,
-                    grant: bytes) -> PullResult:
+                    grant: bytes, route_token: bytes) -> PullResult:
         self._namespaces.setdefault(ns.fingerprint, ns)
         keys = [BlockKey(ns.fingerprint, h) for h in hashes]
         already_local = 0
@@ -414,12 +463,12 @@ class DataPlaneCore:
         loop = asyncio.get_running_loop()
         claims = {keys[i]: loop.create_future() for i in own}
         self._arriving.update(claims)
-        moved, lookup_ms, transfer_ms = 0, 0.0, 0.0
+        moved, lookup_ms, transfer_ms, refused = 0, 0.0, 0.0, ""
         try:
             if own:
-                moved, lookup_ms, transfer_ms = await self._fetch(
+                moved, lookup_ms, transfer_ms, refused = await self._fetch(
                     ns, hashes, own, source_node_id, source_address, deadline, source_media, first_block_index,
-                    grant)
+                    grant, route_token)
         finally:
             for key, claim in claims.items():
                 if self._arriving.get(key) is claim:
@@ -433,7 +482,7 @@ class DataPlaneCore:
         joined_in_lead = sum(1 for i in joined if i < leading)
         self.metrics.joined(joined_in_lead)
         return PullResult(statuses, leading - already_local, already_local, moved * self.block_bytes, lookup_ms,
-                          transfer_ms, joined=joined_in_lead)
+                          transfer_ms, joined=joined_in_lead, refused=refused)
 
     async def _arrival(self, key: BlockKey, deadline: float) -> Block | None:
         """The committed block once whoever is bringing it here settles it; None if not by ``deadline``."""
@@ -458,8 +507,10 @@ class DataPlaneCore:
 
     async def _fetch(self, ns: Namespace, hashes: list[bytes], wanted: list[int], source_node_id: str,
                      source_address: str, deadline: float, source_media: frozenset[Medium],
-                     first_block_index: int, grant: bytes) -> tuple[int, float, float]:
-        """Brings ``wanted`` (indexes, chain order) from the source; (blocks moved, lookup ms, transfer ms)."""
+                     first_block_index: int, grant: bytes, route_token: bytes
+                     ) -> tuple[int, float, float, str]:
+        """Brings ``wanted`` (indexes, chain order) from the source; (blocks moved, lookup ms, transfer ms,
+        why it was refused before any transfer, or "")."""
         try:
             limit = None
             if self._limits is not None:
@@ -468,38 +519,42 @@ class DataPlaneCore:
                                                "the tenant's limits")
                 except PermissionDenied as exc:
                     log.info("pull: %s; answering MISS", exc)
-                    return 0, 0.0, 0.0
+                    return 0, 0.0, 0.0, str(exc)
+            if self._routes is not None:
+                await self._within(self._routes(route_token, source_node_id, source_address), deadline,
+                                   "checking the route token")
             if not grant:
                 if self._grants is None:
                     raise PermissionDenied("no pull grant and no control plane to ask for one")
-                grant = await self._within(self._grants(ns, source_node_id, deadline - time.monotonic()),
-                                           deadline, "the grant")
+                grant, registered = await self._within(
+                    self._grants(ns, source_node_id, deadline - time.monotonic()), deadline, "the grant")
+                if registered != source_address:  # e.g. a remote_kv_source naming an address of its own
+                    raise PermissionDenied(
+                        f"{source_address} is not the registered address of node {source_node_id} "
+                        f"({registered or 'not registered'}): refusing to dial it")
             await self.transport.ready(deadline - time.monotonic())
-            peer = await self._within(self._peers.get(source_address, deadline - time.monotonic(), grant),
-                                      deadline, "the handshake")
+            peer = await self._within(
+                self._peers.get(source_address, source_node_id, deadline - time.monotonic(), grant),
+                deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
             log.warning("pull from %s: %s; answering MISS", source_address, exc)
-            return 0, 0.0, 0.0
+            return 0, 0.0, 0.0, str(exc) if isinstance(exc, PermissionDenied) else ""
         if source_node_id and peer.node_id != source_node_id:
             log.warning("pull: %s is node %s, not %s (stale route); answering MISS",
                         source_address, peer.node_id, source_node_id)
-            return 0, 0.0, 0.0
+            return 0, 0.0, 0.0, ""
 
         t0 = time.perf_counter()
-        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
-        lookup_ms = (time.perf_counter() - t0) * 1000
-        if answer is None:
-            return 0, lookup_ms, 0.0
-        transfer_ms = 0.0
-        try:
-            blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, answer, first_block_index,
-                                                                     limit)
-            t1 = time.perf_counter()
-            arrived = await self._transfer(peer, blocks, remote_addrs, deadline)
-            transfer_ms = (time.perf_counter() - t1) * 1000
-        finally:
-            if answer.lease_id:
-                self._spawn(self._release_remote(peer, answer.lease_id, grant))
+        if peer.agent_name:  # the source hands out its metadata: READ one-sided
+            fetched = await self._fetch_by_read(peer, ns, hashes, wanted, source_media, deadline, grant,
+                                                first_block_index, limit)
+        else:  # the source WRITEs what the grant covers into the slots reserved here
+            fetched = await self._fetch_by_write(peer, ns, hashes, wanted, source_media, deadline, grant,
+                                                 first_block_index, limit)
+        if fetched is None:
+            return 0, (time.perf_counter() - t0) * 1000, 0.0, ""
+        blocks, checksums, lookup_ms, transfer_ms = fetched
+        arrived = bool(blocks)
         committed: list[Block] = []
         if arrived:
             intact = True
@@ -526,7 +581,73 @@ class DataPlaneCore:
             ATTR.SOURCE_NODE: source_node_id, ATTR.OUTCOME: "pulled" if n else "miss"})
         self.metrics.bytes("pulled", n * self.block_bytes)
         self.metrics.pull((lookup_ms + transfer_ms) / 1000, n, len(wanted) - n)
-        return n, lookup_ms, transfer_ms
+        return n, lookup_ms, transfer_ms, ""
+
+    async def _fetch_by_read(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
+                             source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
+                             tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
+        """Lookup on the source, then one-sided READs: the arrived blocks (uncommitted) and their checksums."""
+        t0 = time.perf_counter()
+        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
+        lookup_ms = (time.perf_counter() - t0) * 1000
+        if answer is None:
+            return None
+        transfer_ms = 0.0
+        try:
+            blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index,
+                                                                     tenant_limit_bytes, answer)
+            t1 = time.perf_counter()
+            arrived = await self._transfer(peer, blocks, remote_addrs, deadline)
+            transfer_ms = (time.perf_counter() - t1) * 1000
+        finally:
+            if answer.lease_id:
+                self._spawn(self._release_remote(peer, answer.lease_id, grant))
+        return (blocks, checksums, lookup_ms, transfer_ms) if arrived else ([], [], lookup_ms, transfer_ms)
+
+    async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
+                              source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
+                              tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
+        """Reserves slots for the wanted blocks and has the source WRITE into them (one Lookup with landing
+        addresses): the arrived blocks (uncommitted) and their checksums; the rest is aborted. A call that
+        failed mid-way quarantines the slots (the source's WRITE may still land)."""
+        blocks, _, _ = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes)
+        if not blocks:
+            return None
+        base = self.region.base_addr
+        landing = [base + self.region.offset(b.slot) for b in blocks]
+        remaining = deadline - time.monotonic()
+        t0 = time.perf_counter()
+        outcome = "failed"
+        try:
+            answer, block_bytes = await peer.client.lookup(
+                ns, [b.key.block_hash for b in blocks], consumer_node_id=self.node_id,
+                pending_wait_ms=max(1, min(self.config.pending_wait_ms, int(remaining * 500))), media=source_media,
+                timeout=remaining, grant=grant, landing_addrs=landing)
+            outcome = "ok" if block_bytes == self.block_bytes else "failed"
+        except grpc.aio.AioRpcError as exc:
+            clean = exc.code() in _REFUSED_BEFORE_WRITE
+            log.warning("pull: %s refused or failed the send (%s: %s); answering MISS", peer.address,
+                        exc.code().name, exc.details())
+            if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                await self._peers.forget(peer)
+            outcome = "failed" if clean else "quarantine"
+        except InvalidArgument as exc:
+            log.warning("pull: %s sent %s; answering MISS", peer.address, exc)
+            await self._peers.forget(peer)
+            outcome = "quarantine"
+        elapsed_ms = (time.perf_counter() - t0) * 1000
+        if outcome != "ok":
+            for block in blocks:
+                self._writers.pop(block.key, None)
+                (self.tier.quarantine if outcome == "quarantine" else self.tier.abort)(block)
+            return None
+        n = 0
+        while n < len(blocks) and answer.statuses[n] is LookupStatus.HIT:
+            n += 1
+        for block in blocks[n:]:
+            self._writers.pop(block.key, None)
+            self.tier.abort(block)
+        return blocks[:n], answer.checksums[:n], 0.0, elapsed_ms
 
     async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
         """Checksum of every pulled block against the source's, split over worker threads (the GIL is released)."""
@@ -568,13 +689,14 @@ class DataPlaneCore:
                                      f"{self.block_bytes}")
         return answer
 
-    def _reserve_for_pull(self, ns: Namespace, hashes: list[bytes], wanted: list[int], answer: LookupAnswer,
-                          first_block_index: int, tenant_limit_bytes: int | None
+    def _reserve_for_pull(self, ns: Namespace, hashes: list[bytes], wanted: list[int], first_block_index: int,
+                          tenant_limit_bytes: int | None, answer: LookupAnswer | None = None
                           ) -> tuple[list[Block], list[int], list[int]]:
-        """Local slots for the leading HITs of the answer (as many as fit, within the tenant's limit)."""
+        """Local slots for the leading wanted blocks (the leading HITs of ``answer`` when given), as many as
+        fit within the tenant's limit; with ``answer``, also their remote addresses and checksums."""
         blocks, addrs, checksums = [], [], []
         for j, i in enumerate(wanted):
-            if answer.statuses[j] is not LookupStatus.HIT:
+            if answer is not None and answer.statuses[j] is not LookupStatus.HIT:
                 break
             if tenant_limit_bytes is not None and \
                     (self.tier.tenant_slots(ns.tenant) + 1) * self.block_bytes > tenant_limit_bytes:
@@ -585,8 +707,9 @@ class DataPlaneCore:
                 break
             self._writers[key] = _PULL
             blocks.append(block)
-            addrs.append(answer.addrs[j])
-            checksums.append(answer.checksums[j])
+            if answer is not None:
+                addrs.append(answer.addrs[j])
+                checksums.append(answer.checksums[j])
         return blocks, addrs, checksums
 
     async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -30,29 +31,36 @@ log = logging.getLogger(__name__)
 class Peer:
     address: str
     node_id: str
-    agent_name: str
+    agent_name: str  # "" when the source WRITEs instead of handing out its metadata
     client: DataPlaneClient
 
 
+# (grant, method, target node id) -> this node's proof of possession of the grant's key (tenancy.peer_proof)
+PeerProof = Callable[[bytes, str, str], str]
+
+
 class PeerPool:
-    def __init__(self, node_id: str, transport: Transport, block_bytes: int, node_key: str | None = None,
+    def __init__(self, node_id: str, transport: Transport, block_bytes: int, proof: PeerProof | None = None,
                  tls: ClientTLS | None = None) -> None:
+        """``proof``: how this node proves its peer key; peers are never sent this node's API key."""
         self._node_id = node_id
-        self._node_key = node_key
+        self._proof = proof
         self._tls = tls
         self._transport = transport
         self._block_bytes = block_bytes
         self._peers: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def get(self, address: str, timeout_s: float, grant: bytes) -> Peer:
-        """The peer at ``address``; Unavailable when it cannot be reached, FailedPrecondition when incompatible,
+    async def get(self, address: str, node_id: str, timeout_s: float, grant: bytes) -> Peer:
+        """The peer at ``address`` (node ``node_id``, which peer proofs name); Unavailable when it cannot be reached, FailedPrecondition when incompatible,
         PermissionDenied when it refuses this node's grant."""
         async with self._locks.setdefault(address, asyncio.Lock()):
             peer = self._peers.get(address)
             if peer is not None:
                 return peer
-            client = DataPlaneClient(address, key=self._node_key, tls=self._tls)
+            proof = self._proof
+            client = DataPlaneClient(address, tls=self._tls,
+                                     peer_proof=(lambda g, method: proof(g, method, node_id)) if proof else None)
             try:
                 hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(),
                                                           self._block_bytes, timeout=timeout_s, grant=grant)
@@ -67,7 +75,9 @@ class PeerPool:
                 await client.close()
                 raise FailedPrecondition(
                     f"peer {address} uses {hs.block_bytes}-byte blocks, this node {self._block_bytes}")
-            peer = Peer(address, hs.node_id, self._transport.add_peer(hs.agent_metadata), client)
+            # No metadata: the source hands out no rkey and WRITEs what a grant covers (agent_name "").
+            agent = self._transport.add_peer(hs.agent_metadata) if hs.agent_metadata else ""
+            peer = Peer(address, hs.node_id, agent, client)
             self._peers[address] = peer
             return peer
 
@@ -75,7 +85,8 @@ class PeerPool:
         """Drops a peer after a failure; the next :meth:`get` handshakes again."""
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
-            self._transport.remove_peer(peer.agent_name)
+            if peer.agent_name:
+                self._transport.remove_peer(peer.agent_name)
             await peer.client.close()
 
     async def close(self) -> None:

@@ -72,7 +72,8 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
     with_cp = bool(config.control_plane_address)
     return DataPlaneCore(config, region, policy, transport, disk=disk, metrics=metrics,
                          grants=auth.grant_for if with_cp else None, limits=auth.tenant_limit if with_cp else None,
-                         node_key=auth.node_key, peer_tls=config.client_tls())
+                         peer_proof=auth.peer_proof, peer_tls=config.client_tls(),
+                         routes=auth.check_route if config.require_route_token else None)
 
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
@@ -80,13 +81,15 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address,
                     timeout_s=config.control_plane_timeout_ms / 1000,
-                    refresh_s=config.control_plane_refresh_ms / 1000, tls=config.client_tls())
+                    refresh_s=config.control_plane_refresh_ms / 1000, tls=config.client_tls(),
+                    grant_keys_refresh_s=config.grant_keys_refresh_s)
     metrics = DataPlaneMetrics()
     core = build_core(config, auth, metrics)
     try:
         binding = ServiceBinding(DataPlaneServicer(core, auth), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
                                  "kvmesh.v1.DataPlane")
-        interceptors = [RpcMetricsInterceptor(metrics.registry, "data-plane"), AuthInterceptor(auth.authenticate)]
+        interceptors = [RpcMetricsInterceptor(metrics.registry, "data-plane"),
+                        AuthInterceptor(auth.authenticate, peer=auth.peer_principal)]
         server = await start_server(config.listen, [binding], interceptors=interceptors, tls=tls)
     except BaseException:
         await core.close()

@@ -6,21 +6,25 @@ needs this node's own key; the peer API needs a pull grant for the namespace.
 
 from __future__ import annotations
 
+from kvmesh.errors import InvalidArgument, PermissionDenied
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
 
-from tenancy.auth import current_principal
-from tenancy.model import Principal
+from tenancy.grants import Grant
 
 from data_plane import wire
 from data_plane.auth import NodeAuth
 from data_plane.core import DataPlaneCore
 
+# A send's WRITE must end (or be cancelled) before the caller's deadline: the caller quarantines on a timeout.
+SEND_MARGIN_S = 0.25
 
-def lease_holder(principal: Principal) -> str:
-    """Leases are held by the calling key: a peer can release only the leases its own lookups took."""
-    return f"key:{principal.key_id}"
+
+def lease_holder(grant: Grant | None) -> str:
+    """Leases are held by the peer key that proved the grant: a peer can release only the leases its own
+    lookups took."""
+    return "local" if grant is None else f"peer:{grant.consumer_public_key}"
 
 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
@@ -32,7 +36,10 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
 
     @grpc_errors
     async def ExchangeAgentMetadata(self, request, context):
-        await self._auth.require_grant(context.invocation_metadata(), None)
+        grant = await self._auth.require_grant(context.invocation_metadata(), None, "ExchangeAgentMetadata")
+        if grant is not None and grant.consumer_node_id != request.node_id:
+            raise PermissionDenied(f"the grant was issued to node {grant.consumer_node_id!r}, "
+                                   f"not {request.node_id!r}")
         name, metadata = await self._core.exchange_metadata(request.node_id, request.agent_metadata,
                                                             request.block_bytes, context.time_remaining() or 10.0)
         return pb.ExchangeAgentMetadataResponse(node_id=self._core.node_id, agent_name=name,
@@ -41,19 +48,28 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Lookup(self, request, context):
         ns = Namespace.from_proto(request.namespace)
-        await self._auth.require_grant(context.invocation_metadata(), ns)
+        grant = await self._auth.require_grant(context.invocation_metadata(), ns, "Lookup")
+        if request.landing_addrs:
+            if grant is None:
+                raise InvalidArgument("landing_addrs is for peers: a local caller acquires blocks instead")
+            remaining = context.time_remaining()
+            timeout_s = self._core.config.pull_timeout_ms / 1000 if remaining is None else remaining
+            answer = await self._core.send(
+                ns, list(request.block_hashes), list(request.landing_addrs), grant.consumer_node_id,
+                timeout_s=max(0.0, timeout_s - SEND_MARGIN_S), pending_wait_ms=request.pending_wait_ms,
+                media=wire.media_from_pb(request.media))
+            return wire.lookup_response(answer, self._core.block_bytes)
         answer = await self._core.lookup(
             ns, list(request.block_hashes),
             consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,
             lease_ms=request.lease_ms, media=wire.media_from_pb(request.media),
-            holder=lease_holder(current_principal()))
+            holder=lease_holder(grant))
         return wire.lookup_response(answer, self._core.block_bytes)
 
     @grpc_errors
     async def Release(self, request, context):
-        await self._auth.require_grant(context.invocation_metadata(), None)
-        principal = current_principal()
-        self._core.release(request.lease_id, None if self._auth.is_local(principal) else lease_holder(principal))
+        grant = await self._auth.require_grant(context.invocation_metadata(), None, "Release")
+        self._core.release(request.lease_id, None if grant is None else lease_holder(grant))
         return pb.ReleaseResponse()
 
     # ---- local API ----
@@ -65,7 +81,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
-            grant=wire.grant_token(request.grant))
+            grant=wire.grant_token(request.grant), route_token=wire.grant_token(request.route_token.encode()))
         return wire.pull_response(result)
 
     @grpc_errors
@@ -73,7 +89,8 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         self._auth.require_local("DescribeTier")
         d = self._core.describe()
         return pb.DescribeTierResponse(node_id=d.node_id, shm_path=d.shm_path, block_bytes=d.block_bytes,
-                                       num_slots=d.num_slots, locked=d.locked, block_tokens=d.block_tokens)
+                                       num_slots=d.num_slots, locked=d.locked, block_tokens=d.block_tokens,
+                                       peer_public_key=self._auth.identity.public_key)
 
     @grpc_errors
     async def Reserve(self, request, context):

@@ -3,12 +3,16 @@
 Implementor contracts:
   * The local region is registered once, before :meth:`Transport.ready`
     returns (construction may hand that work to a thread), and stays
-    registered until :meth:`Transport.close`.
+    registered until :meth:`Transport.close`. Whether peers get its metadata
+    (and so may READ it one-sided) is the caller's choice: by default a source
+    hands out none and WRITEs the blocks a grant covers (docs/security.md).
   * ``read`` copies ``length`` bytes from each remote address into each local
     offset, all descriptors in one transfer request, and returns only when all
     of them have arrived. Otherwise it raises :class:`TransferFailed`; its
     ``may_still_write`` is True only when the request could not be cancelled,
     and then the caller must never reuse the destination slots.
+  * ``write`` is the mirror image: the local offsets are the source, the
+    remote addresses lie in the peer's registered region; same guarantees.
   * ``read`` never waits past its timeout; a peer that died or disconnected
     (NIXL_ERR_REMOTE_DISCONNECT) fails the read, it does not hang it.
   * Peers are added from their metadata and cached by agent name; a peer whose
@@ -121,6 +125,11 @@ class Transport(abc.ABC):
         """READs ``length`` bytes at each remote address into the local region at each offset."""
 
     @abc.abstractmethod
+    async def write(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+                    timeout_s: float) -> None:
+        """WRITEs ``length`` bytes at each local offset to the peer's memory at each remote address."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
@@ -193,37 +202,46 @@ class NixlTransport(Transport):
 
     async def read(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
                    timeout_s: float) -> None:
+        await self._xfer("READ", peer, local_offsets, remote_addrs, length, timeout_s)
+
+    async def write(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+                    timeout_s: float) -> None:
+        await self._xfer("WRITE", peer, local_offsets, remote_addrs, length, timeout_s)
+
+    async def _xfer(self, op: str, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+                    timeout_s: float) -> None:
         if peer not in self._peers:
             raise TransferFailed(f"unknown peer agent {peer!r}")
         local, remote = _descriptors(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
                                      np.asarray(remote_addrs, dtype=np.uint64), length)
         deadline = time.monotonic() + timeout_s
-        await asyncio.to_thread(self._read_blocking, peer, local, remote, deadline)
+        await asyncio.to_thread(self._xfer_blocking, op, peer, local, remote, deadline)
 
-    def _read_blocking(self, peer: str, local: np.ndarray, remote: np.ndarray, deadline: float) -> None:
+    def _xfer_blocking(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray,
+                       deadline: float) -> None:
         agent = self._agent
         try:
-            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+            handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
                                            agent.get_xfer_descs(remote, "DRAM"), peer)
         except Exception as exc:  # noqa: BLE001 - every NIXL failure is a failed transfer
-            raise TransferFailed(f"preparing the READ from {peer} failed: {exc}") from exc
+            raise TransferFailed(f"preparing the {op} with {peer} failed: {exc}") from exc
         try:
             state = agent.transfer(handle)
             spins = 0
             while state == "PROC":
                 if time.monotonic() >= deadline:
-                    raise TransferFailed(f"READ from {peer} timed out")
+                    raise TransferFailed(f"{op} with {peer} timed out")
                 spins += 1
                 if spins > _SPINS_BEFORE_SLEEP:
                     time.sleep(_POLL_SLEEP_S)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
-                raise TransferFailed(f"READ from {peer} failed ({state})")
+                raise TransferFailed(f"{op} with {peer} failed ({state})")
         except TransferFailed as exc:
             exc.may_still_write = not self._release(handle)
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
-            raise TransferFailed(f"READ from {peer} failed: {exc}",
+            raise TransferFailed(f"{op} with {peer} failed: {exc}",
                                  may_still_write=not self._release(handle)) from exc
         self._release(handle)
 

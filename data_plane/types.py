@@ -98,6 +98,7 @@ class PullResult:
     lookup_ms: float
     transfer_ms: float
     joined: int = 0  # of ``pulled``: blocks another in-flight pull on this node brought (coalesced)
+    refused: str = ""  # why the pull was refused before any transfer ("" when it was not)
 
 
 def validate_hashes(ns: Namespace, hashes: list[bytes], max_hashes: int) -> list[bytes]:

@@ -81,6 +81,7 @@ def pull_response(result: PullResult) -> pb.PullResponse:
         lookup_ms=result.lookup_ms,
         transfer_ms=result.transfer_ms,
         blocks_joined=result.joined,
+        refused=result.refused,
     )
 
 
@@ -93,4 +94,5 @@ def pull_result(msg: pb.PullResponse) -> PullResult:
         lookup_ms=msg.lookup_ms,
         transfer_ms=msg.transfer_ms,
         joined=msg.blocks_joined,
+        refused=msg.refused,
     )

@@ -12,8 +12,10 @@ The keys follow vLLM's P2P tier (seed 000's table):
 
 ``remote_prefiller`` + ``remote_kv_source`` is contradictory (two sources for one block
 sequence) and rejected. A source is ``{"kv_request_id", "remote_host", "remote_port"}`` plus
-optionally ``"remote_node_id"`` (what ``ControlPlane.Route`` returns; otherwise the node is
-resolved through the control plane). ``kv_load_tiers`` restricts where blocks may come from
+optionally ``"remote_node_id"`` and ``"route_token"`` (what ``ControlPlane.Route`` returns; otherwise
+the node is resolved through the control plane; a data plane run with ``require_route_token`` pulls
+only from a source whose route token Route signed, and any data plane only from a node's registered
+address). ``kv_load_tiers`` restricts where blocks may come from
 (``"cpu:local,disk:local,cpu:peer"``, or a list); kvmesh's own options live under ``"kvmesh"``:
 ``load``, ``save`` (default true), ``max_offload_tokens`` (cap of saved tokens),
 ``protected_blocks`` (leading blocks the cost-aware eviction keeps, e.g. a system prompt).
@@ -47,6 +49,7 @@ class PeerSource:
     host: str
     port: int
     node_id: str = ""
+    route_token: str = ""  # Route's signature on this source (nodes with require_route_token need it)
 
     @property
     def address(self) -> str:
@@ -65,7 +68,8 @@ class PeerSource:
             raise InvalidTransferParams(f"{kind}.remote_port must be a port number, got {port!r}") from None
         if not 0 < port < 65536:
             raise InvalidTransferParams(f"{kind}.remote_port {port} is out of range")
-        return cls(kind, str(value.get("kv_request_id", "")), host, port, str(value.get("remote_node_id", "")))
+        return cls(kind, str(value.get("kv_request_id", "")), host, port, str(value.get("remote_node_id", "")),
+                   str(value.get("route_token", "")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,13 +295,17 @@ class SchedulerSide:
         if node_id == self._node_id:
             return 0, 0  # the source is this node: a local hit
         started = time.perf_counter()
+        route_token = params.source.route_token if params.source is not None else ""
         try:
             result = await self._link.pull_async(self._ns, hashes, node_id, address,
                                                  timeout_ms=self._config.pull_timeout_ms,
-                                                 source_media=params.peer_media, first_block_index=first)
+                                                 source_media=params.peer_media, first_block_index=first,
+                                                 route_token=route_token)
         finally:
             report.pull_ms += (time.perf_counter() - started) * 1e3
             report.source = node_id
+        if result.refused:
+            report.error = result.refused
         report.bytes_pulled += result.bytes_pulled
         report.joined_blocks += result.joined
         report.peer_lookup_ms += result.lookup_ms

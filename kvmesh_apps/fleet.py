@@ -30,6 +30,7 @@ from kvmesh_apps.engine_host import EngineProcess
 from kvmesh_apps.procs import ServiceProcess
 from kvmesh_apps.redis_server import RedisServer, fleet_users, write_secret
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
+from tenancy.grants import GrantSigner
 
 DEFAULT_BLOCK_BYTES = 2 * 1024 * 1024
 
@@ -58,6 +59,13 @@ class Fleet:
         self.engines: dict[str, EngineProcess] = {}
         self._wanted_data_planes = data_planes
 
+    def _grant_key_file(self) -> Path:
+        """The control plane's grant-signing key, generated on first start (mode 0600) and kept in the workdir."""
+        path = self.workdir / "grant-signing-key.pem"
+        if not path.exists():
+            GrantSigner.create_file(path)
+        return path
+
     # ---- lifecycle ----
 
     def start(self) -> "Fleet":
@@ -68,7 +76,7 @@ class Fleet:
                 ["control-plane", "--listen", "127.0.0.1:0", "--redis-url", self.redis.url,
                  "--redis-username", cp_user.name, "--redis-password-file", str(cp_user.password_file),
                  "--redis-acl-username", acl_user.name, "--redis-acl-password-file", str(acl_user.password_file),
-                 "--admin-key-file", str(self.admin_key_file)],
+                 "--admin-key-file", str(self.admin_key_file), "--grant-key-file", str(self._grant_key_file())],
                 env=self._trace_env("control-plane"), log_path=self.workdir / "control-plane.log").start()
             if self._wanted_data_planes and importlib.util.find_spec("data_plane.server") is not None:
                 nodes = [f"dp{i}" for i in range(1, self._wanted_data_planes + 1)]

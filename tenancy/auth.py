@@ -137,16 +137,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates every non-exempt RPC with ``authenticate`` (presented key -> principal, or
     Unauthenticated); denials are audited when a sink is given."""
 
-    def __init__(self, authenticate: Authenticate, audit: AuditSink | None = None) -> None:
+    def __init__(self, authenticate: Authenticate, audit: AuditSink | None = None,
+                 peer: Callable[[object], Principal | None] | None = None) -> None:
+        """``peer``: for calls without a bearer key, the principal of a call that carries a peer proof
+        (checked by the handler itself, data planes only), or None."""
         self._authenticate = authenticate
         self._audit = audit
+        self._peer = peer
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
         try:
-            principal = await self._authenticate(bearer(details.invocation_metadata))
+            try:
+                principal = await self._authenticate(bearer(details.invocation_metadata))
+            except Unauthenticated:
+                principal = self._peer(details.invocation_metadata) if self._peer is not None else None
+                if principal is None:
+                    raise
         except Unauthenticated as exc:
             await self.record_denial("-", details.method, "UNAUTHENTICATED", str(exc))
             return rewrap_handler(handler, _denial(grpc.StatusCode.UNAUTHENTICATED, str(exc)))

@@ -1,19 +1,28 @@
 """Pull grants: short-lived capabilities, signed by the control plane, checked by data planes.
 
 A source data plane serves a peer's Lookup or Pull only with a grant that names
-the tenant, the namespace (fingerprint), the consumer node and the very key it
-authenticates with, the source node, and an expiry. Grants are Ed25519-signed:
+the tenant, the namespace (fingerprint), the consumer node and its peer public
+key (the caller proves possession of it: tenancy.peer_proof), the source node
+and its registered address, and an expiry. Grants are Ed25519-signed:
 data planes hold only the public key, so a compromised data plane cannot mint
 grants. Token: ``base64url(json payload) "." base64url(signature)``.
+
+The signing key is the operator's (a PEM file, :meth:`GrantSigner.from_file`), never
+stored in Redis. Each grant names the id of the key that signed it and when it was
+issued; a verifier holds every key currently accepted (the current one and, during
+a rotation's overlap, earlier ones) and refuses grants signed by any other.
 """
 
 from __future__ import annotations
 
 import base64
-import hmac
+import dataclasses
+import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -27,10 +36,51 @@ class Grant:
     tenant: str
     namespace_fingerprint: str
     consumer_node_id: str
-    consumer_key_id: str
-    consumer_key_hash: str
+    consumer_public_key: str  # the consumer's peer key (tenancy.peer_proof), base64url of the raw 32 bytes
     source_node_id: str
     expires_unix_ms: int
+    source_address: str = ""  # the source's registered data-plane address (the only one to dial)
+    key_id: str = ""  # of the key that signed it (set by GrantSigner.sign)
+    issued_unix_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteToken:
+    """``Route``'s signature on the source it named: with ``require_route_token`` a data plane pulls only from a
+    source a request carries such a token for (fields differ from a Grant's, so neither passes as the other)."""
+
+    route_tenant: str
+    route_source_node_id: str
+    route_source_address: str
+    expires_unix_ms: int
+    key_id: str = ""
+    issued_unix_ms: int = 0
+
+
+def key_id(public_key: bytes) -> str:
+    """A grant key's id: the first 16 hex digits of the SHA-256 of its raw 32 bytes."""
+    return hashlib.sha256(public_key).hexdigest()[:16]
+
+
+def public_key_from_pem(pem: bytes) -> bytes:
+    """The raw Ed25519 public key of a PEM file holding either half of a key pair."""
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+        key = key.public_key() if isinstance(key, Ed25519PrivateKey) else None
+    except (ValueError, TypeError):
+        key = serialization.load_pem_public_key(pem)
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError("a grant key must be an Ed25519 key")
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def read_key_file(path: str | Path) -> bytes:
+    """A key file's bytes; ValueError when group or others may read it (it holds a private key)."""
+    path = Path(path)
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise ValueError(f"{path} is readable by group or others (mode {mode & 0o777:o}): chmod 600 it")
+    return path.read_bytes()
 
 
 def _b64(data: bytes) -> str:
@@ -56,6 +106,19 @@ class GrantSigner:
             raise ValueError("the grant-signing key must be an Ed25519 private key")
         return cls(key)
 
+    @classmethod
+    def from_file(cls, path: str | Path) -> "GrantSigner":
+        return cls.from_pem(read_key_file(path))
+
+    @classmethod
+    def create_file(cls, path: str | Path) -> "GrantSigner":
+        """A new key written to ``path`` (created exclusively, mode 0600)."""
+        signer = cls.generate()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(signer.to_pem())
+        return signer
+
     def to_pem(self) -> bytes:
         return self._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption())
@@ -64,31 +127,42 @@ class GrantSigner:
     def public_key(self) -> bytes:
         return self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
-    def sign(self, grant: Grant) -> bytes:
+    @property
+    def key_id(self) -> str:
+        return key_id(self.public_key)
+
+    def sign(self, grant: Grant | RouteToken) -> bytes:
+        grant = dataclasses.replace(grant, key_id=self.key_id, issued_unix_ms=int(time.time() * 1000))
         payload = json.dumps(asdict(grant), sort_keys=True, separators=(",", ":")).encode()
         return f"{_b64(payload)}.{_b64(self._key.sign(payload))}".encode()
+
+
+class UnknownGrantKey(PermissionDenied):
+    """A grant signed by a key this verifier does not hold (a refresh may know it)."""
 
 
 class GrantVerifier:
     """Checks grants on a source data plane. Every failure is PermissionDenied with the reason."""
 
-    def __init__(self, public_key: bytes, node_id: str) -> None:
-        self._key = Ed25519PublicKey.from_public_bytes(public_key)
+    def __init__(self, public_keys: bytes | list[bytes], node_id: str) -> None:
+        """``public_keys``: raw Ed25519 keys accepted (the current one and those in a rotation overlap)."""
         self._node_id = node_id
+        self._keys: dict[str, Ed25519PublicKey] = {}
+        self.set_keys([public_keys] if isinstance(public_keys, bytes) else public_keys)
 
-    def verify(self, token: bytes, *, key_id: str, key_hash: str, namespace_fingerprint: str | None,
-               now_ms: int | None = None) -> Grant:
-        """``key_id``/``key_hash``: the key the caller authenticated with. ``namespace_fingerprint``
-        None: any namespace (calls that name none, e.g. the NIXL handshake)."""
+    def set_keys(self, public_keys: list[bytes]) -> None:
+        self._keys = {key_id(k): Ed25519PublicKey.from_public_bytes(k) for k in public_keys}
+
+    @property
+    def key_ids(self) -> frozenset[str]:
+        return frozenset(self._keys)
+
+    def verify(self, token: bytes, *, namespace_fingerprint: str | None, now_ms: int | None = None) -> Grant:
+        """``namespace_fingerprint`` None: any namespace (calls that name none, e.g. the NIXL handshake).
+        Who presents it is checked by the caller: a proof of possession of ``consumer_public_key``."""
         if not token:
             raise PermissionDenied("this call needs a pull grant from the control plane")
-        try:
-            payload_b64, sig_b64 = token.decode().split(".")
-            payload = _unb64(payload_b64)
-            self._key.verify(_unb64(sig_b64), payload)
-            grant = Grant(**json.loads(payload))
-        except (ValueError, TypeError, UnicodeDecodeError, InvalidSignature):
-            raise PermissionDenied("invalid pull grant") from None
+        grant = self._open(token, Grant, "pull grant")
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         if grant.expires_unix_ms <= now_ms:
             raise PermissionDenied("pull grant expired")
@@ -96,6 +170,36 @@ class GrantVerifier:
             raise PermissionDenied("pull grant is for another source node")
         if namespace_fingerprint is not None and grant.namespace_fingerprint != namespace_fingerprint:
             raise PermissionDenied("pull grant is for another namespace")
-        if key_id != grant.consumer_key_id or not hmac.compare_digest(key_hash, grant.consumer_key_hash):
-            raise PermissionDenied("pull grant was issued to another node")
         return grant
+
+    def verify_route(self, token: bytes, *, source_node_id: str, source_address: str,
+                     now_ms: int | None = None) -> RouteToken:
+        """A routing token for pulling from this source node at this address (PermissionDenied otherwise)."""
+        if not token:
+            raise PermissionDenied("this node pulls only from sources named by Route: the request carries no "
+                                   "route_token")
+        route = self._open(token, RouteToken, "route token")
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        if route.expires_unix_ms <= now_ms:
+            raise PermissionDenied("route token expired")
+        if (route.route_source_node_id, route.route_source_address) != (source_node_id, source_address):
+            raise PermissionDenied(f"the route token names {route.route_source_node_id} at "
+                                   f"{route.route_source_address}, not {source_node_id} at {source_address}")
+        return route
+
+    def _open(self, token: bytes, kind, what: str):
+        """The signed claims of ``kind`` in ``token``, signature checked with the key it names."""
+        try:
+            payload_b64, sig_b64 = token.decode().split(".")
+            payload = _unb64(payload_b64)
+            claims = kind(**json.loads(payload))
+        except (ValueError, TypeError, UnicodeDecodeError):
+            raise PermissionDenied(f"invalid {what}") from None
+        signing_key = self._keys.get(claims.key_id)
+        if signing_key is None:
+            raise UnknownGrantKey(f"{what} signed by an unknown key ({claims.key_id or 'no key id'})")
+        try:
+            signing_key.verify(_unb64(sig_b64), payload)
+        except (ValueError, InvalidSignature):
+            raise PermissionDenied(f"invalid {what}") from None
+        return claims

@@ -28,8 +28,8 @@ class TenantKeys:
         return f"{self._ten}:keys"
 
     @property
-    def grant_signing_key(self) -> str:
-        """The control plane's Ed25519 grant-signing key (PEM), shared by every replica."""
+    def legacy_grant_signing_key(self) -> str:
+        """Where earlier versions kept the grant-signing key: deleted at start (the key lives in a file)."""
         return f"{self._ten}:grant-signing-key"
 
     @property

@@ -11,6 +11,7 @@ Threading model: coroutines, safe to call concurrently; replicas share the store
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 
@@ -29,6 +30,8 @@ from tenancy.key_cache import KEY_CHANGE, TENANT_CHANGE
 from tenancy.keys import TenantKeys
 from tenancy.redis_acl import TenantAcl, tenant_password
 from tenancy.model import ApiKey, AuditEntry, Role, Tenant, TenantPolicy
+
+log = logging.getLogger(__name__)
 
 AUDIT_MAX = 100_000
 
@@ -282,10 +285,13 @@ class RedisTenantStore:
 
     # -- grant signing key ---------------------------------------------------------
 
-    async def grant_signing_key(self, generate) -> bytes:
-        """The replicas' shared grant-signing key (PEM), created by the first replica that asks."""
-        await self._redis.set(self._keys.grant_signing_key, generate(), nx=True)
-        return await self._redis.get(self._keys.grant_signing_key)
+    async def drop_legacy_grant_key(self) -> None:
+        """Deletes the grant-signing key earlier versions kept in Redis (it now lives in a file only)."""
+        try:
+            await self._redis.delete(self._keys.legacy_grant_signing_key)
+        except redis.exceptions.NoPermissionError:
+            log.warning("cannot delete %s (no permission): remove the old grant-signing key from Redis by hand",
+                        self._keys.legacy_grant_signing_key)
 
     # -- audit -------------------------------------------------------------------
 

@@ -132,6 +132,11 @@ class KvSource:
     tier: Medium
     cached_tokens: int
     kv_request_id: str = ""
+    route_token: str = ""  # the control plane's signature on this source (tenancy.grants.RouteToken)
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def to_transfer_params(self) -> dict:
         """The ``remote_kv_source`` dict an engine takes in ``kv_transfer_params``."""
@@ -140,6 +145,8 @@ class KvSource:
             out["kv_request_id"] = self.kv_request_id
         out.update(remote_host=self.host, remote_port=self.port, remote_node_id=self.node_id,
                    tier=self.tier.name, cached_tokens=self.cached_tokens)
+        if self.route_token:
+            out["route_token"] = self.route_token
         return out
 
     def to_json(self) -> str:

@@ -51,7 +51,8 @@ def route_decision_to_pb(d: RouteDecision) -> pb.RouteResponse:
     if d.source is not None:
         s = d.source
         out.kv_source.CopyFrom(pb.KvSource(node_id=s.node_id, host=s.host, port=s.port, tier=int(s.tier),
-                                           cached_tokens=s.cached_tokens, kv_request_id=s.kv_request_id))
+                                           cached_tokens=s.cached_tokens, kv_request_id=s.kv_request_id,
+                                           route_token=s.route_token))
         out.remote_kv_source_json = s.to_json()
     return out
 
@@ -83,7 +84,8 @@ def route_decision(msg: pb.RouteResponse) -> RouteDecision:
     source = None
     if msg.HasField("kv_source"):
         s = msg.kv_source
-        source = KvSource(s.node_id, s.host, s.port, Medium(s.tier), s.cached_tokens, s.kv_request_id)
+        source = KvSource(s.node_id, s.host, s.port, Medium(s.tier), s.cached_tokens, s.kv_request_id,
+                          s.route_token)
     return RouteDecision(
         engine_id=msg.engine_id, reason=Reason(msg.reason), source_decision=SourceDecision(msg.source_decision),
         prompt_tokens=msg.prompt_tokens, local_cached_tokens=msg.local_cached_tokens,

@@ -264,30 +264,44 @@ class LookupPrefixResponse(_message.Message):
     def __init__(self, blocks_queried: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[NodePrefix, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class IssuePullGrantRequest(_message.Message):
-    __slots__ = ("namespace", "source_node_id")
+    __slots__ = ("namespace", "source_node_id", "consumer_public_key")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     source_node_id: str
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., source_node_id: _Optional[str] = ...) -> None: ...
+    consumer_public_key: bytes
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., source_node_id: _Optional[str] = ..., consumer_public_key: _Optional[bytes] = ...) -> None: ...
 
 class PullGrant(_message.Message):
-    __slots__ = ("token", "expires_unix_ms")
+    __slots__ = ("token", "expires_unix_ms", "source_address")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     token: bytes
     expires_unix_ms: int
-    def __init__(self, token: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    source_address: str
+    def __init__(self, token: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ..., source_address: _Optional[str] = ...) -> None: ...
 
-class GetGrantKeyRequest(_message.Message):
+class GetGrantKeysRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class GetGrantKeyResponse(_message.Message):
-    __slots__ = ("ed25519_public_key",)
+class GrantKey(_message.Message):
+    __slots__ = ("key_id", "ed25519_public_key", "current")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
     ED25519_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
     ed25519_public_key: bytes
-    def __init__(self, ed25519_public_key: _Optional[bytes] = ...) -> None: ...
+    current: bool
+    def __init__(self, key_id: _Optional[str] = ..., ed25519_public_key: _Optional[bytes] = ..., current: _Optional[bool] = ...) -> None: ...
+
+class GetGrantKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[GrantKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[GrantKey, _Mapping]]] = ...) -> None: ...
 
 class EngineCandidate(_message.Message):
     __slots__ = ("engine_id", "node_id", "waiting_requests", "running_tokens")
@@ -328,20 +342,22 @@ class RouteRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., extras: _Optional[_Union[_common_pb2.HashExtras, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[EngineCandidate, _Mapping]]] = ..., policy: _Optional[_Union[RoutePolicy, str]] = ..., disable_p2p: _Optional[bool] = ..., min_cached_token_delta: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_request_id: _Optional[str] = ...) -> None: ...
 
 class KvSource(_message.Message):
-    __slots__ = ("node_id", "host", "port", "tier", "cached_tokens", "kv_request_id")
+    __slots__ = ("node_id", "host", "port", "tier", "cached_tokens", "kv_request_id", "route_token")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     host: str
     port: int
     tier: _common_pb2.Medium
     cached_tokens: int
     kv_request_id: str
-    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Medium, str]] = ..., cached_tokens: _Optional[int] = ..., kv_request_id: _Optional[str] = ...) -> None: ...
+    route_token: str
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Medium, str]] = ..., cached_tokens: _Optional[int] = ..., kv_request_id: _Optional[str] = ..., route_token: _Optional[str] = ...) -> None: ...
 
 class RouteEstimate(_message.Message):
     __slots__ = ("queue_ms", "lookup_ms", "transfer_ms", "promotion_ms", "prefill_ms", "ttft_ms")

@@ -75,10 +75,10 @@ class ControlPlaneStub:
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.IssuePullGrantRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.PullGrant.FromString,
                 _registered_method=True)
-        self.GetGrantKey = channel.unary_unary(
-                '/kvmesh.v1.ControlPlane/GetGrantKey',
-                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.FromString,
+        self.GetGrantKeys = channel.unary_unary(
+                '/kvmesh.v1.ControlPlane/GetGrantKeys',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeysRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeysResponse.FromString,
                 _registered_method=True)
         self.GetTenantLimits = channel.unary_unary(
                 '/kvmesh.v1.ControlPlane/GetTenantLimits',
@@ -165,8 +165,9 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetGrantKey(self, request, context):
-        """The public key data planes verify grants with.
+    def GetGrantKeys(self, request, context):
+        """The public keys data planes verify grants with: the current signing key
+        and any earlier one still in its rotation overlap. Data planes refresh them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -246,10 +247,10 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.IssuePullGrantRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.PullGrant.SerializeToString,
             ),
-            'GetGrantKey': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetGrantKey,
-                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.SerializeToString,
+            'GetGrantKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGrantKeys,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeysRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeysResponse.SerializeToString,
             ),
             'GetTenantLimits': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTenantLimits,
@@ -499,7 +500,7 @@ class ControlPlane:
             _registered_method=True)
 
     @staticmethod
-    def GetGrantKey(request,
+    def GetGrantKeys(request,
             target,
             options=(),
             channel_credentials=None,
@@ -512,9 +513,9 @@ class ControlPlane:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvmesh.v1.ControlPlane/GetGrantKey',
-            kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyRequest.SerializeToString,
-            kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeyResponse.FromString,
+            '/kvmesh.v1.ControlPlane/GetGrantKeys',
+            kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeysRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.GetGrantKeysResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,20 +52,22 @@ class BlockLocation(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "consumer_node_id", "pending_wait_ms", "lease_ms", "media")
+    __slots__ = ("namespace", "block_hashes", "consumer_node_id", "pending_wait_ms", "lease_ms", "media", "landing_addrs")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PENDING_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    LANDING_ADDRS_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     consumer_node_id: str
     pending_wait_ms: int
     lease_ms: int
     media: _containers.RepeatedScalarFieldContainer[_common_pb2.Medium]
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., consumer_node_id: _Optional[str] = ..., pending_wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ...) -> None: ...
+    landing_addrs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., consumer_node_id: _Optional[str] = ..., pending_wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., landing_addrs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("statuses", "locations", "lease_id", "block_bytes", "checksums")
@@ -92,7 +94,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "source_node_id", "source_address", "timeout_ms", "source_media", "first_block_index", "grant")
+    __slots__ = ("namespace", "block_hashes", "source_node_id", "source_address", "timeout_ms", "source_media", "first_block_index", "grant", "route_token")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class PullRequest(_message.Message):
     SOURCE_MEDIA_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     source_node_id: str
@@ -109,10 +112,11 @@ class PullRequest(_message.Message):
     source_media: _containers.RepeatedScalarFieldContainer[_common_pb2.Medium]
     first_block_index: int
     grant: bytes
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., source_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., source_media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., first_block_index: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
+    route_token: str
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., source_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., source_media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., first_block_index: _Optional[int] = ..., grant: _Optional[bytes] = ..., route_token: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("blocks_pulled", "blocks_already_local", "bytes_pulled", "statuses", "lookup_ms", "transfer_ms", "blocks_joined")
+    __slots__ = ("blocks_pulled", "blocks_already_local", "bytes_pulled", "statuses", "lookup_ms", "transfer_ms", "blocks_joined", "refused")
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_ALREADY_LOCAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +124,7 @@ class PullResponse(_message.Message):
     LOOKUP_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_JOINED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     blocks_pulled: int
     blocks_already_local: int
     bytes_pulled: int
@@ -127,27 +132,30 @@ class PullResponse(_message.Message):
     lookup_ms: float
     transfer_ms: float
     blocks_joined: int
-    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_already_local: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., blocks_joined: _Optional[int] = ...) -> None: ...
+    refused: str
+    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_already_local: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., blocks_joined: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class DescribeTierRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeTierResponse(_message.Message):
-    __slots__ = ("node_id", "shm_path", "block_bytes", "num_slots", "locked", "block_tokens")
+    __slots__ = ("node_id", "shm_path", "block_bytes", "num_slots", "locked", "block_tokens", "peer_public_key")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOCKED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     shm_path: str
     block_bytes: int
     num_slots: int
     locked: bool
     block_tokens: int
-    def __init__(self, node_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., locked: _Optional[bool] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    peer_public_key: bytes
+    def __init__(self, node_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., locked: _Optional[bool] = ..., block_tokens: _Optional[int] = ..., peer_public_key: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes", "max_offload_tokens", "first_block_index", "protected_blocks")

@@ -1,12 +1,18 @@
-"""``kvmesh bench pull``: NIXL peer-pull throughput between two data-plane processes on loopback.
+"""``kvmesh bench pull``: NIXL peer-pull throughput between data-plane processes on loopback.
 
-Per case (64 x 2 MiB, 1,024 x 64 KiB) it starts a source and a destination
-node, stores the blocks on the source through the shared region, and times
+Per case (64 x 2 MiB, 1,024 x 64 KiB) it starts two sources and a destination
+node, stores the blocks on a source through the shared region, and times
 ``Pull`` RPCs end to end from this process: the source lookup, one batched
-NIXL READ of every block, the CRC-32C check of every block and the commit are
-all inside the timed window. ``transfer_gbps_*`` is the READ alone (from the
-node's own timing). ``memcpy_gbps`` is a single-thread copy of the same bytes
-in this process, measured between the pull rounds.
+NIXL transfer of every block, the CRC-32C check of every block and the commit
+are all inside the timed window. The default source WRITEs the blocks the
+grant covers into the destination's reserved slots (the gated byte path,
+``pull_*``); the other serves one-sided READs (``serve_peer_reads``,
+``*_ungated``); rounds alternate between them, and ``gating_cost_fraction_*``
+is the gated median time over the ungated one, minus 1 (``gating_cost_fraction``:
+the worse case). ``transfer_gbps_*`` is the gated send alone (lookup and
+WRITE in one call, from the node's own timing). ``memcpy_gbps`` is a
+single-thread copy of the same bytes in this process, measured between the
+pull rounds.
 
 ``idle_cpu_fraction``: CPU time (user + system, from /proc) of the busier of
 the two data-plane processes over ``--idle-seconds`` without traffic, after the
@@ -34,8 +40,9 @@ import numpy as np
 from crc32c import crc32c
 
 from kvmesh.namespace import CacheConfig, Namespace
-from tenancy.api_keys import hash_secret, new_key, parse
+from tenancy.api_keys import new_key
 from tenancy.grants import Grant, GrantSigner
+from tenancy.peer_proof import NodeIdentity, encode_public_key
 
 from data_plane.client import DataPlaneClient, SharedTier
 from kvmesh_apps.dp_process import DataPlaneProcess
@@ -107,31 +114,51 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
     signer = GrantSigner.generate()
     flags = dict(listen="127.0.0.1:0", shm_dir=shm_dir, block_bytes=block_bytes, capacity_bytes=block_bytes * n,
                  max_hashes_per_request=max(n, 4096), grant_public_key=base64.b64encode(signer.public_key).decode())
-    src = DataPlaneProcess(f"bench-src-{name}", {**flags, "api_key": new_key()[1]})
+    # Two sources in one run, pulled from alternately: the default one WRITEs what the grant covers (gated),
+    # the other hands out its NIXL metadata and is READ one-sided (serve_peer_reads, ungated).
+    sources = {"gated": DataPlaneProcess(f"bench-src-{name}", {**flags, "api_key": new_key()[1]}),
+               "ungated": DataPlaneProcess(f"bench-srcr-{name}", {**flags, "api_key": new_key()[1]},
+                                           env={"KVMESH_DP_SERVE_PEER_READS": "true"})}
     dst = DataPlaneProcess(f"bench-dst-{name}", {**flags, "api_key": new_key()[1]})
-    key_id, secret = parse(dst.api_key)
-    grant = signer.sign(Grant(NS.tenant, NS.fingerprint, dst.node_id, key_id, hash_secret(secret), src.node_id,
-                              int(time.time() * 1000) + 3_600_000))
+    src = sources["gated"]
+    me = NodeIdentity()  # this process, as a peer, for the lookup latency
+
+    def sign(consumer: str, public_key: bytes, source: str) -> bytes:
+        return signer.sign(Grant(NS.tenant, NS.fingerprint, consumer, encode_public_key(public_key), source,
+                                 int(time.time() * 1000) + 3_600_000))
+
     try:
         async with DataPlaneClient(src.address, key=src.api_key) as sc, \
+                DataPlaneClient(sources["ungated"].address, key=sources["ungated"].api_key) as uc, \
                 DataPlaneClient(dst.address, key=dst.api_key) as dc, \
-                DataPlaneClient(src.address, key=dst.api_key) as peer:
-            stier, dtier = SharedTier.open(await sc.describe_tier()), SharedTier.open(await dc.describe_tier())
-            wall, transfer, memcpy = [], [], []
+                DataPlaneClient(src.address, peer_proof=lambda g, m: me.proof(g, m, src.node_id)) as peer:
+            clients = {"gated": sc, "ungated": uc}
+            tiers = {mode: SharedTier.open(await c.describe_tier()) for mode, c in clients.items()}
+            description = await dc.describe_tier()
+            dtier = SharedTier.open(description)
+            grants = {mode: sign(dst.node_id, description.peer_public_key, source.node_id)
+                      for mode, source in sources.items()}
+            peer_grant = sign("bench-peer", me.public_key, src.node_id)
+            wall: dict[str, list[float]] = {"gated": [], "ungated": []}
+            transfer: list[float] = []
+            memcpy = []
             copier = _Memcpy(n * block_bytes)
             for r in range(rounds + 1):  # round 0 warms up (handshake, registration caches)
-                hashes = await _fill_source(sc, stier, n, first=r == 0)
-                t0 = time.perf_counter()
-                result = await dc.pull(NS, hashes, src.node_id, src.address, grant=grant)
-                elapsed = time.perf_counter() - t0
-                if result.pulled != n:
-                    raise RuntimeError(f"pull {name}: only {result.pulled} of {n} blocks arrived")
+                for mode in (("gated", "ungated") if r % 2 else ("ungated", "gated")):
+                    source = sources[mode]
+                    hashes = await _fill_source(clients[mode], tiers[mode], n, first=r == 0)
+                    t0 = time.perf_counter()
+                    result = await dc.pull(NS, hashes, source.node_id, source.address, grant=grants[mode])
+                    elapsed = time.perf_counter() - t0
+                    if result.pulled != n:
+                        raise RuntimeError(f"pull {name} ({mode}): only {result.pulled} of {n} blocks arrived")
+                    if r:
+                        wall[mode].append(elapsed)
+                        if mode == "gated":
+                            transfer.append(result.transfer_ms / 1000)
+                    log(f"{name} round {r} {mode}: {n * block_bytes / elapsed / 1e9:.2f} GB/s end to end, "
+                        f"transfer {result.transfer_ms:.1f} ms, lookup {result.lookup_ms:.2f} ms")
                 memcpy.append(copier.gbps())
-                if r:
-                    wall.append(elapsed)
-                    transfer.append(result.transfer_ms / 1000)
-                log(f"{name} round {r}: {n * block_bytes / elapsed / 1e9:.2f} GB/s end to end, "
-                    f"READ {result.transfer_ms:.1f} ms, lookup {result.lookup_ms:.2f} ms")
             slots, lease = await dc.acquire(NS, hashes[-1:])
             last = dtier.slot(slots[0])
             intact = int.from_bytes(bytes(last[:8]), "little") == n - 1 and last[-1] == (n - 1) % 251
@@ -141,29 +168,37 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
                 raise RuntimeError(f"pull {name}: the last block's bytes differ from the source's")
             out = {}
             if name == "64kib":
-                out["coalesced_bytes_ratio"] = await _coalesced(sc, stier, dc, src, grant, block_bytes)
+                out["coalesced_bytes_ratio"] = await _coalesced(sc, tiers["gated"], dc, src, grants["gated"],
+                                                                block_bytes)
                 log(f"coalescing: {CONCURRENT_PULLS} pulls of one prefix moved "
                     f"{out['coalesced_bytes_ratio']:.2f}x its bytes")
             lookups = []
             if name == "2mib":
                 for _ in range(200):
                     t0 = time.perf_counter()
-                    answer, _ = await peer.lookup(NS, hashes[:1], grant=grant)  # as the pulling peer does
+                    answer, _ = await peer.lookup(NS, hashes[:1], grant=peer_grant)  # as a pulling peer does
                     lookups.append((time.perf_counter() - t0) * 1000)
-                    await peer.release(answer.lease_id, grant=grant)
+                    await peer.release(answer.lease_id, grant=peer_grant)
                 log(f"idle: measuring both nodes' CPU over {idle_s:.0f}s without traffic")
                 out["idle_cpu_fraction"] = await _idle_cpu([src.proc.pid, dst.proc.pid], idle_s)
             del copier
-            stier.close()
+            for tier in tiers.values():
+                tier.close()
             dtier.close()
     finally:
-        src.stop()
+        for source in sources.values():
+            source.stop()
         dst.stop()
     nbytes = n * block_bytes
+    gated, ungated = statistics.median(wall["gated"]), statistics.median(wall["ungated"])
     out |= {
-        f"pull_gbps_{name}": nbytes / statistics.median(wall) / 1e9,
+        f"pull_gbps_{name}": nbytes / gated / 1e9,
         f"transfer_gbps_{name}": nbytes / statistics.median(transfer) / 1e9,
         f"memcpy_gbps_{name}": statistics.median(memcpy[1:]),
+        f"pull_ms_{name}": gated * 1000,
+        f"pull_ms_{name}_ungated": ungated * 1000,
+        f"pull_gbps_{name}_ungated": nbytes / ungated / 1e9,
+        f"gating_cost_fraction_{name}": gated / ungated - 1,
     }
     if lookups:
         out["peer_lookup_p50_ms"] = statistics.median(lookups)
@@ -186,6 +221,8 @@ async def _run(rounds: int, shm_dir: Path, log, idle_s: float) -> dict:
     results["ratio_2mib"] = results["pull_gbps_2mib"] / results["memcpy_gbps"]
     results["ratio_2mib_transfer_only"] = results["transfer_gbps_2mib"] / results["memcpy_gbps"]
     results["ratio_64kib"] = results["pull_gbps_64kib"] / results.pop("memcpy_gbps_64kib")
+    results["gating_cost_fraction"] = max(results["gating_cost_fraction_2mib"],
+                                          results["gating_cost_fraction_64kib"])
     results["crc32_gbps"] = _gbps(zlib.crc32, 128 << 20)  # zlib's, for comparison
     results["crc32c_gbps"] = _gbps(crc32c, 128 << 20)  # the one pulls verify with
     return results

@@ -15,6 +15,7 @@ import pytest
 from kvmesh.namespace import CacheConfig, Namespace
 from tenancy import api_keys
 from tenancy.grants import Grant, GrantSigner
+from tenancy.peer_proof import encode_public_key
 
 from data_plane.config import DataPlaneConfig
 from kvmesh_apps.dp_process import DataPlaneProcess
@@ -51,13 +52,12 @@ def grant_signer() -> GrantSigner:
 
 @pytest.fixture
 def grant(grant_signer):
-    """Signs a pull grant for ``consumer_key`` to pull ``ns`` from ``source_node_id``."""
+    """Signs a pull grant for the consumer's peer key to pull ``ns`` from ``source_node_id``."""
 
-    def sign(consumer_key: str, consumer_node_id: str, source_node_id: str, ns: Namespace,
+    def sign(consumer_public_key: bytes, consumer_node_id: str, source_node_id: str, ns: Namespace,
              ttl_ms: int = 60_000) -> bytes:
-        key_id, secret = api_keys.parse(consumer_key)
-        return grant_signer.sign(Grant(ns.tenant, ns.fingerprint, consumer_node_id, key_id,
-                                       api_keys.hash_secret(secret), source_node_id,
+        return grant_signer.sign(Grant(ns.tenant, ns.fingerprint, consumer_node_id,
+                                       encode_public_key(consumer_public_key), source_node_id,
                                        int(time.time() * 1000) + ttl_ms))
 
     return sign

@@ -11,6 +11,7 @@ import pytest
 from kvmesh.namespace import Namespace
 from tenancy import api_keys
 from tenancy.grants import Grant, GrantSigner
+from tenancy.peer_proof import NodeIdentity, encode_public_key
 
 from data_plane.client import DataPlaneClient
 from data_plane.types import BlockKey, LookupStatus
@@ -43,26 +44,28 @@ async def test_local_api_needs_the_nodes_own_key(source, ns):
 
 
 async def test_peer_lookups_need_a_valid_grant(source, ns, grant):
-    peer_key = api_keys.new_key()[1]
+    me, thief = NodeIdentity(), NodeIdentity()  # this process plays a peer node (and a thief)
     hashes = [os.urandom(32)]
-    good = grant(peer_key, "peer", "src", ns)
+    good = grant(me.public_key, "peer", "src", ns)
     other_ns = Namespace("tenant-b", ns.model, ns.weight_version, ns.cache_config)
     cases = {
-        "this call needs a pull grant": b"",
         "invalid pull grant": good[:-4] + b"AAAA",
-        "pull grant expired": grant(peer_key, "peer", "src", ns, ttl_ms=-1),
-        "pull grant is for another source node": grant(peer_key, "peer", "elsewhere", ns),
-        "pull grant is for another namespace": grant(peer_key, "peer", "src", other_ns),
-        "pull grant was issued to another node": grant(api_keys.new_key()[1], "thief", "src", ns),
+        "pull grant expired": grant(me.public_key, "peer", "src", ns, ttl_ms=-1),
+        "pull grant is for another source node": grant(me.public_key, "peer", "elsewhere", ns),
+        "pull grant is for another namespace": grant(me.public_key, "peer", "src", other_ns),
+        "peer proof does not verify": grant(thief.public_key, "thief", "src", ns),  # another node's grant
     }
-    key_id, secret = api_keys.parse(peer_key)
-    forged = Grant(ns.tenant, ns.fingerprint, "peer", key_id, api_keys.hash_secret(secret), "src", 2**62)
-    cases["invalid pull grant "] = GrantSigner.generate().sign(forged)  # signed by anyone but the control plane
-    async with DataPlaneClient(source.address, key=peer_key) as peer:
+    forged = Grant(ns.tenant, ns.fingerprint, "peer", encode_public_key(me.public_key), "src", 2**62)
+    cases["signed by an unknown key"] = GrantSigner.generate().sign(forged)  # by anyone but the control plane
+    async with DataPlaneClient(source.address, peer_proof=lambda g, m: me.proof(g, m, "src")) as peer:
         for reason, token in cases.items():
             await expect(peer.lookup(ns, hashes, grant=token), grpc.StatusCode.PERMISSION_DENIED, reason.strip())
         await expect(peer.exchange_agent_metadata("peer", b"", source.core.block_bytes),
-                     grpc.StatusCode.PERMISSION_DENIED, "needs a pull grant")
+                     grpc.StatusCode.UNAUTHENTICATED, "missing credentials")  # no grant, no proof, no key
+    async with DataPlaneClient(source.address, key=api_keys.new_key()[1]) as keyed:  # an API key proves nothing
+        await expect(keyed.lookup(ns, hashes, grant=good), grpc.StatusCode.PERMISSION_DENIED, "proof of possession")
+        await expect(keyed.lookup(ns, hashes), grpc.StatusCode.PERMISSION_DENIED, "needs a pull grant")
+    async with DataPlaneClient(source.address, peer_proof=lambda g, m: me.proof(g, m, "src")) as peer:
         answer, _ = await peer.lookup(ns, hashes, grant=good)  # the real thing is served
         assert answer.statuses == [LookupStatus.MISS]
 
@@ -74,9 +77,11 @@ async def test_a_peer_cannot_release_another_tenants_lease(source, ns, grant):
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner:
         slots = await owner.reserve(ns, [block])
         await owner.commit(ns, [block])
-    a_key, b_key = api_keys.new_key()[1], api_keys.new_key()[1]
+    a_id, b_id = NodeIdentity(), NodeIdentity()  # two peer nodes' keys
     other_ns = Namespace("tenant-b", ns.model, ns.weight_version, ns.cache_config)
-    async with DataPlaneClient(source.address, key=a_key) as a, DataPlaneClient(source.address, key=b_key) as b:
+    async with DataPlaneClient(source.address, peer_proof=lambda g, m: a_id.proof(g, m, "src")) as a, \
+            DataPlaneClient(source.address, peer_proof=lambda g, m: b_id.proof(g, m, "src")) as b:
+        a_key, b_key = a_id.public_key, b_id.public_key
         answer, _ = await a.lookup(ns, [block], lease_ms=60_000, grant=grant(a_key, "node-a", "src", ns))
         assert answer.statuses == [LookupStatus.HIT] and answer.lease_id  # positive control: A holds a lease
         pinned = source.core.tier.get(BlockKey(ns.fingerprint, block))

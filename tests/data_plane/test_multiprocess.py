@@ -11,6 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
+from tenancy.peer_proof import NodeIdentity
+
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.types import LookupStatus
 
@@ -24,14 +26,14 @@ def make_hashes(n: int) -> list[bytes]:
 class Node:
     """A data-plane process with a client and its tier mapped in this (engine) process."""
 
-    def __init__(self, proc, client: DataPlaneClient, tier: SharedTier, grant) -> None:
+    def __init__(self, proc, client: DataPlaneClient, tier: SharedTier, grant, peer_public_key: bytes) -> None:
         self.proc, self.client, self.tier, self._grant = proc, client, tier, grant
-        self.node_id, self.address = proc.node_id, proc.address
+        self.node_id, self.address, self.peer_public_key = proc.node_id, proc.address, peer_public_key
 
     async def pull(self, ns, hashes, source: "Node", source_node_id: str | None = None, **kw):
         """Pulls from ``source`` with a grant for this node (as the control plane would issue)."""
         node_id = source.node_id if source_node_id is None else source_node_id
-        grant = self._grant(self.proc.api_key, self.node_id, node_id, ns)
+        grant = self._grant(self.peer_public_key, self.node_id, node_id, ns)
         return await self.client.pull(ns, hashes, node_id, source.address, grant=grant, **kw)
 
     async def store(self, ns, hashes: list[bytes], seed: int) -> dict[bytes, np.ndarray]:
@@ -64,7 +66,8 @@ async def nodes(dp_process, grant):
     async def start(node_id: str, **flags) -> Node:
         proc = await asyncio.to_thread(dp_process, node_id, **flags)
         client = DataPlaneClient(proc.address, key=proc.api_key)
-        node = Node(proc, client, SharedTier.open(await client.describe_tier()), grant)
+        description = await client.describe_tier()
+        node = Node(proc, client, SharedTier.open(description), grant, description.peer_public_key)
         started.append(node)
         return node
 
@@ -212,8 +215,9 @@ async def test_a_block_arriving_by_pull_answers_a_peer_after_the_pull(nodes, ns,
     a, b, c = await nodes("a"), await nodes("b", max_pending_wait_ms=30_000), await nodes("c")
     hashes, absent = make_hashes(4), make_hashes(1)
     data = await a.store(ns, hashes, seed=11)
-    c_on_b = DataPlaneClient(b.address, key=c.proc.api_key)
-    token = grant(c.proc.api_key, "c", "b", ns)
+    identity = NodeIdentity()  # this process plays peer c
+    c_on_b = DataPlaneClient(b.address, peer_proof=lambda g, method: identity.proof(g, method, "b"))
+    token = grant(identity.public_key, "c", "b", ns)
     try:
         # control: a block nobody is bringing is a MISS without waiting
         t0 = time.monotonic()

@@ -1,7 +1,8 @@
 """A pull whose NIXL request could not be cancelled quarantines its slots: they are never handed out
 again, so a late write cannot land in a reused slot. Real NIXL cannot be made to refuse a cancel on
-demand, so the consumer's transport is the real one with its READ replaced by that failure (the real
-path is covered by test_multiprocess.py); the control is the same failure with a cancel that worked."""
+demand, so the source's transport is the real one with its WRITE (the gated byte path) replaced by that
+failure (the real path is covered by test_multiprocess.py); the control is the same failure with a cancel
+that worked: the source answers MISS and the consumer frees its landing slots."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from data_plane.types import LookupStatus
 pytestmark = pytest.mark.nixl
 
 
-class FailingReads(Transport):
-    """The real transport, except every READ fails; ``cancelled``: whether NIXL could cancel it."""
+class FailingTransfers(Transport):
+    """The real transport, except every READ and WRITE fails; ``cancelled``: whether NIXL could cancel it."""
 
     def __init__(self, real: Transport, cancelled: bool) -> None:
         self._real, self._cancelled = real, cancelled
@@ -39,6 +40,9 @@ class FailingReads(Transport):
     async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
         raise TransferFailed("READ failed", may_still_write=not self._cancelled)
 
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
+        raise TransferFailed("WRITE failed", may_still_write=not self._cancelled)
+
     def close(self):
         self._real.close()
 
@@ -54,10 +58,10 @@ async def test_slots_of_an_uncancellable_transfer_are_never_reused(local_node, n
             tier.slot(slot)[:] = np.uint8(slot + 1)
         tier.close()
         await ca.commit(ns, hashes)
-        real = b.core.transport
-        b.core.transport = FailingReads(real, cancelled)
+        real = a.core.transport
+        a.core.transport = FailingTransfers(real, cancelled)  # the source's WRITE into b's slots fails
         free = b.core.tier.free_slots
-        token = grant(b.core.config.node_key(), "qb", "qa", ns)
+        token = grant((await cb.describe_tier()).peer_public_key, "qb", "qa", ns)
         result = await cb.pull(ns, hashes, "qa", a.address, grant=token)
         assert result.statuses == [LookupStatus.MISS] * 3 and result.pulled == 0
         lost = 0 if cancelled else 3
@@ -70,4 +74,4 @@ async def test_slots_of_an_uncancellable_transfer_are_never_reused(local_node, n
             handed |= {s for s in slots if s >= 0}
             await cb.abort(ns, many)
         assert len(handed) == b.core.region.num_slots - lost
-        b.core.transport = real
+        a.core.transport = real

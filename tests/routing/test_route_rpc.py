@@ -46,15 +46,19 @@ async def test_route_names_a_source_shaped_as_remote_kv_source(scheduler, fleet,
     d = await scheduler.route(cands, token_ids=fleet, policy=Policy.LOAD_AWARE, kv_request_id="req-1")
     assert d.engine_id == "engine-b" and d.reason is Reason.LEAST_LOADED
     assert d.source_decision is SourceDecision.PULL and d.local_cached_tokens == 0
-    assert d.kv_transfer_params() == {"remote_kv_source": {
+    params = d.kv_transfer_params()["remote_kv_source"]
+    assert params.pop("route_token"), "Route signs the source it names (require_route_token)"
+    assert params == {
         "kv_request_id": "req-1", "remote_host": "10.1.0.5", "remote_port": 7100, "remote_node_id": "node-a",
-        "tier": "CPU", "cached_tokens": 40 * BLOCK}}
+        "tier": "CPU", "cached_tokens": 40 * BLOCK}
     raw = await cp_stub.Route(pb.RouteRequest(
         namespace=ns.to_proto(), token_ids=fleet, policy=pb.ROUTE_POLICY_LOAD_AWARE, kv_request_id="req-1",
         candidates=[pb.EngineCandidate(engine_id="engine-a", node_id="node-a", waiting_requests=4),
                     pb.EngineCandidate(engine_id="engine-b", node_id="node-b")]),
         metadata=(("authorization", f"Bearer {admin_key}"),))
-    assert json.loads(raw.remote_kv_source_json) == d.kv_transfer_params()["remote_kv_source"]
+    raw_params = json.loads(raw.remote_kv_source_json)
+    assert raw_params.pop("route_token") == raw.kv_source.route_token
+    assert raw_params == params
     assert raw.kv_source.port == 7100 and raw.kv_source.tier == int(Medium.CPU)
     assert "pull 1280 tokens from node-a" in raw.explanation
 

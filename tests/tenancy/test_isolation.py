@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
 import redis.asyncio as aioredis
@@ -11,6 +10,9 @@ import redis.exceptions
 from kvmesh.hashing import BlockHasher
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, tenant_admin_pb2 as tpb
+from tenancy.peer_proof import NodeIdentity
+
+PEER_KEY = NodeIdentity().public_key  # the consumer node's peer key, bound into its grants
 
 TOKENS = list(range(300, 300 + 32 * 8))
 
@@ -79,18 +81,21 @@ async def test_tenant_b_cannot_get_a_grant_to_pull_tenant_a_blocks(fleet):
     _, b_node_key = await fleet.key("node", node_id="node-b")
     as_b_node = fleet.cp(b_node_key)
     await expect(as_b_node.IssuePullGrant(pb.IssuePullGrantRequest(namespace=ns_pb("tenant-a"),
-                                                                   source_node_id="node-a")),
+                                                                   source_node_id="node-a",
+                                                                   consumer_public_key=PEER_KEY)),
                  grpc.StatusCode.PERMISSION_DENIED, "no pull grant")
     # ... while node-b may get grants for its own tenant from an allowed source
     await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="tenant-b", policy=tpb.TenantPolicy(
         allowed_nodes=["node-b", "node-c"])))
     grant = await as_b_node.IssuePullGrant(pb.IssuePullGrantRequest(namespace=ns_pb("tenant-b"),
-                                                                    source_node_id="node-c"))
+                                                                    source_node_id="node-c",
+                                                                    consumer_public_key=PEER_KEY))
     assert grant.token and grant.expires_unix_ms > 0
     # schedulers never get grants: the consumer node asks with its own key
     _, sched = await fleet.key("scheduler", tenant_id="tenant-b")
     await expect(fleet.cp(sched).IssuePullGrant(pb.IssuePullGrantRequest(namespace=ns_pb("tenant-b"),
-                                                                         source_node_id="node-c")),
+                                                                         source_node_id="node-c",
+                                                                    consumer_public_key=PEER_KEY)),
                  grpc.StatusCode.PERMISSION_DENIED)
 
 
