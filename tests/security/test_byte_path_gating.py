@@ -209,13 +209,17 @@ async def test_bytes_stop_when_the_grant_expires(fleet):
     a node as grants the control plane no longer issues, so within the grant TTL)."""
     gated = fleet.start("src-gated")
     consumer = fleet.start("consumer")
+    warm, _ = await store(gated, TENANT_A)
     first, _ = await store(gated, TENANT_A)
     later, _ = await store(gated, TENANT_A)
     ttl_ms = 4_000
     consumer_key = await peer_key_of(consumer)
-    grant = fleet.grant(consumer_key, "consumer", "src-gated", TENANT_A, ttl_ms=ttl_ms)
-    expires = time.time() + ttl_ms / 1000
     async with DataPlaneClient(consumer.address, key=consumer.api_key) as local:
+        # both NIXL agents up and handshaken first (on a loaded host that alone can outlast a short grant)
+        long_lived = fleet.grant(consumer_key, "consumer", "src-gated", TENANT_A)
+        assert (await local.pull(TENANT_A, warm, "src-gated", gated.address, grant=long_lived)).pulled == N
+        grant = fleet.grant(consumer_key, "consumer", "src-gated", TENANT_A, ttl_ms=ttl_ms)
+        expires = time.time() + ttl_ms / 1000
         assert (await local.pull(TENANT_A, first, "src-gated", gated.address, grant=grant)).pulled == N
         await asyncio.sleep(max(0.0, expires - time.time()) + 0.2)
         assert (await local.pull(TENANT_A, later, "src-gated", gated.address, grant=grant)).pulled == 0

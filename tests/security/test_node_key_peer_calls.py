@@ -69,7 +69,7 @@ class World:
             api_key=await self.node_key(node_id), control_plane_address=self.address), env)
         self.procs.append(proc)
         for _ in range(100):  # registration is asynchronous
-            if any(n.node.node_id == node_id and n.live for n in await self.cp.core.list_nodes()):
+            if any(n.node.node_id == node_id and n.live for n in await self.cp.core.block_map.list_nodes()):
                 return proc
             await asyncio.sleep(0.05)
         raise AssertionError(f"{node_id} never registered")
