@@ -122,8 +122,6 @@ def test_redis_holds_key_hashes_never_secrets(up):
             assert api_keys.parse(value)[1].encode() not in blob, f"{name}'s secret part stored in Redis"
 
 
-@pytest.mark.xfail(strict=False, reason="the grant-signing key leaves Redis with the byte-path work of issue 9 "
-                   "(drop this marker once it has)")
 def test_redis_holds_no_private_key(up):
     _, info, _, _ = up
     r = _client(info)
