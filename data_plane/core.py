@@ -607,10 +607,17 @@ class DataPlaneCore:
     async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                               source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
                               tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
-        """Reserves slots for the wanted blocks and has the source WRITE into them (one Lookup with landing
-        addresses): the arrived blocks (uncommitted) and their checksums; the rest is aborted. A call that
-        failed mid-way quarantines the slots (the source's WRITE may still land)."""
-        blocks, _, _ = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes)
+        """Asks the source which wanted blocks it holds (a plain Lookup: nothing is reserved or evicted here
+        for a source that is down or holds nothing), reserves slots for the leading HITs and has the source
+        WRITE into them (a Lookup with landing addresses): the arrived blocks (uncommitted) and their
+        checksums; the rest is aborted. A send that failed mid-way quarantines the slots (the source's WRITE
+        may still land)."""
+        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
+        if answer is None:
+            return None
+        if answer.lease_id:
+            self._spawn(self._release_remote(peer, answer.lease_id, grant))
+        blocks, _, _ = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes, answer)
         if not blocks:
             return None
         base = self.region.base_addr
