@@ -5,14 +5,11 @@ data plane reaches a mutual-TLS control plane over TLS (so node keys and grants 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import uuid
 
 import grpc
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
@@ -21,38 +18,19 @@ from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_
 from kvmesh.v1 import data_plane_pb2 as dp_pb, data_plane_pb2_grpc as dp_grpc, tenant_admin_pb2 as ta_pb
 from kvmesh.v1 import tenant_admin_pb2_grpc as ta_grpc
 
+from tests.pki import certificate, write_pem
+
 pytestmark = pytest.mark.slow
-
-
-def _cert(subject, issuer_name, issuer_key, key, ca=False):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(issuer_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(tmp_path, name, cert, key=None):
-    (tmp_path / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    if key is not None:
-        (tmp_path / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                                 serialization.PrivateFormat.PKCS8,
-                                                                 serialization.NoEncryption()))
-    return str(tmp_path / f"{name}.crt"), str(tmp_path / f"{name}.key")
 
 
 def _ca(tmp_path, label):
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvmesh {label} CA")])
-    cert = _cert(f"kvmesh {label} CA", name, key, key, ca=True)
-    out = {"ca": _write(tmp_path, f"{label}-ca", cert)[0]}
+    cert = certificate(f"kvmesh {label} CA", name, key, key, ca=True)
+    out = {"ca": write_pem(tmp_path, f"{label}-ca", cert)[0]}
     for who in ("server", "client"):
         leaf_key = ec.generate_private_key(ec.SECP256R1())
-        out[who] = _write(tmp_path, f"{label}-{who}", _cert(f"{label}-{who}", name, key, leaf_key), leaf_key)
+        out[who] = write_pem(tmp_path, f"{label}-{who}", certificate(f"{label}-{who}", name, key, leaf_key), leaf_key)
     return out
 
 
