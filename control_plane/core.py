@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 
-from kvmesh.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvmesh.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
 from tenancy.authz import Authorizer
@@ -184,21 +184,24 @@ class ControlPlane:
         address = next((n.node.data_plane_address for n in await self.block_map.list_nodes()
                         if n.node.node_id == source_node_id and n.live), "")
         grant = Grant(ns.tenant, ns.fingerprint, principal.node_id, encode_public_key(consumer_public_key),
-                      source_node_id, expires, source_address=address)
+                      source_node_id, expires, source_address=address, tenant_epoch=tenant.epoch)
         return self.signer.sign(grant), expires, address
 
-    async def tenant_limits(self, principal: Principal, tenant_id: str) -> int:
-        """The CPU-tier bytes the calling node may hold for ``tenant_id`` (0: no limit)."""
-        if principal.role is Role.ADMIN:
+    async def tenant_limits(self, principal: Principal, tenant_id: str) -> tuple[int, str]:
+        """The CPU-tier bytes the calling node may hold for ``tenant_id`` (0: no limit) and the tenant's epoch
+        (data planes serve only blocks stored under it). NotFound to a node or admin when the tenant does not
+        exist (a node drops a deleted tenant's blocks on it)."""
+        tenant = None
+        if principal.role in (Role.ADMIN, Role.NODE):
             tenant = await self.authz.tenant(tenant_id)
-        elif principal.role is Role.NODE and await self.authz.node_may_hold(principal, tenant_id):
-            tenant = await self.authz.tenant(tenant_id)
-        else:
+            if tenant is None:
+                raise NotFound(f"tenant {tenant_id!r} does not exist")
+        if principal.role is Role.NODE and not await self.authz.node_may_hold(principal, tenant_id):
             tenant = None
         if tenant is None:
             raise await self.authz.deny(principal, "GetTenantLimits", tenant_id,
                                         f"this node may not hold blocks of tenant {tenant_id!r}")
-        return tenant.policy.max_cpu_tier_bytes_per_node
+        return tenant.policy.max_cpu_tier_bytes_per_node, tenant.epoch
 
     async def _allows(self, policy, node_id: str) -> bool:
         """Does the tenant policy allow the node? Pools are looked up only when the policy names any."""

@@ -76,8 +76,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     @grpc_errors
     async def GetTenantLimits(self, request, context):
-        limit = await self._core.tenant_limits(current_principal(), request.tenant)
-        return pb.TenantLimits(max_cpu_tier_bytes_per_node=limit)
+        limit, epoch = await self._core.tenant_limits(current_principal(), request.tenant)
+        return pb.TenantLimits(max_cpu_tier_bytes_per_node=limit, tenant_epoch=epoch)
 
     @grpc_errors
     async def GetGrantKeys(self, request, context):

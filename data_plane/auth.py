@@ -12,7 +12,11 @@ What the control plane answers (tenant limits, pull grants) is cached with
 negative caching and stale-while-revalidate (:class:`Answers`): a hung or
 unreachable control plane costs each key at most one bounded wait per refresh
 period, never one per call. Tenant limits fail open (the last known limit, or
-none); grants fail closed (no grant, no pull: the engine recomputes).
+none); grants fail closed (no grant, no pull: the engine recomputes). The
+limits answer carries the tenant's epoch (NOT_FOUND: the tenant was deleted),
+handed to the core (:meth:`NodeAuth.watch_epochs`, data_plane.epochs); a
+changed epoch also drops the tenant's cached grants. While the control plane
+does not answer, the last known epoch stays in force (fail open, as limits).
 Threading model: event-loop thread only.
 """
 
@@ -29,7 +33,7 @@ from typing import Awaitable, Callable, Generic, Hashable, TypeVar
 import grpc
 
 from kvmesh.channels import ClientTLS, channel
-from kvmesh.errors import PermissionDenied, Unavailable
+from kvmesh.errors import NotFound, PermissionDenied, Unavailable
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from tenancy import api_keys
@@ -37,6 +41,8 @@ from tenancy.auth import current_principal, grant_from
 from tenancy.grants import Grant, GrantVerifier, UnknownGrantKey
 from tenancy.model import Principal, Role
 from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, ProofVerifier
+
+from data_plane.epochs import GONE, Epoch
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,14 @@ GRANT_KEYS_MIN_REFRESH_S = 5.0  # a grant under an unknown key id refreshes the 
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantAnswer:
+    """The control plane's GetTenantLimits answer for this node."""
+
+    limit: int | None  # CPU-tier bytes this node may hold for the tenant (None: no limit)
+    epoch: Epoch  # GONE: the tenant does not exist
 
 
 @dataclass(slots=True)
@@ -104,6 +118,22 @@ class Answers(Generic[K, V]):
             raise Unavailable("control plane unavailable")
         return self._unwrap(entry.answer)
 
+    async def refresh(self, key: K, timeout_s: float) -> None:
+        """Fetches ``key`` now (or joins the fetch in flight), waiting at most ``timeout_s``; nothing while
+        a failed fetch is within its back-off."""
+        entry = self._entries.setdefault(key, _Entry())
+        if entry.failed_at is not None and self._clock() - entry.failed_at < self._refresh_s:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._start(key, entry)), max(0.0, min(timeout_s, self._timeout_s)))
+        except TimeoutError:
+            pass
+
+    def forget(self, keys: Callable[[K], bool]) -> None:
+        """Drops the answers for the keys ``keys`` selects (the next call fetches again)."""
+        for key in [k for k in self._entries if keys(k)]:
+            del self._entries[key]
+
     def _start(self, key: K, entry: _Entry[V]) -> asyncio.Task:
         if entry.fetch is None:
             entry.fetch = asyncio.get_running_loop().create_task(self._refresh(key, entry))
@@ -159,9 +189,11 @@ class NodeAuth:
         self._grant_keys: Answers[str, list[bytes]] = Answers(
             self._fetch_grant_keys, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
             is_fresh=lambda _keys, age: age < grant_keys_refresh_s, is_usable=lambda _keys: True)
-        self._limits: Answers[str, int | None] = Answers(
+        self._limits: Answers[str, TenantAnswer] = Answers(
             self._fetch_limit, timeout_s=timeout_s, refresh_s=refresh_s, clock=clock,
             is_fresh=lambda _limit, age: age < refresh_s, is_usable=lambda _limit: True)
+        self._epochs: dict[str, Epoch] = {}  # the last epoch the control plane answered, per tenant
+        self._on_epoch: Callable[[str, Epoch], None] = lambda _tenant, _epoch: None
 
     async def authenticate(self, presented: str) -> Principal:
         key_id, secret = api_keys.parse(presented)
@@ -273,20 +305,42 @@ class NodeAuth:
 
     async def tenant_limit(self, tenant: str, timeout_s: float = 5.0) -> int | None:
         """CPU-tier bytes this node may hold for ``tenant`` (None: no limit), from the control plane,
-        cached. PermissionDenied: the tenant's policy does not allow this node. Without a control plane
-        no tenant policy is enforced here. Fails open: while the control plane does not answer, the last
-        known limit applies, or none (waiting at most ``timeout_s`` once per refresh period)."""
+        cached. PermissionDenied: the tenant's policy does not allow this node, or the tenant does not
+        exist. Without a control plane no tenant policy is enforced here. Fails open: while the control
+        plane does not answer, the last known limit applies, or none (waiting at most ``timeout_s`` once
+        per refresh period)."""
         if not self._cp_address:
             return None
         try:
-            return await self._limits.get(tenant, timeout_s)
+            answer = await self._limits.get(tenant, timeout_s)
         except Unavailable:
             return None
+        if answer.epoch is GONE:
+            raise PermissionDenied(f"tenant {tenant!r} does not exist")
+        return answer.limit
 
-    async def _fetch_limit(self, tenant: str, timeout_s: float) -> int | None:
+    def watch_epochs(self, on_epoch: Callable[[str, Epoch], None]) -> None:
+        """``on_epoch(tenant, epoch)`` runs on every answer of the control plane about a tenant's epoch."""
+        self._on_epoch = on_epoch
+
+    async def refresh_tenant(self, tenant: str, timeout_s: float) -> None:
+        """Asks the control plane for the tenant's limits and epoch now (bounded; errors are logged by the
+        cache and the last answer stays)."""
+        if self._cp_address:
+            await self._limits.refresh(tenant, timeout_s)
+
+    async def _fetch_limit(self, tenant: str, timeout_s: float) -> TenantAnswer:
         request = cp_pb.GetTenantLimitsRequest(tenant=tenant)
-        reply = await self._call(lambda stub: stub.GetTenantLimits(request, timeout=timeout_s))
-        return reply.max_cpu_tier_bytes_per_node or None
+        try:
+            reply = await self._call(lambda stub: stub.GetTenantLimits(request, timeout=timeout_s))
+            answer = TenantAnswer(reply.max_cpu_tier_bytes_per_node or None, reply.tenant_epoch)
+        except NotFound:
+            answer = TenantAnswer(None, GONE)
+        if self._epochs.get(tenant, answer.epoch) != answer.epoch:  # re-created or deleted: no old grant
+            self._grants.forget(lambda key: key[0].tenant == tenant)
+        self._epochs[tenant] = answer.epoch
+        self._on_epoch(tenant, answer.epoch)
+        return answer
 
     async def _call(self, rpc):
         try:
@@ -295,4 +349,6 @@ class NodeAuth:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 raise PermissionDenied(f"control plane refused: {exc.details()}") from None
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"control plane: {exc.details()}") from None
             raise Unavailable(f"control plane unavailable: {exc.code().name} {exc.details()}") from None

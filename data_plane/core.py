@@ -41,6 +41,7 @@ from data_plane.checksum import checksum
 from data_plane.client import TierDescription
 from data_plane.config import DataPlaneConfig
 from data_plane.disk import DiskTier
+from data_plane.epochs import GONE, Epoch, TenantEpochs
 from data_plane.events import EventSink, NoEvents
 from data_plane.eviction import BlockInfo, EvictionPolicy
 from data_plane.leases import Clock, LeaseTable, SystemClock
@@ -50,6 +51,7 @@ from data_plane.shm import SharedRegion
 from data_plane.tier import Block, MemoryTier
 from data_plane.transfer import TransferFailed, Transport
 from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, validate_hashes
+from tenancy.grants import read_grant
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ GrantSource = Callable[[Namespace, str, float], Awaitable[tuple[bytes, str]]]
 LimitSource = Callable[[str, float], Awaitable[int | None]]
 # (route token, source node id, source address) -> None; PermissionDenied unless Route signed that source
 RouteCheck = Callable[[bytes, str, str], Awaitable[None]]
+# (tenant, timeout in s) -> None: asks the control plane for the tenant's epoch now (the answer reaches
+# DataPlaneCore.learn_epoch); never raises
+EpochRefresh = Callable[[str, float], Awaitable[None]]
 
 
 class DataPlaneCore:
@@ -96,10 +101,12 @@ class DataPlaneCore:
         limits: LimitSource | None = None,
         routes: RouteCheck | None = None,
         peer_tls: ClientTLS | None = None,
+        epochs: EpochRefresh | None = None,
     ) -> None:
         """``grants`` gets a pull grant (namespace, source node id) when a Pull brings none;
         ``limits`` a tenant's CPU-tier limit on this node (None: no limits); ``routes`` checks a pull's
-        route token (None: sources need none);
+        route token (None: sources need none); ``epochs`` refreshes a tenant's epoch (None: no control plane,
+        every epoch is "");
         ``peer_proof`` proves this node's peer key to a source (its API key never goes to peers; calls go
         over ``peer_tls`` when given)."""
         self.config = config
@@ -116,6 +123,8 @@ class DataPlaneCore:
         self._grants = grants
         self._limits = limits
         self._routes = routes
+        self._refresh_epoch = epochs
+        self.epochs = TenantEpochs()
         self.metrics = metrics or DataPlaneMetrics()
         self._peers = PeerPool(self.node_id, transport, self.block_bytes, peer_proof, peer_tls)
         self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
@@ -125,19 +134,21 @@ class DataPlaneCore:
         self._arriving: dict[BlockKey, asyncio.Future] = {}
         self._namespaces: dict[str, Namespace] = {}
         self._sweeper: asyncio.Task | None = None
+        self._epoch_sweeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
     # ---- lifecycle ----
 
     def start_background(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases())
+        if self._refresh_epoch is not None:
+            self._epoch_sweeper = asyncio.get_running_loop().create_task(self._sweep_epochs())
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        for task in list(self._background):
+        sweepers = [t for t in (self._sweeper, self._epoch_sweeper) if t is not None]
+        for task in [*sweepers, *self._background]:
             task.cancel()
-        await asyncio.gather(*self._background, *(t for t in [self._sweeper] if t), return_exceptions=True)
+        await asyncio.gather(*self._background, *sweepers, return_exceptions=True)
         await self._peers.close()
         self.transport.close()
         if self.disk is not None:
@@ -148,6 +159,34 @@ class DataPlaneCore:
         while True:
             await asyncio.sleep(self.config.lease_sweep_ms / 1000)
             self.expire_leases()
+
+    async def _sweep_epochs(self) -> None:
+        """Once per refresh period, the epoch of every tenant with blocks here: a deleted or re-created
+        tenant's blocks stop being served locally within one period plus one control-plane call."""
+        period = self.config.control_plane_refresh_ms / 1000
+        timeout = self.config.control_plane_timeout_ms / 1000
+        while True:
+            await asyncio.sleep(period)
+            held = self.tier.tenants() | (self.disk.tenants() if self.disk is not None else set())
+            await asyncio.gather(*(self._refresh_epoch(tenant, timeout) for tenant in held))
+
+    def learn_epoch(self, tenant: str, epoch: Epoch) -> None:
+        """The control plane's answer for ``tenant`` (GONE: deleted). When it changed, the tenant's blocks of
+        other epochs are dropped from every tier (pinned ones when released) and reported removed."""
+        if not self.epochs.learn(tenant, epoch):
+            return
+        dropped: dict[tuple[str, Medium], tuple[Namespace, list[bytes]]] = {}
+        purged = [(b.namespace, b.key, Medium.CPU) for b in self.tier.purge(tenant, epoch)]
+        if self.disk is not None:
+            purged += [(b.namespace, b.key, Medium.DISK) for b in self.disk.purge(tenant, epoch)]
+        for ns, key, medium in purged:
+            dropped.setdefault((key.namespace, medium), (ns, []))[1].append(key.block_hash)
+        for (_, medium), (ns, hashes) in dropped.items():
+            self.events.removed(ns, hashes, medium)
+        if purged:
+            self.metrics.purged(len(purged))
+            log.info("tenant %s is %s: dropped %d of its blocks stored under an earlier epoch", tenant,
+                     "deleted" if epoch is GONE else f"at epoch {epoch or '(unknown)'}", len(purged))
 
     def expire_leases(self) -> int:
         """Unpins what expired leases held; returns how many leases expired."""
@@ -198,6 +237,9 @@ class DataPlaneCore:
                 raise ResourceExhausted(
                     f"tenant {ns.tenant!r} may hold {tenant_limit_bytes} bytes of CPU tier on this node: {held} "
                     f"blocks of {self.block_bytes} bytes are held and {new} more were asked for; nothing was reserved")
+        epoch = self.epochs.current(ns.tenant)
+        if epoch is GONE:
+            raise PermissionDenied(f"tenant {ns.tenant!r} was deleted; nothing was reserved")
         self._namespaces.setdefault(ns.fingerprint, ns)
         slots = []
         for i, h in enumerate(hashes):
@@ -206,14 +248,15 @@ class DataPlaneCore:
                 slots.append(-1)
                 continue
             key = BlockKey(ns.fingerprint, h)
-            block = self.tier.reserve(ns, key, _info(position, position < protected_blocks))
+            block = self.tier.reserve(ns, key, _info(position, position < protected_blocks), epoch)
             if block is not None:
                 self._writers[key] = _ENGINE
             slots.append(-1 if block is None else block.slot)
         return slots
 
     def commit(self, ns: Namespace, hashes: list[bytes]) -> int:
-        """Checksums and publishes blocks the engine wrote; all or nothing. Committed ones are skipped."""
+        """Checksums and publishes blocks the engine wrote; all or nothing. Committed ones are skipped, and
+        those reserved under a tenant epoch that has ended since are dropped instead (not counted)."""
         hashes = self._check(ns, hashes)
         if not self._known(ns):
             raise NotFound(f"unknown namespace {ns.fingerprint} ({ns.model}): nothing was reserved in it")
@@ -224,6 +267,12 @@ class DataPlaneCore:
                 raise FailedPrecondition(f"block {h.hex()} was not reserved by the engine; reserve it first")
             if not block.committed:
                 todo.append(block)
+        epoch = self.epochs.current(ns.tenant)
+        stale = [b for b in todo if not self.epochs.serves(b.epoch, epoch)]
+        todo = [b for b in todo if self.epochs.serves(b.epoch, epoch)]
+        for block in stale:
+            del self._writers[block.key]
+            self.tier.abort(block)
         for block in todo:
             self.tier.mark_written(block, checksum(self.region.slot(block.slot)))
             self.tier.commit(block)
@@ -245,12 +294,14 @@ class DataPlaneCore:
 
     def acquire(self, ns: Namespace, hashes: list[bytes], media: frozenset[Medium], lease_ms: int = 0,
                 holder: str = LOCAL_HOLDER) -> tuple[list[int], str]:
-        """Pins the leading committed blocks (promoting from disk when allowed); their slots and the lease."""
+        """Pins the leading committed blocks of the tenant's current epoch (promoting from disk when allowed);
+        their slots and the lease."""
         hashes = self._check(ns, hashes)
         pinned: list[Block] = []
-        if self._known(ns):
+        epoch = self.epochs.current(ns.tenant)
+        if self._known(ns) and epoch is not GONE:
             for h in hashes:
-                block = self._resident(ns, BlockKey(ns.fingerprint, h), media, "local")
+                block = self._resident(ns, BlockKey(ns.fingerprint, h), media, "local", epoch)
                 if block is None:
                     break
                 self.tier.pin(block)
@@ -269,12 +320,15 @@ class DataPlaneCore:
         ttl = self._bounded(lease_ms, self.config.lease_ms, self.config.max_lease_ms)
         return self._leases.grant(holder, blocks, ttl)
 
-    def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium], caller: str) -> Block | None:
-        """The committed CPU block, promoted from disk if needed and allowed; None otherwise."""
+    def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium], caller: str,
+                  epoch: Epoch) -> Block | None:
+        """The committed CPU block stored under ``epoch``, promoted from disk if needed and allowed; None
+        otherwise."""
         block = self.tier.get(key)
-        if block is not None and block.committed:
+        on_disk = self.disk.get(key) if block is None and Medium.DISK in media and self.disk is not None else None
+        if block is not None and block.committed and self.epochs.serves(block.epoch, epoch):
             self.metrics.found(caller, "cpu")
-        elif block is None and Medium.DISK in media and self.disk is not None and self.disk.get(key) is not None:
+        elif on_disk is not None and self.epochs.serves(on_disk.epoch, epoch):
             block = self._promote(ns, key)
             if block is not None:
                 self.metrics.found(caller, "disk")
@@ -287,7 +341,7 @@ class DataPlaneCore:
     def _promote(self, ns: Namespace, key: BlockKey) -> Block | None:
         start = time.perf_counter()
         disk_block = self.disk.get(key)
-        block = self.tier.reserve(ns, key, disk_block.info)
+        block = self.tier.reserve(ns, key, disk_block.info, disk_block.epoch)
         if block is None:
             return None
         if self.disk.read_into(key, self.region.slot(block.slot)) is None:
@@ -308,7 +362,8 @@ class DataPlaneCore:
         if self.disk is None or self.disk.get(block.key) is not None:
             return
         try:
-            evicted = self.disk.write(ns, block.key, self.region.slot(block.slot), block.checksum, block.info)
+            evicted = self.disk.write(ns, block.key, self.region.slot(block.slot), block.checksum, block.info,
+                                      block.epoch)
         except OSError as exc:
             log.error("writing block %s to the disk tier failed: %s", h.hex(), exc)
             return
@@ -340,20 +395,23 @@ class DataPlaneCore:
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
                      lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),
-                     holder: str = "") -> LookupAnswer:
-        """Per hash HIT (pinned under the returned lease) or MISS; pending writes are awaited, bounded."""
+                     holder: str = "", grant_epoch: str | None = None) -> LookupAnswer:
+        """Per hash HIT (pinned under the returned lease) or MISS; pending writes are awaited, bounded.
+        Only blocks stored under ``grant_epoch`` (a peer's grant's) or, for a local caller (None), under the
+        tenant's current epoch are HITs."""
         hashes = self._check(ns, hashes)
         n = len(hashes)
         blocks: list[Block | None] = [None] * n
         pending: list[int] = []
-        if self._known(ns):
+        epoch = self.epochs.current(ns.tenant) if grant_epoch is None else grant_epoch
+        if self._known(ns) and epoch is not GONE:
             for i, h in enumerate(hashes):
                 key = BlockKey(ns.fingerprint, h)
                 current = self.tier.get(key)
                 if (current is not None and not current.committed) or key in self._arriving:
                     pending.append(i)
                     continue
-                block = self._resident(ns, key, media, "peer")
+                block = self._resident(ns, key, media, "peer", epoch)
                 if block is not None:
                     self.tier.pin(block)
                     blocks[i] = block
@@ -364,7 +422,7 @@ class DataPlaneCore:
             for i in pending:
                 key = BlockKey(ns.fingerprint, hashes[i])
                 current = await self._arrival(key, deadline)
-                if current is not None:
+                if current is not None and self.epochs.serves(current.epoch, epoch):
                     self.tier.pin(current)
                     self.metrics.found("peer", "cpu")
                     self.metrics.read(key)
@@ -383,9 +441,10 @@ class DataPlaneCore:
 
     async def send(self, ns: Namespace, hashes: list[bytes], landing_addrs: list[int], consumer_node_id: str, *,
                    timeout_s: float, pending_wait_ms: int = 0,
-                   media: frozenset[Medium] = frozenset(Medium)) -> LookupAnswer:
+                   media: frozenset[Medium] = frozenset(Medium), grant_epoch: str = "") -> LookupAnswer:
         """The gated byte path: WRITEs the leading blocks this node holds in ``ns`` (the namespace the
-        caller's grant was checked for) to the consumer's landing addresses, then answers like
+        caller's grant was checked for, stored under the grant's tenant epoch) to the consumer's landing
+        addresses, then answers like
         :meth:`lookup`, with nothing left pinned. Only these blocks leave: the consumer holds no rkey of
         this node. Unavailable when the write failed and could not be cancelled (the landing slots may
         still change); a write that failed cleanly answers MISS."""
@@ -397,7 +456,7 @@ class DataPlaneCore:
                                      "ExchangeAgentMetadata first")
         started = time.monotonic()
         answer = await self.lookup(ns, hashes, consumer=consumer_node_id, pending_wait_ms=pending_wait_ms,
-                                   lease_ms=int(timeout_s * 1000) + 1_000, media=media)
+                                   lease_ms=int(timeout_s * 1000) + 1_000, media=media, grant_epoch=grant_epoch)
         lead = 0
         while lead < len(hashes) and answer.statuses[lead] is LookupStatus.HIT and landing_addrs[lead]:
             lead += 1
@@ -452,10 +511,12 @@ class DataPlaneCore:
         already_local = 0
         own: list[int] = []  # indexes this pull fetches, in chain order
         joined: list[int] = []  # indexes another writer on this node is bringing
+        epoch = self.epochs.current(ns.tenant)
         for i, key in enumerate(keys):
             block = self.tier.get(key)
             if block is not None and block.committed:
-                already_local += i == already_local
+                # one of an ended epoch is not fetched again while a reader still pins it: a MISS
+                already_local += i == already_local and self.epochs.serves(block.epoch, epoch)
             elif block is not None or key in self._arriving:
                 joined.append(i)
             else:
@@ -476,8 +537,9 @@ class DataPlaneCore:
                 claim.set_result(None)
         for i in joined:
             await self._arrival(keys[i], deadline)
-        statuses = [LookupStatus.HIT if (b := self.tier.get(k)) is not None and b.committed else LookupStatus.MISS
-                    for k in keys]
+        epoch = self.epochs.current(ns.tenant)
+        statuses = [LookupStatus.HIT if (b := self.tier.get(k)) is not None and b.committed and
+                    self.epochs.serves(b.epoch, epoch) else LookupStatus.MISS for k in keys]
         leading = next((i for i, st in enumerate(statuses) if st is LookupStatus.MISS), len(statuses))
         joined_in_lead = sum(1 for i in joined if i < leading)
         self.metrics.joined(joined_in_lead)
@@ -532,6 +594,10 @@ class DataPlaneCore:
                     raise PermissionDenied(
                         f"{source_address} is not the registered address of node {source_node_id} "
                         f"({registered or 'not registered'}): refusing to dial it")
+            grant_epoch = read_grant(grant).tenant_epoch  # the source serves only blocks of this epoch
+            if not self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)):
+                raise Unavailable(f"the grant is for epoch {grant_epoch!r} of tenant {ns.tenant!r}, this node "
+                                  f"knows {self.epochs.current(ns.tenant)!r} (the tenant was re-created)")
             await self.transport.ready(deadline - time.monotonic())
             peer = await self._within(
                 self._peers.get(source_address, source_node_id, deadline - time.monotonic(), grant),
@@ -557,7 +623,9 @@ class DataPlaneCore:
         arrived = bool(blocks)
         committed: list[Block] = []
         if arrived:
-            intact = True
+            # bytes of the grant's epoch are kept only under that epoch, still the tenant's current one
+            intact = self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)) and \
+                all(b.epoch == grant_epoch for b in blocks)
             verified = await self._verify(blocks, checksums)
             for block, crc, ok in zip(blocks, checksums, verified):
                 if intact and not ok:
@@ -709,7 +777,7 @@ class DataPlaneCore:
                     (self.tier.tenant_slots(ns.tenant) + 1) * self.block_bytes > tenant_limit_bytes:
                 break
             key = BlockKey(ns.fingerprint, hashes[i])
-            block = self.tier.reserve(ns, key, _info(first_block_index + i))
+            block = self.tier.reserve(ns, key, _info(first_block_index + i), self.epochs.current(ns.tenant))
             if block is None:
                 break
             self._writers[key] = _PULL

@@ -37,6 +37,7 @@ class DiskBlock:
     slot: int
     checksum: int
     info: BlockInfo
+    epoch: str = ""  # the tenant epoch of the CPU block it was demoted from (data_plane.epochs)
 
 
 class DiskTier:
@@ -61,8 +62,11 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def tenants(self) -> set[str]:
+        return {b.namespace.tenant for b in self._blocks.values()}
+
     def write(self, namespace: Namespace, key: BlockKey, data: np.ndarray, checksum: int,
-              info: BlockInfo) -> list[DiskBlock]:
+              info: BlockInfo, epoch: str = "") -> list[DiskBlock]:
         """Stores a block (no-op if present); returns the blocks evicted to make room."""
         if key in self._blocks:
             return []
@@ -77,7 +81,7 @@ class DiskTier:
         if written != self.block_bytes:
             self._free.append(slot)
             raise OSError(f"short write to {self.path}: {written} of {self.block_bytes} bytes")
-        self._blocks[key] = DiskBlock(key, namespace, slot, checksum, info)
+        self._blocks[key] = DiskBlock(key, namespace, slot, checksum, info, epoch)
         self._policy.insert(key, info)
         return evicted
 
@@ -97,6 +101,13 @@ class DiskTier:
         self._policy.remove(key, evicted=False)
         self._free.append(block.slot)
         return block
+
+    def purge(self, tenant: str, keep: str | None) -> list[DiskBlock]:
+        """Removes the tenant's blocks not tagged ``keep`` (None: all of them); returns them."""
+        gone = [b for b in self._blocks.values() if b.namespace.tenant == tenant and b.epoch != keep]
+        for block in gone:
+            self.remove(block.key)
+        return gone
 
     def close(self) -> None:
         os.close(self._fd)

@@ -3,7 +3,8 @@
 Hit rate by tier (local acquires and peer lookups: CPU hit, disk hit, miss),
 bytes written by the engine, read by peers and pulled from them, pull and
 promotion times, pending waits, and evictions — with evictions of blocks that
-were never read since they were stored ("evicted before reuse").
+were never read since they were stored ("evicted before reuse"), and blocks
+purged because their tenant was deleted or re-created.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class DataPlaneMetrics:
         self._evictions = Counter("kvmesh_dp_evictions", "blocks evicted from a tier", ["tier"], registry=r)
         self._unused = Counter("kvmesh_dp_evictions_before_reuse",
                                "blocks evicted from the CPU tier without having been read since stored", registry=r)
+        self._purged = Counter("kvmesh_dp_purged_blocks", "blocks dropped from a tier because their tenant was "
+                               "deleted or re-created (an earlier tenant epoch)", registry=r)
         self._read_since_stored: set[BlockKey] = set()
         self._children: dict[tuple, object] = {}  # (metric, labels) -> child: labels() costs ~5 us a call
 
@@ -75,6 +78,9 @@ class DataPlaneMetrics:
 
     def pending_wait(self, seconds: float) -> None:
         self._pending.observe(seconds)
+
+    def purged(self, n: int) -> None:
+        self._purged.inc(n)
 
     def evicted(self, tier: str, key: BlockKey) -> None:
         self._child(self._evictions, tier).inc()

@@ -73,7 +73,8 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
     return DataPlaneCore(config, region, policy, transport, disk=disk, metrics=metrics,
                          grants=auth.grant_for if with_cp else None, limits=auth.tenant_limit if with_cp else None,
                          peer_proof=auth.peer_proof, peer_tls=config.client_tls(),
-                         routes=auth.check_route if config.require_route_token else None)
+                         routes=auth.check_route if config.require_route_token else None,
+                         epochs=auth.refresh_tenant if with_cp else None)
 
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
@@ -85,6 +86,7 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
                     grant_keys_refresh_s=config.grant_keys_refresh_s)
     metrics = DataPlaneMetrics()
     core = build_core(config, auth, metrics)
+    auth.watch_epochs(core.learn_epoch)
     try:
         binding = ServiceBinding(DataPlaneServicer(core, auth), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
                                  "kvmesh.v1.DataPlane")

@@ -57,13 +57,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             answer = await self._core.send(
                 ns, list(request.block_hashes), list(request.landing_addrs), grant.consumer_node_id,
                 timeout_s=max(0.0, timeout_s - SEND_MARGIN_S), pending_wait_ms=request.pending_wait_ms,
-                media=wire.media_from_pb(request.media))
+                media=wire.media_from_pb(request.media), grant_epoch=grant.tenant_epoch)
             return wire.lookup_response(answer, self._core.block_bytes)
         answer = await self._core.lookup(
             ns, list(request.block_hashes),
             consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,
             lease_ms=request.lease_ms, media=wire.media_from_pb(request.media),
-            holder=lease_holder(grant))
+            holder=lease_holder(grant), grant_epoch=None if grant is None else grant.tenant_epoch)
         return wire.lookup_response(answer, self._core.block_bytes)
 
     @grpc_errors

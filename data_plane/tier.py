@@ -13,6 +13,8 @@ Lifecycle of a block (one slot), legal transitions only::
   reader (a peer's lease, the local engine's acquire) is never evicted.
 * Quarantined: a slot that a transfer that could not be cancelled may still
   write into; it is never reused (logged; see :meth:`MemoryTier.quarantine`).
+* Purged: a committed block of a tenant epoch that ended (:meth:`MemoryTier.purge`)
+  leaves the index at once; its slot is free again once no reader pins it.
 
 Threading model: not thread-safe. The data plane's event-loop thread is the
 only caller; waiters use asyncio events of that loop.
@@ -52,6 +54,7 @@ class Block:
     state: BlockState = BlockState.ALLOCATED
     pins: int = 0
     checksum: int = 0
+    epoch: str = ""  # the tenant epoch this node knew when the block was stored (data_plane.epochs)
     _settled: asyncio.Event | None = field(default=None, repr=False)
 
     @property
@@ -76,6 +79,7 @@ class MemoryTier:
         self._blocks: dict[BlockKey, Block] = {}
         self._free = list(range(region.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._per_tenant: collections.Counter[str] = collections.Counter()  # slots held, by tenant
+        self._purged_pinned: set[Block] = set()  # purged while pinned: out of the index, slot freed at unpin
         self.quarantined = 0
 
     # ---- queries ----
@@ -97,15 +101,20 @@ class MemoryTier:
         """Slots the tenant's blocks occupy (any state)."""
         return self._per_tenant[tenant]
 
+    def tenants(self) -> set[str]:
+        """Tenants with blocks in the index."""
+        return {t for t, n in self._per_tenant.items() if n > 0}
+
     # ---- transitions ----
 
-    def reserve(self, namespace: Namespace, key: BlockKey, info: BlockInfo) -> Block | None:
-        """A new ALLOCATED block, evicting if needed; None when the key exists or nothing is evictable."""
+    def reserve(self, namespace: Namespace, key: BlockKey, info: BlockInfo, epoch: str = "") -> Block | None:
+        """A new ALLOCATED block tagged ``epoch``, evicting if needed; None when the key exists or nothing is
+        evictable."""
         if key in self._blocks:
             return None
         if not self._free and not self._evict_one():
             return None
-        block = Block(key, namespace, self._free.pop(), info)
+        block = Block(key, namespace, self._free.pop(), info, epoch=epoch)
         self._blocks[key] = block
         self._per_tenant[namespace.tenant] += 1
         return block
@@ -155,6 +164,22 @@ class MemoryTier:
             self._per_tenant[block.namespace.tenant] -= 1
         self._settle(block)
 
+    def purge(self, tenant: str, keep: str | None) -> list[Block]:
+        """Drops the tenant's committed blocks not tagged ``keep`` (None: all of them) from the index; an
+        unpinned one's slot is free at once, a pinned one's when its last reader unpins it. Uncommitted
+        blocks are left to their writer (a commit checks the epoch). Returns the blocks dropped."""
+        gone = [b for b in self._blocks.values()
+                if b.namespace.tenant == tenant and b.committed and b.epoch != keep]
+        for block in gone:
+            self._policy.remove(block.key, evicted=False)
+            del self._blocks[block.key]
+            self._per_tenant[tenant] -= 1
+            if block.pins:
+                self._purged_pinned.add(block)
+            else:
+                self._free.append(block.slot)
+        return gone
+
     def pin(self, block: Block) -> None:
         self._expect(block, BlockState.COMMITTED)
         block.pins += 1
@@ -164,6 +189,9 @@ class MemoryTier:
         if block.pins <= 0:
             raise FailedPrecondition(f"block {block.key.block_hash.hex()} is not pinned")
         block.pins -= 1
+        if block.pins == 0 and block in self._purged_pinned:
+            self._purged_pinned.discard(block)
+            self._free.append(block.slot)
 
     # ---- waiting for a pending block ----
 

@@ -42,6 +42,9 @@ class Grant:
     source_address: str = ""  # the source's registered data-plane address (the only one to dial)
     key_id: str = ""  # of the key that signed it (set by GrantSigner.sign)
     issued_unix_ms: int = 0
+    # the tenant's epoch when the grant was issued: a source serves it only blocks stored under that epoch,
+    # so a grant for a re-created tenant never reaches its predecessor's bytes
+    tenant_epoch: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,16 @@ class GrantSigner:
         grant = dataclasses.replace(grant, key_id=self.key_id, issued_unix_ms=int(time.time() * 1000))
         payload = json.dumps(asdict(grant), sort_keys=True, separators=(",", ":")).encode()
         return f"{_b64(payload)}.{_b64(self._key.sign(payload))}".encode()
+
+
+def read_grant(token: bytes) -> Grant:
+    """A grant's claims WITHOUT checking its signature: for the consumer, which got the token from the control
+    plane (or its own local caller) and needs its tenant epoch; the source checks the signature.
+    PermissionDenied when it is not a grant."""
+    try:
+        return Grant(**json.loads(_unb64(token.decode().split(".")[0])))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        raise PermissionDenied("invalid pull grant") from None
 
 
 class UnknownGrantKey(PermissionDenied):

@@ -446,7 +446,9 @@ class GetTenantLimitsRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ...) -> None: ...
 
 class TenantLimits(_message.Message):
-    __slots__ = ("max_cpu_tier_bytes_per_node",)
+    __slots__ = ("max_cpu_tier_bytes_per_node", "tenant_epoch")
     MAX_CPU_TIER_BYTES_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     max_cpu_tier_bytes_per_node: int
-    def __init__(self, max_cpu_tier_bytes_per_node: _Optional[int] = ...) -> None: ...
+    tenant_epoch: str
+    def __init__(self, max_cpu_tier_bytes_per_node: _Optional[int] = ..., tenant_epoch: _Optional[str] = ...) -> None: ...

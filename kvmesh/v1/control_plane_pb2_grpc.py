@@ -174,8 +174,9 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTenantLimits(self, request, context):
-        """What the calling node may hold for a tenant (PERMISSION_DENIED: nothing;
-        the tenant's policy does not allow this node, or there is no such tenant).
+        """What the calling node may hold for a tenant, and the tenant's epoch
+        (PERMISSION_DENIED: nothing, the tenant's policy does not allow this node;
+        NOT_FOUND to a node or admin: there is no such tenant, drop its blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
