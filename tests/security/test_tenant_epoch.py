@@ -1,0 +1,118 @@
+"""A deleted and re-created tenant does not inherit its predecessor's blocks (issue 9, hardening).
+
+Tenant T stores blocks on node A; an admin deletes T and creates T again (same id, a new epoch). The new T's
+grant-based pull from A and its engine's local Acquire on A must MISS: a fresh grant carries the new epoch, so the
+grant path misses at once; A learns the epoch from GetTenantLimits within its refresh period and then drops T's
+old blocks from its tiers (the local path). Positive controls: before the deletion the same lookup, pull and
+acquire HIT. Real Redis and control plane (in this process), real data-plane processes (gRPC, NIXL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from kvmesh.channels import channel
+from kvmesh.v1 import tenant_admin_pb2 as tpb, tenant_admin_pb2_grpc as tpb_grpc
+from tenancy.peer_proof import NodeIdentity
+
+from data_plane.client import DataPlaneClient
+from data_plane.types import LookupStatus
+from kvmesh_apps.dp_process import DataPlaneProcess
+
+from tests.security.test_node_key_peer_calls import BLOCK, NS, store, world  # noqa: F401 - world: a fixture
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+N = 2
+REFRESH_MS = 500
+BOUND_S = REFRESH_MS / 1000 + 2.0 + 5.0  # a refresh period, one control-plane call (timeout), a loaded host
+
+
+async def recreate(world) -> None:
+    """What an admin does: delete the tenant, create it again under the same id and policy."""
+    async with channel(world.address, world.admin_key) as ch:
+        admin = tpb_grpc.TenantAdminStub(ch)
+        await admin.DeleteTenant(tpb.DeleteTenantRequest(tenant_id=NS.tenant))
+        await admin.CreateTenant(tpb.CreateTenantRequest(tenant_id=NS.tenant, policy=POLICY))
+
+
+POLICY = tpb.TenantPolicy(max_cpu_tier_bytes_per_node=N * BLOCK)
+
+
+async def limit_tenant(world) -> None:
+    async with channel(world.address, world.admin_key) as ch:
+        await tpb_grpc.TenantAdminStub(ch).SetPolicy(tpb.SetPolicyRequest(tenant_id=NS.tenant, policy=POLICY))
+
+
+async def granted_lookup(world, me: NodeIdentity, source: DataPlaneProcess, hashes: list[bytes]) -> list:
+    """A peer's Lookup on ``source`` with a grant the control plane issues now (the attacker's pull)."""
+    grant = await world.grant(await world.node_key("consumer"), source.node_id, me.public_key)
+    async with DataPlaneClient(source.address, peer_proof=lambda g, m: me.proof(g, m, source.node_id)) as peer:
+        answer, _ = await peer.lookup(NS, hashes, grant=grant)
+        if answer.lease_id:
+            await peer.release(answer.lease_id, grant=grant)
+    return answer.statuses
+
+
+async def acquired(node: DataPlaneProcess, hashes: list[bytes]) -> int:
+    """How many leading blocks the node's own engine gets from a local Acquire."""
+    async with DataPlaneClient(node.address, key=node.api_key) as local:
+        slots, lease = await local.acquire(NS, hashes)
+        if lease:
+            await local.release(lease)
+    return len(slots)
+
+
+async def eventually(probe, expected, bound_s: float = BOUND_S) -> bool:
+    deadline = time.monotonic() + bound_s
+    while await probe() != expected:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+async def test_a_fresh_grant_of_the_new_tenant_misses_at_once(world):
+    # The source never refreshes during the test: only the grant's epoch stops the pull.
+    source = await world.data_plane("dp-src", KVMESH_DP_CONTROL_PLANE_REFRESH_MS="600000")
+    me = NodeIdentity()  # this process plays the new tenant's consumer (a real node key, a real grant)
+    hashes = await store(source, N)
+    assert await granted_lookup(world, me, source, hashes) == [LookupStatus.HIT] * N  # positive control
+
+    await recreate(world)
+
+    assert await granted_lookup(world, me, source, hashes) == [LookupStatus.MISS] * N
+
+
+async def test_the_new_tenant_gets_nothing_of_the_old_one_and_the_tiers_let_go(world):
+    await limit_tenant(world)
+    source = await world.data_plane("dp-src", KVMESH_DP_CONTROL_PLANE_REFRESH_MS=str(REFRESH_MS))
+    consumer = await world.data_plane("consumer", KVMESH_DP_CONTROL_PLANE_REFRESH_MS=str(REFRESH_MS))
+    me = NodeIdentity()
+    hashes = await store(source, N)
+    async with DataPlaneClient(source.address, key=source.api_key) as on_source, \
+            DataPlaneClient(consumer.address, key=consumer.api_key) as on_consumer:
+        # Positive controls: the old tenant's bytes are there for a granted pull, a real pull and the engine.
+        assert await granted_lookup(world, me, source, hashes) == [LookupStatus.HIT] * N
+        assert (await on_consumer.pull(NS, hashes, "dp-src", source.address)).pulled == N
+        assert await acquired(source, hashes) == N and await acquired(consumer, hashes) == N
+        # The tenant's CPU-tier limit counts what the source holds for it: full now.
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await on_source.reserve(NS, [b"\x01" * 32])
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        await recreate(world)
+
+        assert await granted_lookup(world, me, source, hashes) == [LookupStatus.MISS] * N  # at once
+        # Within a refresh period both nodes learn the new epoch and drop the old blocks.
+        assert await eventually(lambda: acquired(source, hashes), 0)
+        assert await eventually(lambda: acquired(consumer, hashes), 0)
+        assert (await on_consumer.pull(NS, hashes, "dp-src", source.address)).pulled == 0
+        # The source's tier no longer holds them: the new tenant has its whole limit again.
+        fresh = [bytes([i]) * 32 for i in range(1, N + 1)]
+        assert all(slot >= 0 for slot in await on_source.reserve(NS, fresh))
+        await on_source.abort(NS, fresh)
