@@ -76,7 +76,9 @@ class DataPlaneConfig(BaseSettings):
         2_000, ge=1, description="longest wait for one control-plane answer (tenant limits, a pull grant)")
     control_plane_refresh_ms: int = Field(
         10_000, ge=1, description="tenant limits stay fresh this long (then are revalidated in the background "
-        "while the old answer is served); a failed control-plane call is not retried for this long")
+        "while the old answer is served); a failed control-plane call is not retried for this long; also how often "
+        "the node asks for the epoch of every tenant it holds blocks of (the bound on a re-created tenant's local "
+        "access to old blocks)")
     pool: str = Field("", description="pool this node registers in")
     api_key: str | None = Field(None, description="this node's API key (role node): local callers must present it, "
                                                   "and it authenticates the node to the control plane and to peers")

@@ -168,7 +168,10 @@ class DataPlaneCore:
         while True:
             await asyncio.sleep(period)
             held = self.tier.tenants() | (self.disk.tenants() if self.disk is not None else set())
-            await asyncio.gather(*(self._refresh_epoch(tenant, timeout) for tenant in held))
+            for tenant, outcome in zip(held, await asyncio.gather(
+                    *(self._refresh_epoch(tenant, timeout) for tenant in held), return_exceptions=True)):
+                if isinstance(outcome, Exception):
+                    log.error("refreshing the epoch of tenant %s failed: %r", tenant, outcome)
 
     def learn_epoch(self, tenant: str, epoch: Epoch) -> None:
         """The control plane's answer for ``tenant`` (GONE: deleted). When it changed, the tenant's blocks of

@@ -3,7 +3,8 @@
 A source data plane serves a peer's Lookup or Pull only with a grant that names
 the tenant, the namespace (fingerprint), the consumer node and its peer public
 key (the caller proves possession of it: tenancy.peer_proof), the source node
-and its registered address, and an expiry. Grants are Ed25519-signed:
+and its registered address, the tenant's epoch (the source serves only blocks
+stored under it), and an expiry. Grants are Ed25519-signed:
 data planes hold only the public key, so a compromised data plane cannot mint
 grants. Token: ``base64url(json payload) "." base64url(signature)``.
 

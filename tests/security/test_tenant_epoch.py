@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from kvmesh.channels import channel
+from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from kvmesh.v1 import tenant_admin_pb2 as tpb, tenant_admin_pb2_grpc as tpb_grpc
 from tenancy.peer_proof import NodeIdentity
 
@@ -74,6 +75,24 @@ async def eventually(probe, expected, bound_s: float = BOUND_S) -> bool:
             return False
         await asyncio.sleep(0.1)
     return True
+
+
+async def test_a_node_learns_the_epoch_and_of_the_deletion(world):
+    async def limits(key: str):
+        async with channel(world.address, key) as ch:
+            return await cp_grpc.ControlPlaneStub(ch).GetTenantLimits(cp_pb.GetTenantLimitsRequest(tenant=NS.tenant))
+
+    node_key = await world.node_key("dp-src")
+    first = (await limits(node_key)).tenant_epoch
+    assert first
+    async with channel(world.address, world.admin_key) as ch:
+        await tpb_grpc.TenantAdminStub(ch).DeleteTenant(tpb.DeleteTenantRequest(tenant_id=NS.tenant))
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await limits(node_key)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    async with channel(world.address, world.admin_key) as ch:
+        await tpb_grpc.TenantAdminStub(ch).CreateTenant(tpb.CreateTenantRequest(tenant_id=NS.tenant))
+    assert (await limits(node_key)).tenant_epoch not in ("", first)
 
 
 async def test_a_fresh_grant_of_the_new_tenant_misses_at_once(world):
