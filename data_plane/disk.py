@@ -12,6 +12,7 @@ thread. Reads and writes are synchronous (one block at a time, page cache).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class DiskTier:
         self._policy = policy
         self._blocks: dict[BlockKey, DiskBlock] = {}
         self._free = list(range(num_slots - 1, -1, -1))
+        self._per_tenant: collections.Counter[str] = collections.Counter()  # blocks held, by tenant
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Scratch space: a file this user left behind (a crash) is replaced; anything else refused.
         self._fd = create_exclusive(self.path, stale=lambda _path: True)
@@ -63,7 +65,8 @@ class DiskTier:
         return len(self._blocks)
 
     def tenants(self) -> set[str]:
-        return {b.namespace.tenant for b in self._blocks.values()}
+        """Tenants with blocks here."""
+        return {t for t, n in self._per_tenant.items() if n > 0}
 
     def write(self, namespace: Namespace, key: BlockKey, data: np.ndarray, checksum: int,
               info: BlockInfo, epoch: str = "") -> list[DiskBlock]:
@@ -73,6 +76,7 @@ class DiskTier:
         evicted = []
         if not self._free:
             victim = self._blocks.pop(next(iter(self._policy.victims())))
+            self._per_tenant[victim.namespace.tenant] -= 1
             self._policy.remove(victim.key, evicted=True)
             self._free.append(victim.slot)
             evicted.append(victim)
@@ -82,6 +86,7 @@ class DiskTier:
             self._free.append(slot)
             raise OSError(f"short write to {self.path}: {written} of {self.block_bytes} bytes")
         self._blocks[key] = DiskBlock(key, namespace, slot, checksum, info, epoch)
+        self._per_tenant[namespace.tenant] += 1
         self._policy.insert(key, info)
         return evicted
 
@@ -98,6 +103,7 @@ class DiskTier:
 
     def remove(self, key: BlockKey) -> DiskBlock:
         block = self._blocks.pop(key)
+        self._per_tenant[block.namespace.tenant] -= 1
         self._policy.remove(key, evicted=False)
         self._free.append(block.slot)
         return block
