@@ -1,6 +1,7 @@
 """The compose init step: every secret of the deployment, generated on first start, one volume per consumer.
 
-    python init_secrets.py --acl-template /etc/kvmesh/users.acl --nodes dp1,dp2
+    python init_secrets.py --acl-template /etc/kvmesh/users.acl --nodes dp1,dp2 \
+        --tls-servers control-plane,dp1,dp2 --tls-clients engine1,engine2,admin
 
 Runs as root in the ``secrets-init`` one-shot service (docker-compose.yml) with these volumes mounted:
 
@@ -10,6 +11,14 @@ Runs as root in the ``secrets-init`` one-shot service (docker-compose.yml) with 
 | /secrets/control-plane | cp-secrets | ``redis-password``, ``redis-acl-password`` (its ACL-only user), ``grant-key.pem`` (Ed25519, signs pull grants), ``tenant-secret`` (tenant Redis passwords derive from it) | control-plane |
 | /secrets/redis | redis-secrets | ``users.acl`` (password hashes only), ``healthcheck-password`` | redis |
 | /secrets/nodes/<node> | <node>-secrets | nothing: the directory, owned by the kvmesh user; ``keys-init`` issues the node key into it | that node's data plane and engine |
+| /secrets/ca | ca-secrets | ``ca.key``, ``ca.crt``: the deployment's private CA (ECDSA P-256) | nothing (secrets-init alone) |
+| /secrets/tls/<name> | <name>-tls | ``tls.key``, ``tls.crt`` (signed by the CA), ``ca.crt`` | that one service |
+
+TLS: each name in ``--tls-servers`` gets a server certificate for the DNS name ``<name>`` (its compose service name)
+that also serves as its client certificate (data planes call the control plane and each other); each name in
+``--tls-clients`` a client certificate only (engines' connectors, the admin CLI). A certificate is kept while the
+CA signed it, it names what it should and it is valid for more than ``RENEW_DAYS``; otherwise it is issued again
+(a new CA, when the old one is gone or expiring, re-issues every certificate).
 
 Nothing is a default: each password and key is random. A file that exists is kept, so a second ``up`` keeps the
 credentials Redis (with its AOF volume) already knows; ``docker compose down -v`` starts over. The ACL template's
@@ -19,14 +28,19 @@ credentials Redis (with its AOF volume) already knows; ``docker compose down -v`
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import os
 import secrets
 import sys
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tenancy.api_keys import new_key
 
@@ -68,6 +82,102 @@ def _grant_key() -> str:
                              serialization.NoEncryption()).decode()
 
 
+CA_DAYS = 3650
+LEAF_DAYS = 825
+RENEW_DAYS = 30  # a certificate valid for fewer days than this is issued again
+
+
+def _pem_key(key) -> str:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()).decode()
+
+
+def _pem_cert(cert: x509.Certificate) -> str:
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _fresh(cert: x509.Certificate) -> bool:
+    return cert.not_valid_after_utc - _now() > datetime.timedelta(days=RENEW_DAYS)
+
+
+def _ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The deployment's CA: kept while valid, else a new one (every certificate it signed is then issued again)."""
+    try:
+        cert = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
+        key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+        if _fresh(cert) and cert.public_key() == key.public_key():
+            print(f"secrets-init: kept {directory / 'ca.crt'}")
+            return cert, key
+    except (OSError, ValueError):
+        pass
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvmesh deployment CA {secrets.token_hex(4)}")])
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(_now() - datetime.timedelta(minutes=5))
+            .not_valid_after(_now() + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(ski, critical=False)
+            .sign(key, hashes.SHA256()))
+    _write(directory / "ca.key", _pem_key(key), 0)
+    _write(directory / "ca.crt", _pem_cert(cert), 0, 0o444)
+    return cert, key
+
+
+def _current(path: Path, ca: x509.Certificate, name: str, server: bool) -> bool:
+    """Whether the certificate at ``path`` is signed by ``ca``, names ``name`` (as a server: its DNS SAN) and is
+    fresh."""
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+        cert.verify_directly_issued_by(ca)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName) if server else []
+    except (OSError, ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        return False
+    return _fresh(cert) and cert.subject.rfc4514_string() == f"CN={name}" and sans == ([name] if server else [])
+
+
+def _issue(directory: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], server: bool,
+           uid: int = KVMESH_UID) -> None:
+    """``directory``/tls.crt + tls.key for ``name`` (server: also valid as a client) and the CA's certificate."""
+    ca_cert, ca_key = ca
+    ca_path = directory / "ca.crt"
+    if not ca_path.exists() or ca_path.read_text() != _pem_cert(ca_cert):
+        _write(ca_path, _pem_cert(ca_cert), uid, 0o444)
+    if _current(directory / "tls.crt", ca_cert, name, server) and (directory / "tls.key").exists():
+        print(f"secrets-init: kept {directory / 'tls.crt'}")
+        return
+    key = ec.generate_private_key(ec.SECP256R1())
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [
+        ExtendedKeyUsageOID.CLIENT_AUTH]
+    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+               .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(_now() - datetime.timedelta(minutes=5))
+               .not_valid_after(_now() + datetime.timedelta(days=LEAF_DAYS))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                            data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                            crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+               .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                              critical=False))
+    if server:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+    _write(directory / "tls.key", _pem_key(key), uid)
+    _write(directory / "tls.crt", _pem_cert(builder.sign(ca_key, hashes.SHA256())), uid, 0o444)
+
+
+def _names(text: str) -> list[str]:
+    return [name for name in text.split(",") if name]
+
+
 def _render_acl(root: Path, template: str) -> str:
     """The ACL file with each ``#@NAME`` replaced by the hash of a new password, written to its consumer's file."""
     lines = []
@@ -89,6 +199,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--acl-template", type=Path, required=True)
     parser.add_argument("--nodes", required=True, help="comma-separated node ids")
+    parser.add_argument("--tls-servers", default="", help="comma-separated service names: a server certificate "
+                        "(DNS name = the service name, usable as a client certificate too) each")
+    parser.add_argument("--tls-clients", default="", help="comma-separated names: a client certificate each")
     parser.add_argument("--root", type=Path, default=Path("/secrets"), help="where the volumes are mounted")
     args = parser.parse_args(argv)
     root = args.root
@@ -103,6 +216,13 @@ def main(argv: list[str]) -> int:
         directory.mkdir(parents=True, exist_ok=True)
         os.chown(directory, KVMESH_UID, KVMESH_UID)
         os.chmod(directory, 0o700)
+    servers, clients = _names(args.tls_servers), _names(args.tls_clients)
+    if set(servers) & set(clients):
+        raise SystemExit("secrets-init: a name is both a TLS server and a TLS client")
+    if servers or clients:
+        ca = _ca(root / "ca")
+        for name in servers + clients:
+            _issue(root / "tls" / name, name, ca, server=name in servers)
     return 0
 
 

@@ -11,6 +11,10 @@
 Policy flags: --allowed-node N (repeat), --allowed-pool P, --shared-with T ("*" = everyone),
 --max-index-entries N, --max-cpu-tier-bytes-per-node N.
 The key comes from --key, --key-file or $KVMESH_ADMIN_KEY. Output is JSON.
+TLS: --tls-ca-file (the CA of the control plane's certificate; unset: plaintext), --tls-cert-file and
+--tls-key-file (this client's certificate, for a control plane that requires mutual TLS), --tls-server-name (the
+name to check instead of the host in --control-plane); each defaults to $KVMESH_ADMIN_TLS_CA_FILE,
+$KVMESH_ADMIN_TLS_CERT_FILE, $KVMESH_ADMIN_TLS_KEY_FILE, $KVMESH_ADMIN_TLS_SERVER_NAME.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from kvmesh.channels import channel
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.v1 import tenant_admin_pb2 as pb, tenant_admin_pb2_grpc as pb_grpc
 
 from tenancy import api_keys
@@ -53,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--control-plane", default=os.environ.get("KVMESH_CONTROL_PLANE", "127.0.0.1:50051"))
     parser.add_argument("--key")
     parser.add_argument("--key-file")
+    for name in ("ca-file", "cert-file", "key-file", "server-name"):
+        env = "KVMESH_ADMIN_TLS_" + name.upper().replace("-", "_")
+        parser.add_argument(f"--tls-{name}", default=os.environ.get(env) or None, help=f"default: ${env}")
     groups = parser.add_subparsers(dest="group", required=True)
     groups.add_parser("new-key", help="print a fresh bootstrap admin key")
     tenants = groups.add_parser("tenants").add_subparsers(dest="command", required=True)
@@ -83,8 +90,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tls(a) -> ClientTLS | None:
+    if not a.tls_ca_file:
+        if a.tls_cert_file or a.tls_key_file or a.tls_server_name:
+            raise SystemExit("kvmesh admin: TLS settings without --tls-ca-file")
+        return None
+    return ClientTLS(a.tls_ca_file, a.tls_cert_file, a.tls_key_file, a.tls_server_name)
+
+
 async def _call(a, key: str):
-    async with channel(a.control_plane, key) as ch:
+    async with channel(a.control_plane, key, _tls(a)) as ch:
         stub = pb_grpc.TenantAdminStub(ch)
         match (a.group, getattr(a, "command", None)):
             case ("tenants", "create"):

@@ -5,7 +5,8 @@
 2. Structural checks the schema cannot make: depends_on targets exist, services reach each other by name
    and never over localhost, every build file and bind-mounted file exists, healthchecks are present,
    host ports are unique, every KVMESH_CP_* / KVMESH_DP_* variable is a real setting, no password or key has
-   a default, and each node's secret volume is mounted into that node's services only.
+   a default, each node's secret volume is mounted into that node's services only, and every gRPC link is mutual
+   TLS with each service's certificate (issued for its service name) on a volume of its own.
 """
 
 from __future__ import annotations
@@ -174,3 +175,69 @@ def test_redis_uses_the_acl_file_and_persists():
     for user in (cp["KVMESH_CP_REDIS_USERNAME"], cp["KVMESH_CP_REDIS_ACL_USERNAME"]):
         assert any(line.startswith(f"user {user} on #@{user} ") for line in acl)  # a generated password's hash
     assert any(v.endswith(":/data") for v in SERVICES["redis"]["volumes"])
+
+
+# ---- TLS ----
+
+TLS_DIR = "/run/kvmesh/tls"
+GRPC_SERVERS = {"control-plane": "KVMESH_CP_", "dp1": "KVMESH_DP_", "dp2": "KVMESH_DP_"}
+TLS_CLIENTS = {"engine1", "engine2", "admin", "keys-init"}  # keys-init runs the admin CLI: the admin certificate
+
+
+def _tls_names() -> tuple[list[str], list[str]]:
+    command = SERVICES["secrets-init"]["command"]
+    return (command[command.index("--tls-servers") + 1].split(","),
+            command[command.index("--tls-clients") + 1].split(","))
+
+
+def _tls_volume(service: str) -> str:
+    (mount,) = [v for v in SERVICES[service].get("volumes") or [] if v.split(":")[1] == TLS_DIR]
+    assert mount.endswith(":ro"), service
+    return mount.split(":")[0]
+
+
+def test_every_grpc_server_requires_mutual_tls_on_a_certificate_for_its_service_name():
+    servers, clients = _tls_names()
+    assert set(GRPC_SERVERS) == set(servers) and set(clients) == {"engine1", "engine2", "admin"}
+    for name, prefix in GRPC_SERVERS.items():
+        env = _env(SERVICES[name])
+        assert {env[prefix + k] for k in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE")} == {
+            f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt"}, name
+        # The health check speaks mutual TLS too (with the service's own certificate), checking the service name.
+        test = SERVICES[name]["healthcheck"]["test"]
+        assert test[-3:] == ["--tls", TLS_DIR, name], name
+    for name in ("dp1", "dp2"):  # a data plane calls the control plane and its peers over TLS
+        env = _env(SERVICES[name])
+        assert env["KVMESH_DP_TLS_CA_FILE"] == f"{TLS_DIR}/ca.crt" and "KVMESH_DP_TLS_SERVER_NAME" not in env
+        assert env["KVMESH_DP_ADVERTISE_ADDRESS"].split(":")[0] == name  # the name in its certificate
+        assert env["KVMESH_DP_CONTROL_PLANE_ADDRESS"].split(":")[0] == "control-plane"
+
+
+def test_every_grpc_client_shows_its_own_certificate():
+    for name, service in SERVICES.items():
+        if _is_engine(service):
+            flag = next(c for c in service["command"] if c.startswith("--kv-transfer-config="))
+            extra = json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]
+            assert (extra["tls_ca_file"], extra["tls_cert_file"], extra["tls_key_file"]) == (
+                f"{TLS_DIR}/ca.crt", f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key"), name
+            assert not extra.get("tls_server_name")  # the host of each address is the name checked
+            assert {extra["data_plane_address"].split(":")[0], extra["control_plane_address"].split(":")[0]} <= \
+                set(GRPC_SERVERS)
+        elif name in ("admin", "keys-init"):
+            env = _env(service)
+            assert (env["KVMESH_ADMIN_TLS_CA_FILE"], env["KVMESH_ADMIN_TLS_CERT_FILE"],
+                    env["KVMESH_ADMIN_TLS_KEY_FILE"]) == (f"{TLS_DIR}/ca.crt", f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")
+
+
+def test_each_tls_key_is_mounted_into_its_own_service_only():
+    owners = {service: _tls_volume(service) for service in set(GRPC_SERVERS) | TLS_CLIENTS}
+    assert owners["keys-init"] == owners["admin"] == "admin-tls"
+    assert len(set(owners.values())) == len(owners) - 1  # one volume per service (keys-init shares the admin's)
+    for service, volume in owners.items():
+        assert _mounting(volume) == ({"admin", "keys-init"} if volume == "admin-tls" else {service}) | {
+            "secrets-init"}, volume
+    servers, clients = _tls_names()
+    for name in servers + clients:  # secrets-init writes each certificate into that volume
+        volume = owners[name]
+        assert f"{volume}:/secrets/tls/{name}" in SERVICES["secrets-init"]["volumes"]
+    assert _mounting("ca-secrets") == {"secrets-init"}  # the CA's key: nowhere else
