@@ -22,6 +22,7 @@ from typing import Sequence
 
 import grpc
 
+from kvmesh.channels import ClientTLS
 from kvmesh.grpc_server import channel_options
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
@@ -37,9 +38,13 @@ __all__ = ["Candidate", "EngineSample", "LinkSample", "Policy", "PullOutcome", "
 
 class SchedulerClient:
     def __init__(self, address: str, namespace: Namespace, *, api_key: str | None = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, tls: ClientTLS | None = None) -> None:
+        """``tls``: the control plane's CA (and this client's certificate when it requires mutual TLS); None:
+        plaintext."""
         self.namespace = namespace.validate()
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options())
+        options = channel_options()
+        self._channel = (grpc.aio.insecure_channel(address, options=options) if tls is None else
+                         grpc.aio.secure_channel(address, tls.credentials(), options=tls.options(options)))
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout = timeout_s

@@ -1,4 +1,5 @@
-"""Container healthcheck: ``python healthcheck.py grpc HOST:PORT [--tls DIR NAME]`` or ``python healthcheck.py http URL``.
+"""Container healthcheck: ``python healthcheck.py grpc HOST:PORT [--tls DIR NAME]`` or
+``python healthcheck.py http URL``.
 
 gRPC: the standard health service answers SERVING; with ``--tls DIR NAME`` over mutual TLS, with the container's
 own certificate (``DIR``/tls.crt, tls.key, ca.crt: docker/init_secrets.py) and ``NAME`` checked in the server's

@@ -226,7 +226,8 @@ def test_every_grpc_client_shows_its_own_certificate():
         elif name in ("admin", "keys-init"):
             env = _env(service)
             assert (env["KVMESH_ADMIN_TLS_CA_FILE"], env["KVMESH_ADMIN_TLS_CERT_FILE"],
-                    env["KVMESH_ADMIN_TLS_KEY_FILE"]) == (f"{TLS_DIR}/ca.crt", f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")
+                    env["KVMESH_ADMIN_TLS_KEY_FILE"]) == (f"{TLS_DIR}/ca.crt", f"{TLS_DIR}/tls.crt",
+                                                          f"{TLS_DIR}/tls.key")
 
 
 def test_each_tls_key_is_mounted_into_its_own_service_only():

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import runpy
 import shutil
 import socket
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -267,6 +269,17 @@ async def test_the_real_planes_run_mutual_tls_on_these_certificates(tls_root, re
 
         async def describe(ch):
             await dp_grpc.DataPlaneStub(ch).DescribeTier(dp_pb.DescribeTierRequest(), timeout=10)
+
+        # The admin CLI as keys-init and the admin service run it: TLS from $KVMESH_ADMIN_TLS_*.
+        cli = [sys.executable, "-m", "kvmesh_apps.cli", "admin", "--control-plane", cp_address, "--key", admin_key,
+               "tenants", "list"]
+        env = {**os.environ, "KVMESH_ADMIN_TLS_CA_FILE": admin_tls.ca_file,
+               "KVMESH_ADMIN_TLS_CERT_FILE": admin_tls.cert_file, "KVMESH_ADMIN_TLS_KEY_FILE": admin_tls.key_file,
+               "KVMESH_ADMIN_TLS_SERVER_NAME": "control-plane"}
+        listed = await asyncio.to_thread(subprocess.run, cli, env=env, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and isinstance(json.loads(listed.stdout), dict), listed.stderr  # answered
+        plain = await asyncio.to_thread(subprocess.run, cli, capture_output=True, text=True, timeout=60)
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr, plain.stderr  # plaintext: refused
 
         for address, key, good, call in ((cp_address, admin_key, admin_tls, list_tenants),
                                          (dp.address, node_key, engine_tls, describe)):

@@ -78,6 +78,24 @@ async def test_control_plane_refuses_plaintext_and_foreign_certificates(cp_confi
             await cp_grpc.ControlPlaneStub(ch).Ping(common_pb2.PingRequest(), timeout=10)
 
         await _probe_all(f"127.0.0.1:{running.port}", admin_key, pki, ping)
+
+        # A router's SchedulerClient: refused in plaintext, routes over mutual TLS (positive control).
+        from control_plane.scheduler_client import Candidate, SchedulerClient
+        from kvmesh.namespace import CacheConfig, Namespace
+
+        address = f"127.0.0.1:{running.port}"
+        async with channel(address, admin_key, ClientTLS(good["ca"], *good["client"])) as ch:
+            await ta_grpc.TenantAdminStub(ch).CreateTenant(ta_pb.CreateTenantRequest(tenant_id="tls-router"),
+                                                           timeout=10)
+        ns = Namespace("tls-router", "m", "", CacheConfig(block_size=16))
+        candidates = [Candidate("engine-a", "node-a")]
+        async with SchedulerClient(address, ns, api_key=admin_key) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.route(candidates, token_ids=list(range(32)))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        tls = ClientTLS(good["ca"], *good["client"])
+        async with SchedulerClient(address, ns, api_key=admin_key, tls=tls) as client:
+            assert (await client.route(candidates, token_ids=list(range(32)))).engine_id == "engine-a"
     finally:
         await running.stop()
 
