@@ -11,7 +11,7 @@ Runs as root in the ``secrets-init`` one-shot service (docker-compose.yml) with 
 | /secrets/control-plane | cp-secrets | ``redis-password``, ``redis-acl-password`` (its ACL-only user), ``grant-key.pem`` (Ed25519, signs pull grants), ``tenant-secret`` (tenant Redis passwords derive from it) | control-plane |
 | /secrets/redis | redis-secrets | ``users.acl`` (password hashes only), ``healthcheck-password`` | redis |
 | /secrets/nodes/<node> | <node>-secrets | nothing: the directory, owned by the kvmesh user; ``keys-init`` issues the node key into it | that node's data plane and engine |
-| /secrets/ca | ca-secrets | ``ca.key``, ``ca.crt``: the deployment's private CA (ECDSA P-256) | nothing (secrets-init alone) |
+| /secrets/ca | ca-secrets | ``ca.key``, ``ca.crt``: the deployment's private CA (ECDSA P-256) | nothing else |
 | /secrets/tls/<name> | <name>-tls | ``tls.key``, ``tls.crt`` (signed by the CA), ``ca.crt`` | that one service |
 
 TLS: each name in ``--tls-servers`` gets a server certificate for the DNS name ``<name>`` (its compose service name)

@@ -3,35 +3,45 @@
 ``make compose-test`` (scripts/compose_test.sh) builds the images, brings the stack up with the small model, waits
 for every health check and runs this module with ``KVMESH_COMPOSE_PROJECT`` naming the project; without it the
 module is skipped. Everything goes through the containers: the admin CLI runs in the ``admin`` service, requests go
-to the engines' published ports, the control plane is asked on its published port, metrics are scraped and files
-read from inside containers on the compose network. Tests run in file order on one stack; the control-plane restart
-comes last. ``KVMESH_COMPOSE_SUMMARY`` names the JSON file the measured figures go to.
+to the engines' published ports, the control plane is asked on its published port (over mutual TLS, with the admin
+client certificate copied out of its volume), metrics are scraped and files read from inside containers on the
+compose network; the TLS attacker is a container of the kvmesh image on that network with no volume of the stack.
+Tests run in file order on one stack; the control-plane restart comes last. ``KVMESH_COMPOSE_SUMMARY`` names the
+JSON file the measured figures go to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
 import socket
 import struct
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.channels import channel
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.hashing import HashAlgo
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 
 from engine_connector.config import KV_LAYOUT
+
+from tests.pki import certificate, write_pem
 
 PROJECT = os.environ.get("KVMESH_COMPOSE_PROJECT", "")
 SUMMARY = os.environ.get("KVMESH_COMPOSE_SUMMARY", "")
@@ -71,6 +81,19 @@ def run_in(service: str, *cmd: str, user: str = "", check: bool = True) -> subpr
 def admin(*args: str) -> dict:
     """The admin CLI in a one-off container of the ``admin`` service (bootstrap admin key from its volume)."""
     return json.loads(compose("run", "--rm", "-T", "admin", *args).stdout)
+
+
+@functools.cache
+def operator_tls() -> ClientTLS:
+    """The admin's client certificate and the deployment's CA, copied out of the ``admin-tls`` volume (the operator's
+    credentials for the published control-plane port; its certificate names ``control-plane``)."""
+    directory = Path(tempfile.mkdtemp(prefix="kvmesh-compose-tls-"))
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        path = directory / name
+        path.touch(mode=0o600)
+        path.write_text(compose("run", "--rm", "-T", "--entrypoint", "cat", "admin", f"/run/kvmesh/tls/{name}").stdout)
+    return ClientTLS(str(directory / "ca.crt"), str(directory / "tls.crt"), str(directory / "tls.key"),
+                     "control-plane")
 
 
 def published(service: str, port: int) -> str:
@@ -130,10 +153,12 @@ NAMESPACE = Namespace(TENANT, MODEL, "", CacheConfig(
     hash_algo=HashAlgo.SHA256_CBOR, hash_seed="0")).validate()  # what the engines' connectors derive
 
 
-def holders(key: str, prompt: list[int], namespace: Namespace = NAMESPACE) -> dict[str, int]:
-    """LookupPrefix on the control plane's published port: node -> leading blocks of ``prompt`` it holds."""
+def holders(key: str, prompt: list[int], namespace: Namespace = NAMESPACE, tls: ClientTLS | None = None
+            ) -> dict[str, int]:
+    """LookupPrefix on the control plane's published port: node -> leading blocks of ``prompt`` it holds (over
+    ``tls``, by default the operator's mutual TLS)."""
     async def lookup() -> dict[str, int]:
-        async with channel(published("control-plane", 50051), key) as ch:
+        async with channel(published("control-plane", 50051), key, tls or operator_tls()) as ch:
             reply = await cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
                 namespace=namespace.to_proto(), token_ids=prompt, media=[common_pb2.MEDIUM_CPU]), timeout=10)
         return {h.node_id: h.leading_blocks for h in reply.holders}
@@ -291,8 +316,87 @@ def test_one_trace_follows_the_pull_across_containers(scenario):
     RESULTS["trace_services"] = sorted(services)
 
 
+# A plaintext client, a client certificate from another CA, none, a client that trusts another CA (so it would
+# accept an impostor server), and the positive control: the deployment's CA and a certificate it issued.
+PROBE = r"""
+import json, sys
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+def read(path):
+    return open(path, "rb").read()
+
+good, foreign = "/probe/good/", "/probe/foreign/"
+ways = {
+    "plaintext": None,
+    "foreign_client_cert": (good + "ca.crt", foreign + "tls.key", foreign + "tls.crt"),
+    "no_client_cert": (good + "ca.crt", None, None),
+    "foreign_server_ca": (foreign + "ca.crt", good + "tls.key", good + "tls.crt"),
+    "deployment_cert": (good + "ca.crt", good + "tls.key", good + "tls.crt"),
+}
+out = {}
+for target in sys.argv[1:]:
+    out[target] = {}
+    for way, files in ways.items():
+        if files is None:
+            ch = grpc.insecure_channel(target)
+        else:
+            ch = grpc.secure_channel(target, grpc.ssl_channel_credentials(*(read(f) if f else None for f in files)))
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            out[target][way] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError as exc:
+            out[target][way] = exc.code().name
+        finally:
+            ch.close()
+print(json.dumps(out))
+"""
+
+
+def test_plaintext_and_foreign_certificates_are_refused_on_every_grpc_port(keys, scenario, tmp_path):
+    """The attacker: a container on the compose network (the kvmesh image, none of the stack's volumes) dials the
+    control plane and both data planes in plaintext, with a certificate from its own CA, with none, and trusting
+    its own CA; every way is refused. Positive control: the same container and code with the deployment's CA and
+    a certificate it issued (the admin's) is answered SERVING by all three. From the host, a plaintext client
+    holding a valid scheduler key is refused on the published port too, where the operator's TLS is answered."""
+    probe = tmp_path / "probe"
+    (probe / "good").mkdir(parents=True)
+    (probe / "foreign").mkdir()
+    tls = operator_tls()
+    for name, source in (("ca.crt", tls.ca_file), ("tls.crt", tls.cert_file), ("tls.key", tls.key_file)):
+        (probe / "good" / name).write_bytes(Path(source).read_bytes())
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "attacker CA")])
+    write_pem(probe / "foreign", "ca", certificate("attacker CA", ca_name, ca_key, ca_key, ca=True))
+    write_pem(probe / "foreign", "tls", certificate("dp1", ca_name, ca_key, leaf_key), leaf_key)
+    (probe / "probe.py").write_text(PROBE)
+    (network,) = container("control-plane")["NetworkSettings"]["Networks"]
+    targets = ["control-plane:50051", "dp1:50061", "dp2:50061"]
+    run = subprocess.run(["docker", "run", "--rm", "--network", network, "-u", "0", "-v", f"{probe}:/probe:ro",
+                          "--entrypoint", "python", "kvmesh:dev", "/probe/probe.py", *targets],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcomes = json.loads(run.stdout)
+    for target in targets:
+        assert outcomes[target]["deployment_cert"] == "SERVING", outcomes  # positive control
+        refused = {way: code for way, code in outcomes[target].items() if way != "deployment_cert"}
+        assert set(refused.values()) == {"UNAVAILABLE"}, outcomes  # refused in the handshake, no RPC ran
+    # From the host: the published control-plane port, a valid key, no TLS.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(_plaintext_lookup(keys[TENANT], scenario["prompt"]))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert holders(keys[TENANT], scenario["prompt"]).get("dp1", 0) >= USABLE_BLOCKS  # positive control
+    RESULTS["tls_probe"] = outcomes
+
+
+async def _plaintext_lookup(key: str, prompt: list[int]) -> None:
+    async with channel(published("control-plane", 50051), key) as ch:
+        await cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
+            namespace=NAMESPACE.to_proto(), token_ids=prompt, media=[common_pb2.MEDIUM_CPU]), timeout=10)
+
+
 SECRETS = ("node.key", "admin.key", "redis-password", "redis-acl-password", "tenant-secret", "grant-key.pem",
-           "users.acl", "healthcheck-password")
+           "users.acl", "healthcheck-password", "tls.key", "ca.key")
 
 
 def _secret_files(service: str) -> dict[str, str]:
@@ -304,15 +408,24 @@ def _secret_files(service: str) -> dict[str, str]:
 
 
 def test_each_node_secret_is_mounted_only_into_that_node(scenario):
-    seen = {service: _secret_files(service) for service in ("dp1", "engine1", "dp2", "engine2")}
+    node_key, tls_key = "/run/kvmesh/node/node.key", "/run/kvmesh/tls/tls.key"
+    seen = {service: _secret_files(service) for service in ("dp1", "engine1", "dp2", "engine2", "control-plane")}
     for node, engine in NODES.items():
-        # Positive control: the node's data plane and engine both hold the node's key, the same one.
-        assert list(seen[node]) == ["/run/kvmesh/node/node.key"], seen[node]
-        assert seen[engine] == seen[node]
+        # Positive control: the node's data plane and engine both hold the node's key, the same one, and each its
+        # own TLS key.
+        assert sorted(seen[node]) == sorted(seen[engine]) == [node_key, tls_key], (seen[node], seen[engine])
+        assert seen[engine][node_key] == seen[node][node_key]
     # The attacker in dp1 (root in its container) finds no other node's key, nor any control-plane secret.
-    assert seen["dp1"]["/run/kvmesh/node/node.key"] != seen["dp2"]["/run/kvmesh/node/node.key"]
+    assert seen["dp1"][node_key] != seen["dp2"][node_key]
     assert run_in("dp1", "cat", "/run/kvmesh/nodes/dp2/node.key", user="root", check=False).returncode != 0
-    # Docker's own view: each node volume is mounted into that node's containers (and the init steps) only.
+    # No two containers share a TLS key (not even a node's data plane and engine); the CA's key is in none.
+    tls_keys = [files[tls_key] for files in seen.values()]
+    assert len(tls_keys) == len(set(tls_keys)) == 5
+    assert not [path for files in seen.values() for path in files if path.endswith("ca.key")]
+    assert sorted(p for p in seen["control-plane"] if not p.startswith("/run/kvmesh/control-plane/")) == [
+        "/run/kvmesh/admin/admin.key", tls_key]
+    # Docker's own view: each node volume is mounted into that node's containers (and the init steps) only; each
+    # TLS volume into its one service (and secrets-init); the CA's volume into secrets-init alone.
     mounts = defaultdict(set)
     for c in containers():
         for m in c["Mounts"]:
@@ -320,6 +433,12 @@ def test_each_node_secret_is_mounted_only_into_that_node(scenario):
     for node, engine in NODES.items():
         assert mounts[f"{PROJECT}_{node}-secrets"] <= {node, engine, "secrets-init", "keys-init"}
     assert mounts[f"{PROJECT}_cp-secrets"] <= {"control-plane", "secrets-init"}
+    for service, volume in {"dp1": "dp1", "dp2": "dp2", "engine1": "engine1", "engine2": "engine2",
+                            "control-plane": "cp"}.items():
+        users = mounts[f"{PROJECT}_{volume}-tls"]
+        assert service in users and users <= {service, "secrets-init"}, (volume, users)
+    assert mounts[f"{PROJECT}_admin-tls"] <= {"secrets-init", "keys-init", "admin"}
+    assert mounts[f"{PROJECT}_ca-secrets"] <= {"secrets-init"}
     RESULTS["secrets_isolated"] = True
 
 
