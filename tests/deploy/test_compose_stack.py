@@ -380,7 +380,8 @@ def test_plaintext_and_foreign_certificates_are_refused_on_every_grpc_port(keys,
     for target in targets:
         assert outcomes[target]["deployment_cert"] == "SERVING", outcomes  # positive control
         refused = {way: code for way, code in outcomes[target].items() if way != "deployment_cert"}
-        assert set(refused.values()) == {"UNAVAILABLE"}, outcomes  # refused in the handshake, no RPC ran
+        # Refused in the handshake (a TLS 1.3 client may learn of a refused certificate only on its first read).
+        assert set(refused.values()) <= {"UNAVAILABLE", "UNKNOWN"}, outcomes
     # From the host: the published control-plane port, a valid key, no TLS.
     with pytest.raises(grpc.aio.AioRpcError) as info:
         asyncio.run(_plaintext_lookup(keys[TENANT], scenario["prompt"]))
