@@ -98,3 +98,20 @@ async def test_failure_keeps_the_last_answer_and_a_refusal_is_an_answer():
     with pytest.raises(PermissionDenied):
         await cache.get("other", 1.0)
     assert cp.calls == 3
+
+
+async def test_refresh_fetches_a_fresh_key_again_but_respects_the_back_off():
+    """What the data plane's epoch sweep uses: a tenant's answer is fetched again every period, fresh or not."""
+    cp, clock = ControlPlane(), Clock()
+    cache = answers(cp, clock, timeout_s=1.0)
+    assert await cache.get("t", 1.0) == 7
+    cp.value = 8
+    await cache.refresh("t", 1.0)
+    assert cp.calls == 2 and await cache.get("t", 1.0) == 8  # negative control: get alone would still say 7
+    cp.mode = "down"
+    await cache.refresh("t", 1.0)
+    await cache.refresh("t", 1.0)  # within the back-off: no call
+    assert cp.calls == 3 and await cache.get("t", 1.0) == 8  # the last answer stays (fail open)
+    cache.forget(lambda key: key == "t")
+    cp.mode = "answer"
+    assert await cache.get("t", 1.0) == 8 and cp.calls == 4  # forgotten: fetched again
