@@ -307,22 +307,19 @@ class RedisBlockMap(BlockMap):
                 self._eval("lookup", [blocks_key], args, tenant, read_only=True), self._redis.hgetall(self._keys.slots),
                 self._redis.time())
             now_ms = int(sec) * 1000 + int(usec) // 1000
-        else:  # one round trip: the script returns the live-slot table and the time too
-            found, flat, now_ms = await self._eval("lookup", [blocks_key, self._keys.slots], args, tenant,
-                                                   read_only=True)
-            slots = dict(zip(flat[::2], flat[1::2]))
-        live: dict[int, tuple[str, str]] = {}
-        for slot, record in slots.items():
+            by_slot = {int(slot): record for slot, record in slots.items()}
+            records = [by_slot.get(slot) for slot in found[1::5]]
+        else:  # one round trip: the script returns the holders' live-slot records and the time too
+            found, records, now_ms = await self._eval("lookup", [blocks_key, self._keys.slots], args, tenant,
+                                                      read_only=True)
+        holders = []
+        for i, record in zip(range(1, len(found), 5), records):
+            if not record or found[i + 1] <= 0:
+                continue  # not in the live-slot table (fenced), or no leading block on the filtered tiers
             node_id, _inc, lease_until, address = _s(record).split("\t", 3)
             if int(lease_until) >= now_ms:
-                live[int(slot)] = (node_id, address)
-        holders = []
-        for i in range(1, len(found), 5):
-            slot, any_count, gpu, cpu, disk = (int(x) for x in found[i:i + 5])
-            if slot in live and any_count > 0:
-                node_id, address = live[slot]
-                holders.append(NodePrefix(node_id, address, any_count,
-                                          {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk}))
+                holders.append(NodePrefix(node_id, address, found[i + 1],
+                                          {Medium.GPU: found[i + 2], Medium.CPU: found[i + 3], Medium.DISK: found[i + 4]}))
         holders.sort(key=lambda h: (-h.leading_blocks, h.node_id))
         return PrefixMatch(len(block_hashes), holders)
 

@@ -6,7 +6,8 @@
 -- KEYS: namespace block hash [, live-slot table (single server only: saves a round trip)]
 -- ARGV: hash_len, concatenated hashes, tier filter mask
 -- Returns {{blocks_read, slot, any_count, gpu_count, cpu_count, disk_count, slot, ...},
---          [the live-slot table as HGETALL gives it, the server time in ms]}
+--          [the live-slot records of those slots, in that order (false: not in the table), the server time in ms]}
+-- Only the holders' records are read: a lookup's cost does not grow with the number of nodes in the fleet.
 -- Counts are leading blocks: "any" on any filtered tier, the others per tier.
 local hl = tonumber(ARGV[1])
 local blob = ARGV[2]
@@ -101,6 +102,8 @@ for _, s in ipairs(order) do
 end
 if KEYS[2] then
   local t = redis.call('TIME')
-  return {out, redis.call('HGETALL', KEYS[2]), tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
+  local records = {}
+  if #order > 0 then records = redis.call('HMGET', KEYS[2], unpack(order)) end
+  return {out, records, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
 end
 return {out}
