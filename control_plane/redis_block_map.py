@@ -21,7 +21,7 @@ import redis.exceptions
 
 from kvmesh import errors
 from kvmesh.namespace import Namespace
-from kvmesh.redis_client import connect
+from kvmesh.redis_client import Coalescer, connect
 from redis.asyncio.cluster import RedisCluster
 
 from control_plane.block_map import BlockMap
@@ -72,6 +72,7 @@ class RedisBlockMap(BlockMap):
         self._redis = connect(url, username=username, password=password)
         self._tenant_credentials = tenant_credentials
         self._tenant_clients: dict[str, tuple[object, str]] = {}  # tenant -> (client, epoch)
+        self._coalescers: dict[object, Coalescer] = {}  # client -> its coalescer (single server)
         self._refused: set[str] = set()
         self._keys = Keys(key_prefix)
         self._lease_ms = lease_ms
@@ -95,14 +96,24 @@ class RedisBlockMap(BlockMap):
 
     async def _eval(self, name: str, keys: list[str], args: list, tenant: str | None = None,
                     read_only: bool = False) -> object:
-        """Runs a script, as ``tenant``'s Redis user when given (and configured)."""
+        """Runs a script, as ``tenant``'s Redis user when given (and configured). Read-only scripts on a
+        single server go through the client's :class:`Coalescer` (concurrent lookups share a pipeline)."""
         if not self._sha:
             await self._load()
+
+        def run(client):
+            command = "EVALSHA_RO" if read_only and self._read_only_scripts else "EVALSHA"
+            if read_only and not self._cluster:
+                coalescer = self._coalescers.get(client)
+                if coalescer is None:
+                    coalescer = self._coalescers[client] = Coalescer(client)
+                return coalescer.execute(command, self._sha[name], len(keys), *keys, *args)
+            return client.execute_command(command, self._sha[name], len(keys), *keys, *args)
+
         for attempt in range(2):
             client = await self._client(tenant)
-            run = client.evalsha_ro if read_only and self._read_only_scripts else client.evalsha
             try:
-                return await run(self._sha[name], len(keys), *keys, *args)
+                return await run(client)
             except redis.exceptions.NoScriptError:  # the server restarted or was flushed
                 await self._load()
             except redis.exceptions.ConnectionError as exc:
@@ -116,7 +127,7 @@ class RedisBlockMap(BlockMap):
                     self._refused.add(tenant)
                 if (await self._tenant(tenant))[1] != epoch:  # never touch the old tenant's keys
                     raise errors.Unavailable(f"tenant {tenant!r} was deleted and created again; retry") from None
-        return await run(self._sha[name], len(keys), *keys, *args)
+        return await run(client)
 
     async def _client(self, tenant: str | None):
         return (await self._tenant(tenant))[0]
@@ -136,6 +147,7 @@ class RedisBlockMap(BlockMap):
         """Drops the tenant's connection and epoch (the tenant changed); the next use reconnects."""
         found = self._tenant_clients.pop(tenant, None)
         if found is not None:
+            self._coalescers.pop(found[0], None)
             asyncio.get_running_loop().create_task(found[0].aclose())
 
     async def blocks_key(self, ns: Namespace) -> str:
@@ -144,6 +156,7 @@ class RedisBlockMap(BlockMap):
     async def _drop_client(self, tenant: str | None) -> None:
         found = self._tenant_clients.pop(tenant, None) if tenant else None
         if found is not None:
+            self._coalescers.pop(found[0], None)
             await found[0].aclose()
 
     # -- registry --------------------------------------------------------------
