@@ -1,0 +1,67 @@
+"""kvmesh.redis_client.Coalescer against a real redis-server: concurrent callers share pipelines, and each
+caller still gets its own reply or error."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from kvmesh.redis_client import Coalescer
+
+
+async def _connections_named(url: str, name: str) -> int:
+    admin = aioredis.Redis.from_url(url)
+    try:
+        return sum(1 for c in await admin.client_list() if c.get("name") == name)
+    finally:
+        await admin.aclose()
+
+
+async def test_concurrent_callers_share_one_connection_and_get_their_own_replies(redis_server):
+    name = f"coalesced-{uuid.uuid4().hex[:8]}"
+    client = aioredis.Redis.from_url(redis_server.url, client_name=name)
+    coalescer = Coalescer(client)
+    replies = await asyncio.gather(*(coalescer.execute("ECHO", f"m{i}") for i in range(64)))
+    assert replies == [f"m{i}".encode() for i in range(64)]
+    assert await _connections_named(redis_server.url, name) == 1  # pipelined: one connection served all 64
+    await client.aclose()
+
+    # Negative control: the same 64 concurrent commands without the coalescer need many connections.
+    name = f"direct-{uuid.uuid4().hex[:8]}"
+    client = aioredis.Redis.from_url(redis_server.url, client_name=name)
+    await asyncio.gather(*(client.execute_command("ECHO", f"m{i}") for i in range(64)))
+    assert await _connections_named(redis_server.url, name) > 1
+    await client.aclose()
+
+
+async def test_an_error_belongs_to_its_caller(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    key = f"coalesce:{uuid.uuid4().hex}"
+    await client.set(key, "not a number")
+    coalescer = Coalescer(client)
+    replies = await asyncio.gather(coalescer.execute("ECHO", "before"), coalescer.execute("INCR", key),
+                                   coalescer.execute("ECHO", "after"), return_exceptions=True)
+    assert replies[0] == b"before" and replies[2] == b"after"
+    assert isinstance(replies[1], redis.exceptions.ResponseError)
+    await client.aclose()
+
+
+async def test_a_caller_that_gives_up_leaves_the_others_alone(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    coalescer = Coalescer(client)
+    first, gone, last = (coalescer.execute("ECHO", m) for m in ("a", "b", "c"))
+    gone.cancel()
+    assert await first == b"a" and await last == b"c"
+    assert await coalescer.execute("ECHO", "next") == b"next"  # and the coalescer goes on
+    await client.aclose()
+
+
+async def test_a_failed_connection_reaches_every_caller_of_the_batch(redis_server):
+    client = aioredis.Redis.from_url("redis://127.0.0.1:1", socket_connect_timeout=1)  # nothing listens there
+    coalescer = Coalescer(client)
+    replies = await asyncio.gather(coalescer.execute("PING"), coalescer.execute("PING"), return_exceptions=True)
+    assert all(isinstance(r, redis.exceptions.ConnectionError) for r in replies)
+    await client.aclose()
