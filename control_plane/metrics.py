@@ -32,16 +32,21 @@ class MeteredBlockMap(BlockMap):
             ["result"], registry=registry)
         self._batches = Counter("kvmesh_cp_event_batches", "event batches by outcome", ["status"], registry=registry)
         self._event_blocks = Counter("kvmesh_cp_event_blocks", "blocks in applied events", ["op"], registry=registry)
+        # Children bound once: labels() takes a lock and a dict lookup per call, on every lookup.
+        self._queried = self._lookup_blocks.labels("queried")
+        self._matched = self._lookup_blocks.labels("matched")
+        self._matched_tier = [(medium, self._lookup_blocks.labels(f"matched_{medium.name.lower()}"))
+                              for medium in Medium]
 
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
         start = time.perf_counter()
         match = await self._inner.lookup_prefix(ns, block_hashes, tiers)
         self._lookup_seconds.observe(time.perf_counter() - start)
-        self._lookup_blocks.labels("queried").inc(len(block_hashes))
-        self._lookup_blocks.labels("matched").inc(match.longest)
-        for medium in Medium:
-            best = max((h.per_tier.get(medium, 0) for h in match.holders), default=0)
-            self._lookup_blocks.labels(f"matched_{medium.name.lower()}").inc(best)
+        self._queried.inc(len(block_hashes))
+        if match.holders:
+            self._matched.inc(match.longest)
+            for medium, child in self._matched_tier:
+                child.inc(max(h.per_tier.get(medium, 0) for h in match.holders))
         return match
 
     async def apply_batch(self, batch: EventBatch) -> Ack:

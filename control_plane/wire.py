@@ -107,14 +107,13 @@ def ack_to_pb(ack: Ack) -> pb.EventAck:
 
 
 def prefix_match_to_pb(match: PrefixMatch) -> pb.LookupPrefixResponse:
-    return pb.LookupPrefixResponse(
-        blocks_queried=match.blocks_queried,
-        block_hashes=match.block_hashes,
-        holders=[
-            pb.NodePrefix(
-                node_id=h.node_id, data_plane_address=h.data_plane_address, leading_blocks=h.leading_blocks,
-                tiers=[pb.TierPrefix(medium=int(m), leading_blocks=n) for m, n in h.per_tier.items() if n],
-            )
-            for h in match.holders
-        ],
-    )
+    # add() on the repeated fields: half the cost of building each message and copying it in (on every lookup)
+    reply = pb.LookupPrefixResponse(blocks_queried=match.blocks_queried, block_hashes=match.block_hashes)
+    add_holder = reply.holders.add
+    for h in match.holders:
+        add_tier = add_holder(node_id=h.node_id, data_plane_address=h.data_plane_address,
+                              leading_blocks=h.leading_blocks).tiers.add
+        for medium, n in h.per_tier.items():
+            if n:
+                add_tier(medium=int(medium), leading_blocks=n)
+    return reply

@@ -110,18 +110,29 @@ def _tolerant(deserializer):
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
     """Undecodable protobuf payloads answer INVALID_ARGUMENT naming the expected type (unary and streaming
-    requests alike), instead of gRPC's UNKNOWN with an exception class name and a logged traceback."""
+    requests alike), instead of gRPC's UNKNOWN with an exception class name and a logged traceback.
+
+    It is the innermost interceptor, so the handler it wraps is the registered one: the wrapped handler is
+    built once per method and reused (nothing in it depends on the call)."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None or not details.method.startswith("/kvmesh."):
             return handler  # health and reflection are grpc's own (and reflection iterates requests synchronously)
+        found = self._wrapped.get(details.method)
+        if found is not None and found[0] is handler:
+            return found[1]
         if handler.request_streaming:
             wrap = _check_each_request
         else:
             wrap = _check_stream_response if handler.response_streaming else _check_unary
-        return rewrap_handler(handler, lambda behavior, _: wrap(behavior),
-                              request_deserializer=_tolerant(handler.request_deserializer))
+        wrapped = rewrap_handler(handler, lambda behavior, _: wrap(behavior),
+                                 request_deserializer=_tolerant(handler.request_deserializer))
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
 
 
 def _check_unary(behavior):

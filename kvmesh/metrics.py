@@ -27,20 +27,32 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                                   registry=registry, buckets=LATENCY_BUCKETS)
         self._total = Counter("kvmesh_rpc", "RPCs handled", ["service", "method", "code"], registry=registry)
         self._service = service
+        # Per method (only methods the server has): its latency child and its counters by status code, bound
+        # once; labels() takes a lock and a dict lookup.
+        self._children: dict[str, tuple[object, dict[str, object]]] = {}
+
+    def _method_children(self, full_method: str) -> tuple[object, dict[str, object]]:
+        found = self._children.get(full_method)
+        if found is None:
+            method = full_method.rsplit("/", 1)[-1]
+            found = self._children[full_method] = (self._seconds.labels(self._service, method), {})
+        return found
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or details.method.startswith("/grpc."):
             return handler
+        seconds, by_code = self._method_children(details.method)
         method = details.method.rsplit("/", 1)[-1]
-        seconds = self._seconds.labels(self._service, method)
-        total = self._total
 
         def record(context, start: float) -> None:
             code = context.code() if hasattr(context, "code") else None
             name = code.name if isinstance(code, grpc.StatusCode) else "OK"
             seconds.observe(time.perf_counter() - start)
-            total.labels(self._service, method, name).inc()
+            counter = by_code.get(name)
+            if counter is None:
+                counter = by_code[name] = self._total.labels(self._service, method, name)
+            counter.inc()
 
         def wrap(behavior, streaming: bool):
             if streaming:

@@ -113,22 +113,10 @@ class Namespace:
 
     @classmethod
     def from_proto(cls, msg: pb.Namespace) -> "Namespace":
+        """The validated namespace; InvalidArgument when it is not valid."""
         c = msg.cache_config
-        if c.hash_algo not in _ALGO_FROM_PB:
-            raise InvalidArgument(f"unknown hash_algo enum value {c.hash_algo}")
-        return cls(
-            tenant=msg.tenant,
-            model=msg.model,
-            weight_version=msg.weight_version,
-            cache_config=CacheConfig(
-                block_size=c.block_size,
-                kv_dtype=c.kv_dtype,
-                kv_layout=c.kv_layout,
-                parallel_layout=c.parallel_layout,
-                hash_algo=_ALGO_FROM_PB[c.hash_algo],
-                hash_seed=c.hash_seed,
-            ),
-        ).validate()
+        return _from_fields(msg.tenant, msg.model, msg.weight_version, c.block_size, c.kv_dtype, c.kv_layout,
+                            c.parallel_layout, c.hash_algo, c.hash_seed)
 
     def to_proto(self) -> pb.Namespace:
         c = self.cache_config
@@ -145,3 +133,12 @@ class Namespace:
                 hash_seed=c.hash_seed,
             ),
         )
+
+
+@functools.lru_cache(maxsize=4096)  # every RPC names one; a valid namespace is immutable (errors are not cached)
+def _from_fields(tenant: str, model: str, weight_version: str, block_size: int, kv_dtype: str, kv_layout: str,
+                 parallel_layout: str, hash_algo: int, hash_seed: str) -> Namespace:
+    if hash_algo not in _ALGO_FROM_PB:
+        raise InvalidArgument(f"unknown hash_algo enum value {hash_algo}")
+    return Namespace(tenant, model, weight_version, CacheConfig(block_size, kv_dtype, kv_layout, parallel_layout,
+                                                                _ALGO_FROM_PB[hash_algo], hash_seed)).validate()
