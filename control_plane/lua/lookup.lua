@@ -2,7 +2,7 @@
 -- size, and stops at the first block that extends no slot's run: a lookup costs
 -- the matched prefix (plus at most one chunk), not the whole prompt.
 -- A block whose value equals the previous block's (same holders, same tiers: the
--- common case along a shared prefix) extends the same runs, so it is only counted.
+-- common case along a shared prefix) extends the same runs, so it is only compared.
 -- KEYS: namespace block hash [, live-slot table (single server only: saves a round trip)]
 -- ARGV: hash_len, concatenated hashes, tier filter mask
 -- Returns {{blocks_read, slot, any_count, gpu_count, cpu_count, disk_count, slot, ...},
@@ -52,29 +52,32 @@ local function credit(present, times)
   return extended
 end
 
+-- The common case is a block whose value equals the previous one: it costs one comparison. Such a run is
+-- credited in bulk when it ends (run_from: the index of the run's first block, which was credited alone).
 local read = 0
 local prev, prev_present = nil, nil
-local pending = 0
+local run_from = -1
 local chunk = 32
 local i = 0
 local done = false
 while not done and i < n do
   local m = math.min(chunk, n - i)
   local fields = {}
+  local off = i * hl
   for k = 1, m do
-    local off = (i + k - 1) * hl
     fields[k] = string.sub(blob, off + 1, off + hl)
+    off = off + hl
   end
   local vals = redis.call('HMGET', KEYS[1], unpack(fields))
   for k = 1, m do
     local v = vals[k]
-    if not v then done = true break end
-    if v == prev then
-      pending = pending + 1
-    else
-      if pending > 0 then credit(prev_present, pending) pending = 0 end
+    if v ~= prev then
+      local at = i + k - 1
+      if at - run_from > 1 then credit(prev_present, at - run_from - 1) end
+      read = at
+      if not v then done = true break end
       local present = decode(v)
-      if read == 0 then
+      if at == 0 then
         for s, _ in pairs(present) do
           counts[s] = {0, 0, 0, 0}
           running[s] = {true, true, true, true}
@@ -82,14 +85,16 @@ while not done and i < n do
         end
       end
       if not credit(present, 1) then done = true break end
-      prev, prev_present = v, present
+      prev, prev_present, run_from = v, present, at
     end
-    read = read + 1
   end
   i = i + m
   chunk = chunk * 2
 end
-if pending > 0 then credit(prev_present, pending) end
+if not done then
+  read = n
+  if n - run_from > 1 then credit(prev_present, n - run_from - 1) end
+end
 
 local out = {read}
 for _, s in ipairs(order) do

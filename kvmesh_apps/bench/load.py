@@ -24,20 +24,24 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import redis
 
 from kvmesh.channels import channel
+from kvmesh.grpc_server import channel_options
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
 from kvmesh_apps.procs import ServiceProcess
 from kvmesh_apps.redis_server import RedisCluster, RedisServer
 from tenancy.api_keys import new_key
+from tenancy.auth import auth_metadata
 
 BLOCK_SIZE = 32
 PROMPT_BLOCKS = 4096 // BLOCK_SIZE
@@ -63,16 +67,24 @@ def _pct(values: list[float], q: float) -> float:
 # ---- load generators (child processes) ----
 
 def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
-                   seed: int, rate: float = 0.0) -> tuple[int, list[float], float]:
-    """(lookups, their latencies in ms, seconds of the measured window); ``rate`` > 0 paces them (per s)."""
+                   seed: int, rate: float = 0.0, rpc: str = "lookup") -> tuple[int, list[float], float, float]:
+    """(calls, their latencies in ms, seconds of the measured window, this process's CPU seconds in it);
+    ``rate`` > 0 paces them (per s). ``rpc`` "ping" drives the no-op RPC instead (the floor).
 
-    async def run() -> tuple[int, list[float], float]:
-        prompts = [prompt(i) for i in range(PROMPTS)]
+    The generator is kept cheap so that it measures the server: a plain channel with the key as call metadata
+    (client interceptors cost a task per call), requests built once, ``concurrency`` calls in flight on one
+    channel. Every lookup's answer is still checked."""
+
+    async def run() -> tuple[int, list[float], float, float]:
+        requests = [pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt(i)) for i in range(PROMPTS)]
+        ping = common_pb2.PingRequest()
+        metadata = auth_metadata(key)
         rng = random.Random(seed)
         latencies: list[float] = []
-        async with channel(address, key) as ch:
+        async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
             stub = pb_grpc.ControlPlaneStub(ch)
-            await stub.Ping(common_pb2.PingRequest(), timeout=10)
+            await stub.Ping(ping, timeout=10, metadata=metadata)
+            cpu0 = _own_cpu_s()
             start = time.perf_counter()
             deadline = start + seconds
 
@@ -80,18 +92,26 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
                 while time.perf_counter() < deadline:
                     if rate:
                         await asyncio.sleep(max(0.0, start + len(latencies) / rate - time.perf_counter()))
-                    request = pb.LookupPrefixRequest(namespace=NS, block_hashes=rng.choice(prompts))
                     t0 = time.perf_counter()
-                    reply = await stub.LookupPrefix(request, timeout=30)
+                    if rpc == "ping":
+                        await stub.Ping(ping, timeout=30, metadata=metadata)
+                    else:
+                        reply = await stub.LookupPrefix(rng.choice(requests), timeout=30, metadata=metadata)
+                        if not reply.holders or reply.holders[0].leading_blocks != PROMPT_BLOCKS:
+                            raise RuntimeError("a lookup did not find the prompt held in full")
                     latencies.append((time.perf_counter() - t0) * 1000)
-                    if not reply.holders or reply.holders[0].leading_blocks != PROMPT_BLOCKS:
-                        raise RuntimeError("a lookup did not find the prompt held in full")
 
             await asyncio.gather(*(loop() for _ in range(concurrency)))
             window = time.perf_counter() - start
-        return len(latencies), latencies, window
+            cpu = _own_cpu_s() - cpu0
+        return len(latencies), latencies, window, cpu
 
     return asyncio.run(run())
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _stream_worker(address: str, key: str, seconds: float, nodes: int, rate: float, seed: int) -> int:
@@ -218,28 +238,34 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend: "Backend") -> dict:
-    """Lookups from ``args.clients`` processes over ``addresses`` with event streams alongside; with the CPU
-    the control-plane replicas and Redis used per lookup (what bounds throughput on a small machine)."""
+def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend: "Backend",
+             rpc: str = "lookup") -> dict:
+    """Lookups (or no-op RPCs: ``rpc`` "ping") from ``args.clients`` processes over ``addresses`` with event
+    streams alongside; with the CPU the control-plane replicas, Redis and the clients used per call (what
+    bounds throughput on a small machine)."""
     cp_pids = [r.proc.pid for r in backend.replicas if r.address in addresses]
     redis_pids = backend.redis_pids()
     cpu0 = (sum(map(_cpu_s, cp_pids)), sum(map(_cpu_s, redis_pids)))
     streams = [pool.apply_async(_stream_worker, (addresses[0], admin_key, args.seconds + 1, args.streams,
                                                  args.stream_rate, s))
                for s in range(1)] if args.streams else []
-    lookups = [pool.apply_async(_lookup_worker, (addresses[i % len(addresses)], key, args.seconds,
-                                                 args.concurrency, i)) for i in range(args.clients)]
+    calls = [pool.apply_async(_lookup_worker, (addresses[i % len(addresses)], key, args.seconds,
+                                               args.concurrency, i, 0.0, rpc)) for i in range(args.clients)]
     t0 = time.perf_counter()
-    results = [r.get(args.seconds + 120) for r in lookups]
+    results = [r.get(args.seconds + 120) for r in calls]
     elapsed = time.perf_counter() - t0
     batches = sum(r.get(args.seconds + 120) for r in streams)
-    latencies = [x for _, lat, _ in results for x in lat]
+    latencies = [x for _, lat, _, _ in results for x in lat]
     cp_cpu, redis_cpu = sum(map(_cpu_s, cp_pids)) - cpu0[0], sum(map(_cpu_s, redis_pids)) - cpu0[1]
+    client_cpu = sum(cpu for _, _, _, cpu in results)
     done = max(1, len(latencies))
-    return {"lookups_per_s": round(sum(n / window for n, _, window in results), 1),
-            "control_plane_cpu_ms_per_lookup": round(cp_cpu * 1000 / done, 3),
-            "redis_cpu_ms_per_lookup": round(redis_cpu * 1000 / done, 3),
+    what = "lookup" if rpc == "lookup" else "noop"
+    return {f"{what}s_per_s": round(sum(n / window for n, _, window, _ in results), 1),
+            f"control_plane_cpu_ms_per_{what}": round(cp_cpu * 1000 / done, 3),
+            f"redis_cpu_ms_per_{what}": round(redis_cpu * 1000 / done, 3),
+            f"client_cpu_ms_per_{what}": round(client_cpu * 1000 / done, 3),
             "control_plane_cores_busy": round(cp_cpu / elapsed, 2), "redis_cores_busy": round(redis_cpu / elapsed, 2),
+            "client_cores_busy": round(client_cpu / elapsed, 2),
             "p50_ms": round(statistics.median(latencies), 2) if latencies else None,
             "p99_ms": round(_pct(latencies, 0.99), 2), "event_batches_per_s": round(batches / elapsed, 1)}
 
@@ -253,6 +279,9 @@ def measure_backend(workdir: Path, cluster: bool, pool, args) -> dict:
         for n in args.replicas:
             out[str(n)] = saturate(pool, addresses[:n], key, backend.admin_key, args, backend)
             print(f"{'cluster' if cluster else 'redis'} x{n}: {out[str(n)]}", file=sys.stderr, flush=True)
+        if not cluster:  # the floor: the same load of no-op RPCs on one replica (same clients, same streams)
+            out["noop"] = saturate(pool, addresses[:1], key, backend.admin_key, args, backend, rpc="ping")
+            print(f"redis x1 no-op: {out['noop']}", file=sys.stderr, flush=True)
         return out
     finally:
         backend.stop()
@@ -405,14 +434,20 @@ def main(argv: list[str]) -> int:
         single = {} if args.soak_only else measure_backend(workdir / "single", False, pool, args)
         cluster = {} if args.no_cluster or args.soak_only else measure_backend(workdir / "cluster", True, pool, args)
         soaked = soak(workdir, pool, args) if args.soak_minutes > 0 else {}
+    noop = single.pop("noop", None)
+    first = single.get(str(args.replicas[0]), {})
     result = {
         "lookups_per_s": {n: r["lookups_per_s"] for n, r in single.items()},
-        "lookup_p99_ms_at_saturation": single[str(args.replicas[0])]["p99_ms"] if single else None,
-        "lookup_p50_ms_at_saturation": single[str(args.replicas[0])]["p50_ms"] if single else None,
+        "lookup_p99_ms_at_saturation": first.get("p99_ms"),
+        "lookup_p50_ms_at_saturation": first.get("p50_ms"),
+        "control_plane_cpu_ms_per_lookup": first.get("control_plane_cpu_ms_per_lookup"),
         "cluster": {"lookups_per_s": {n: r["lookups_per_s"] for n, r in cluster.items()},
                     "lookup_p99_ms_at_saturation": cluster[str(args.replicas[0])]["p99_ms"] if cluster else None},
         "soak": soaked,
-        "detail": {"single": single, "cluster": cluster},
+        "floor": noop and {"noops_per_s": noop["noops_per_s"],
+                           "control_plane_cpu_ms_per_noop": noop["control_plane_cpu_ms_per_noop"],
+                           "client_cpu_ms_per_noop": noop["client_cpu_ms_per_noop"]},
+        "detail": {"single": single, "cluster": cluster, "noop": noop},
         "load": {"clients": args.clients, "concurrency": args.concurrency, "streams": args.streams, "stream_batches_per_s_per_node": args.stream_rate,
                  "soak_churn_actions_per_s": args.churn_rate, "soak_lookups_per_s": args.soak_lookup_rate,
                  "prompt_blocks": PROMPT_BLOCKS, "holders": HOLDERS, "seconds": args.seconds,
