@@ -75,3 +75,10 @@ class ServiceProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used, all threads (/proc/PID/stat utime, stime): what
+    getrusage reports, readable while the process runs."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

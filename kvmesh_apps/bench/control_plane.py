@@ -3,7 +3,8 @@
 A real redis-server and a real control-plane process; this process is the
 client. The no-op RPC and the lookup are measured interleaved, with the same
 scheduler key (so both pay for authentication), so their ratio compares like
-with like.
+with like. Then, one call at a time again, where a call's cost goes: the control
+plane's CPU per no-op and per lookup, and Redis' own time per lookup (the script).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import redis
 
 from kvmesh.channels import channel
-from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.procs import ServiceProcess, cpu_seconds
 from kvmesh_apps.redis_server import RedisServer
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
@@ -93,6 +94,24 @@ async def _latencies(stub, hashes: list[bytes], rounds: int) -> tuple[list[float
     return ping, lookup
 
 
+async def _cost_per_call(stub, hashes: list[bytes], rounds: int, pid: int, r: redis.Redis) -> dict:
+    """What one call costs where, one call at a time: the control plane's CPU (/proc, its whole process) per
+    no-op and per lookup, and Redis' own time per lookup (INFO commandstats: the script's run time)."""
+    ping, lookup = common_pb2.PingRequest(), pb.LookupPrefixRequest(namespace=NS, block_hashes=hashes)
+    cpu0 = cpu_seconds(pid)
+    for _ in range(rounds):
+        await stub.Ping(ping)
+    cpu1 = cpu_seconds(pid)
+    r.config_resetstat()
+    for _ in range(rounds):
+        await stub.LookupPrefix(lookup)
+    cpu2 = cpu_seconds(pid)
+    scripts = [v for k, v in r.info("commandstats").items() if k.startswith("cmdstat_evalsha")]
+    return {"control_plane_cpu_ms_per_noop": round((cpu1 - cpu0) * 1000 / rounds, 3),
+            "control_plane_cpu_ms_per_lookup": round((cpu2 - cpu1) * 1000 / rounds, 3),
+            "redis_ms_per_lookup": round(sum(v["usec"] for v in scripts) / 1000 / rounds, 3)}
+
+
 def _versions(r: redis.Redis) -> dict[str, str]:
     info = r.info("server")
     out = {"python": platform.python_version(), "redis_server": info.get("redis_version", "?")}
@@ -114,7 +133,7 @@ async def _scheduler_key(address: str, admin_key: str) -> str:
         return reply.secret
 
 
-async def _bench(args, address: str, r: redis.Redis, admin_key: str) -> dict:
+async def _bench(args, address: str, r: redis.Redis, admin_key: str, pid: int) -> dict:
     scheduler_key = await _scheduler_key(address, admin_key)
     async with channel(address, admin_key) as admin_channel, channel(address, scheduler_key) as sched_channel:
         stub = pb_grpc.ControlPlaneStub(admin_channel)
@@ -122,6 +141,7 @@ async def _bench(args, address: str, r: redis.Redis, admin_key: str) -> dict:
         prompt = _hashes(args.prompt_tokens // BLOCK_SIZE, "prompt")
         await _ingest(stub, nodes, prompt, args.batch_blocks)
         ping, lookup = await _latencies(pb_grpc.ControlPlaneStub(sched_channel), prompt, args.rounds)
+        costs = await _cost_per_call(pb_grpc.ControlPlaneStub(sched_channel), prompt, args.rounds, pid, r)
 
         nodes = await _register(stub, args.nodes)  # fresh incarnations: seq restarts, the prompt's entries fence
         await asyncio.sleep(0)
@@ -136,6 +156,7 @@ async def _bench(args, address: str, r: redis.Redis, admin_key: str) -> dict:
         "lookup_p50_over_noop_p50": round(statistics.median(lookup) / statistics.median(ping), 2),
         "lookup_blocks": len(prompt),
         "lookup_holders": args.nodes,
+        **costs,
         "ingest_blocks_per_s": round(rate),
         "ingest_batch_blocks": args.batch_blocks,
         "redis_bytes_per_block": round((mem_after - mem_before) / args.blocks, 1),
@@ -163,7 +184,7 @@ def main(argv: list[str]) -> int:
         try:
             cp.start()
             r = redis.Redis.from_url(server.url)
-            result = asyncio.run(_bench(args, cp.address, r, admin_key))
+            result = asyncio.run(_bench(args, cp.address, r, admin_key, cp.proc.pid))
         finally:
             cp.stop()
             server.stop()

@@ -38,7 +38,7 @@ from kvmesh.channels import channel
 from kvmesh.grpc_server import channel_options
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
-from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.procs import ServiceProcess, cpu_seconds
 from kvmesh_apps.redis_server import RedisCluster, RedisServer
 from tenancy.api_keys import new_key
 from tenancy.auth import auth_metadata
@@ -232,12 +232,6 @@ async def prepare(address: str, admin_key: str) -> str:
         return key
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend: "Backend",
              rpc: str = "lookup") -> dict:
     """Lookups (or no-op RPCs: ``rpc`` "ping") from ``args.clients`` processes over ``addresses`` with event
@@ -245,7 +239,7 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend
     bounds throughput on a small machine)."""
     cp_pids = [r.proc.pid for r in backend.replicas if r.address in addresses]
     redis_pids = backend.redis_pids()
-    cpu0 = (sum(map(_cpu_s, cp_pids)), sum(map(_cpu_s, redis_pids)))
+    cpu0 = (sum(map(cpu_seconds, cp_pids)), sum(map(cpu_seconds, redis_pids)))
     streams = [pool.apply_async(_stream_worker, (addresses[0], admin_key, args.seconds + 1, args.streams,
                                                  args.stream_rate, s))
                for s in range(1)] if args.streams else []
@@ -256,7 +250,7 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend
     elapsed = time.perf_counter() - t0
     batches = sum(r.get(args.seconds + 120) for r in streams)
     latencies = [x for _, lat, _, _ in results for x in lat]
-    cp_cpu, redis_cpu = sum(map(_cpu_s, cp_pids)) - cpu0[0], sum(map(_cpu_s, redis_pids)) - cpu0[1]
+    cp_cpu, redis_cpu = sum(map(cpu_seconds, cp_pids)) - cpu0[0], sum(map(cpu_seconds, redis_pids)) - cpu0[1]
     client_cpu = sum(cpu for _, _, _, cpu in results)
     done = max(1, len(latencies))
     what = "lookup" if rpc == "lookup" else "noop"
@@ -430,7 +424,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-load-") as tmp, \
             ctx.Pool(args.clients + 2) as pool:
         workdir = Path(tmp)
-        pool.map(_cpu_s, [os.getpid()] * (args.clients + 2))  # start the workers before anything is timed
+        pool.map(cpu_seconds, [os.getpid()] * (args.clients + 2))  # start the workers before anything is timed
         single = {} if args.soak_only else measure_backend(workdir / "single", False, pool, args)
         cluster = {} if args.no_cluster or args.soak_only else measure_backend(workdir / "cluster", True, pool, args)
         soaked = soak(workdir, pool, args) if args.soak_minutes > 0 else {}

@@ -46,6 +46,7 @@ from tenancy.peer_proof import NodeIdentity, encode_public_key
 
 from data_plane.client import DataPlaneClient, SharedTier
 from kvmesh_apps.dp_process import DataPlaneProcess
+from kvmesh_apps.procs import cpu_seconds
 
 CASES = (("2mib", 2 << 20, 64), ("64kib", 64 << 10, 1024))
 NS = Namespace("bench", "bench-model", "r0", CacheConfig(block_size=32))
@@ -53,20 +54,13 @@ PREFIX_TOKENS = 2_000  # the coalescing case: one prompt prefix, full blocks onl
 CONCURRENT_PULLS = 16
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all threads (/proc/PID/stat utime, stime)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _idle_cpu(pids: list[int], seconds: float) -> float:
     """The largest CPU fraction (of one core) any of ``pids`` used over ``seconds`` of no traffic."""
-    before = [_cpu_seconds(p) for p in pids]
+    before = [cpu_seconds(p) for p in pids]
     t0 = time.monotonic()
     await asyncio.sleep(seconds)
     wall = time.monotonic() - t0
-    return max((_cpu_seconds(p) - b) / wall for p, b in zip(pids, before))
+    return max((cpu_seconds(p) - b) / wall for p, b in zip(pids, before))
 
 
 async def _coalesced(sc: DataPlaneClient, stier: SharedTier, dc: DataPlaneClient, src, grant: bytes,
