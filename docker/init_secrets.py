@@ -137,20 +137,23 @@ def _current(path: Path, ca: x509.Certificate, name: str, server: bool) -> bool:
     try:
         cert = x509.load_pem_x509_certificate(path.read_bytes())
         cert.verify_directly_issued_by(ca)
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName) if server else []
-    except (OSError, ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+    except (OSError, ValueError, TypeError, InvalidSignature):
         return False
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
+    except x509.ExtensionNotFound:
+        sans = []
     return _fresh(cert) and cert.subject.rfc4514_string() == f"CN={name}" and sans == ([name] if server else [])
 
 
-def _issue(directory: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], server: bool,
-           uid: int = KVMESH_UID) -> None:
-    """``directory``/tls.crt + tls.key for ``name`` (server: also valid as a client) and the CA's certificate."""
+def _issue(directory: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], server: bool) -> None:
+    """``directory``/tls.crt + tls.key for ``name`` (server: also valid as a client) and the CA's certificate, owned
+    by the kvmesh user (every TLS consumer runs as it)."""
     ca_cert, ca_key = ca
     ca_path = directory / "ca.crt"
     if not ca_path.exists() or ca_path.read_text() != _pem_cert(ca_cert):
-        _write(ca_path, _pem_cert(ca_cert), uid, 0o444)
+        _write(ca_path, _pem_cert(ca_cert), KVMESH_UID, 0o444)
     if _current(directory / "tls.crt", ca_cert, name, server) and (directory / "tls.key").exists():
         print(f"secrets-init: kept {directory / 'tls.crt'}")
         return
@@ -170,8 +173,8 @@ def _issue(directory: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCu
                               critical=False))
     if server:
         builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-    _write(directory / "tls.key", _pem_key(key), uid)
-    _write(directory / "tls.crt", _pem_cert(builder.sign(ca_key, hashes.SHA256())), uid, 0o444)
+    _write(directory / "tls.key", _pem_key(key), KVMESH_UID)
+    _write(directory / "tls.crt", _pem_cert(builder.sign(ca_key, hashes.SHA256())), KVMESH_UID, 0o444)
 
 
 def _names(text: str) -> list[str]:

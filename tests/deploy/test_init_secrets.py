@@ -191,6 +191,10 @@ def test_a_second_run_keeps_valid_certificates_and_reissues_the_rest(tls_root):
     dp1 = x509.load_pem_x509_certificate((tls_root / "tls/dp1/tls.crt").read_bytes())
     assert dp1.subject.rfc4514_string() == "CN=dp1" and (tls_root / "tls/dp1/tls.crt").read_bytes() != before[
         tls_root / "tls/dp1/tls.crt"]
+    (tls_root / "tls/engine1/tls.crt").write_bytes((tls_root / "tls/dp1/tls.crt").read_bytes())  # a server's
+    init_tls(tls_root)
+    engine1 = x509.load_pem_x509_certificate((tls_root / "tls/engine1/tls.crt").read_bytes())
+    assert engine1.subject.rfc4514_string() == "CN=engine1"
     (tls_root / "ca/ca.key").unlink()
     init_tls(tls_root)
     ca = x509.load_pem_x509_certificate((tls_root / "ca/ca.crt").read_bytes())
