@@ -388,11 +388,13 @@ class DataPlaneCore:
                 f"block_bytes mismatch: this node stores {self.block_bytes}-byte blocks, the caller {block_bytes}")
         await self.transport.ready(timeout_s)
         if metadata:
-            name = self.transport.add_peer(metadata)
-            old = self._peer_agents.get(node_id)
-            if old is not None and old != name:
+            # A node handshakes again after a failure: its old endpoint (the same agent, or a previous
+            # incarnation's) goes, so the next WRITE builds a fresh connection instead of reusing one
+            # that may be stalled.
+            old = self._peer_agents.pop(node_id, None)
+            if old is not None:
                 self.transport.remove_peer(old)
-            self._peer_agents[node_id] = name
+            self._peer_agents[node_id] = self.transport.add_peer(metadata)
         # Without serve_peer_reads the caller gets no rkey of this node: bytes leave only by send().
         return self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b""
 
@@ -471,7 +473,8 @@ class DataPlaneCore:
         except TransferFailed as exc:
             log.warning("sending %d blocks to %s failed: %s", lead, consumer_node_id, exc)
             if exc.may_still_write:
-                raise Unavailable(f"the WRITE to {consumer_node_id} failed and could not be cancelled") from None
+                raise Unavailable(f"the WRITE to {consumer_node_id} failed and may still land (timed out, or could "
+                              "not be cancelled)") from None
             lead = 0
         finally:
             self.release(answer.lease_id)
@@ -722,6 +725,8 @@ class DataPlaneCore:
         n = 0
         while n < len(blocks) and answer.statuses[n] is LookupStatus.HIT:
             n += 1
+        if n < len(blocks):  # the plain Lookup had them: the WRITE failed (the source closed its endpoint)
+            await self._peers.forget(peer)
         for block in blocks[n:]:
             self._writers.pop(block.key, None)
             self.tier.abort(block)

@@ -9,14 +9,19 @@ Implementor contracts:
   * ``read`` copies ``length`` bytes from each remote address into each local
     offset, all descriptors in one transfer request, and returns only when all
     of them have arrived. Otherwise it raises :class:`TransferFailed`; its
-    ``may_still_write`` is True only when the request could not be cancelled,
-    and then the caller must never reuse the destination slots.
+    ``may_still_write`` is True when the request timed out (over TCP, bytes
+    already in the socket land when the path drains, cancelled or not) or
+    could not be cancelled, and then the caller must never reuse the
+    destination slots.
   * ``write`` is the mirror image: the local offsets are the source, the
     remote addresses lie in the peer's registered region; same guarantees.
   * ``read`` never waits past its timeout; a peer that died or disconnected
     (NIXL_ERR_REMOTE_DISCONNECT) fails the read, it does not hang it.
-  * Peers are added from their metadata and cached by agent name; a peer whose
-    transfer failed should be removed, and re-added after a new handshake.
+  * Peers are added from their metadata and cached by agent name. A transfer
+    that fails drops its peer's endpoint: the next use needs a new handshake
+    (:meth:`Transport.add_peer` again), whose endpoint opens a new connection
+    instead of reusing one that may be stalled (TCP retransmission backoff
+    after a cut; a congestion window that a latency step collapsed).
 
 Threading model: called from the event-loop thread. ``read`` posts and polls
 the request in a worker thread so the loop keeps serving while bytes move;
@@ -117,7 +122,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def remove_peer(self, agent_name: str) -> None:
-        """Forgets a peer (no-op if unknown)."""
+        """Forgets a peer and closes its endpoint (no-op if unknown); a transfer still in flight to it
+        finishes first."""
 
     @abc.abstractmethod
     async def read(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
@@ -148,6 +154,8 @@ class NixlTransport(Transport):
         self._agent = None
         self._reg = None
         self._peers: set[str] = set()
+        self._busy: dict[str, int] = {}  # transfers in flight per peer
+        self._retired: set[str] = set()  # removed while busy: closed when its last transfer ends
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
 
@@ -190,15 +198,23 @@ class NixlTransport(Transport):
                                   "returns it)") from None
         name = name.decode() if isinstance(name, bytes) else name
         self._peers.add(name)
+        self._retired.discard(name)  # re-added before its old endpoint could close: that endpoint stays
         return name
 
     def remove_peer(self, agent_name: str) -> None:
-        if agent_name in self._peers:
-            self._peers.discard(agent_name)
-            try:
-                self._agent.remove_remote_agent(agent_name)
-            except Exception as exc:  # noqa: BLE001 - forgetting a dead peer must not fail
-                log.warning("removing NIXL peer %s: %s", agent_name, exc)
+        if agent_name not in self._peers:
+            return
+        self._peers.discard(agent_name)
+        if self._busy.get(agent_name):
+            self._retired.add(agent_name)  # NIXL must not drop an endpoint under a transfer it is running
+            return
+        self._invalidate(agent_name)
+
+    def _invalidate(self, agent_name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(agent_name)  # NIXL drops the endpoint (UCX may keep its socket)
+        except Exception as exc:  # noqa: BLE001 - forgetting a dead peer must not fail
+            log.warning("removing NIXL peer %s: %s", agent_name, exc)
 
     async def read(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
                    timeout_s: float) -> None:
@@ -215,7 +231,20 @@ class NixlTransport(Transport):
         local, remote = _descriptors(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
                                      np.asarray(remote_addrs, dtype=np.uint64), length)
         deadline = time.monotonic() + timeout_s
-        await asyncio.to_thread(self._xfer_blocking, op, peer, local, remote, deadline)
+        self._busy[peer] = self._busy.get(peer, 0) + 1
+        try:
+            await asyncio.to_thread(self._xfer_blocking, op, peer, local, remote, deadline)
+        except TransferFailed:
+            log.info("%s with %s failed: closing its endpoint (the next transfer needs a new handshake)", op, peer)
+            self.remove_peer(peer)
+            raise
+        finally:
+            self._busy[peer] -= 1
+            if not self._busy[peer]:
+                del self._busy[peer]
+                if peer in self._retired:
+                    self._retired.discard(peer)
+                    self._invalidate(peer)
 
     def _xfer_blocking(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray,
                        deadline: float) -> None:
@@ -230,7 +259,11 @@ class NixlTransport(Transport):
             spins = 0
             while state == "PROC":
                 if time.monotonic() >= deadline:
-                    raise TransferFailed(f"{op} with {peer} timed out")
+                    # Released or not, bytes UCX already handed to a TCP socket still land when the path
+                    # drains (after a cut heals, or a collapsed congestion window catches up; measured in
+                    # the fault matrix): the destination may still change.
+                    self._release(handle)
+                    raise TransferFailed(f"{op} with {peer} timed out", may_still_write=True)
                 spins += 1
                 if spins > _SPINS_BEFORE_SLEEP:
                     time.sleep(_POLL_SLEEP_S)
@@ -238,7 +271,8 @@ class NixlTransport(Transport):
             if state != "DONE":
                 raise TransferFailed(f"{op} with {peer} failed ({state})")
         except TransferFailed as exc:
-            exc.may_still_write = not self._release(handle)
+            if not exc.may_still_write:
+                exc.may_still_write = not self._release(handle)
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
             raise TransferFailed(f"{op} with {peer} failed: {exc}",

@@ -29,6 +29,12 @@ IFACE = "kv0"
 _NAME = re.compile(r"^kf(\d+)[a-z]")
 
 
+def _delay_rule(op: str) -> list[str]:
+    """The iptables rule handing the host's arriving packets to netdelay (mangle table: :meth:`Network.undrop`
+    flushes the filter table's chains, and must not take the delay with them)."""
+    return ["-t", "mangle", op, "PREROUTING", "-i", IFACE, "-j", "NFQUEUE", "--queue-num", "7", "--queue-bypass"]
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -133,8 +139,15 @@ class Network:
             raise NotImplementedError(f"tc netem: {result.stderr.strip()}")
 
     def delay(self, host: Host, ms: float) -> None:
-        """Delays every packet the host sends by ``ms``: ``tc netem`` where the kernel has it, else an NFQUEUE
-        rule and :mod:`kvmesh_apps.netdelay` holding each packet's verdict for ``ms``."""
+        """Adds ``ms`` to the host's link: ``tc netem`` on its egress where the kernel has it, else an NFQUEUE
+        rule on its ingress and :mod:`kvmesh_apps.netdelay` holding each packet's verdict for ``ms``. Either
+        way two delayed hosts are ``2 * ms`` RTT apart.
+
+        Ingress, not egress: a packet held on the sender's output path still counts against its socket
+        (TCP Small Queues), so the sender sees a slow local queue rather than a long link: TSQ lets only
+        a few packets out per hold, BBR measures that as the path's bandwidth and paces to it, and a 2 MiB
+        transfer over "40 ms" ran at ~2.5 Mbit/s (netem avoids this by orphaning the packets it holds). A
+        packet held on arrival belongs to no local socket."""
         try:
             self.shape(host, f"delay {ms}ms")
             return
@@ -147,12 +160,10 @@ class Network:
             proc.kill()
             raise NotImplementedError(f"netdelay did not start: {line.strip()} {proc.stdout.read()[-500:]}")
         self._delayers[host.name] = proc
-        self.run(host, "iptables", "-w", "-A", "OUTPUT", "-o", IFACE, "-j", "NFQUEUE", "--queue-num", "7",
-                 "--queue-bypass")
+        self.run(host, "iptables", "-w", *_delay_rule("-A"))
 
     def undelay(self, host: Host) -> None:
-        subprocess.run([*self.prefix(host), "iptables", "-w", "-D", "OUTPUT", "-o", IFACE, "-j", "NFQUEUE",
-                        "--queue-num", "7", "--queue-bypass"], capture_output=True)
+        subprocess.run([*self.prefix(host), "iptables", "-w", *_delay_rule("-D")], capture_output=True)
         proc = self._delayers.pop(host.name, None)
         if proc is not None:
             proc.terminate()

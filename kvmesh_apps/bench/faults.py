@@ -122,11 +122,17 @@ class Matrix:
         asyncio.run(self._warm_up())
 
     async def _warm_up(self) -> None:
-        """One pull, so both nodes hold the grant-verifying key and a NIXL connection (as a node that has
-        served before a fault would)."""
-        req = await self.request(await self.prepared())
-        if req.pulled != BLOCKS or not req.bytes_ok:
-            raise RuntimeError(f"the warm-up pull failed: {req}")
+        """Pulls until one moves every block, so both nodes have built their NIXL agents (seconds under
+        load; node_restart measures start-up) and hold the grant-verifying key and a NIXL connection, as
+        nodes that served before a fault would."""
+        last: list[Request] = []
+
+        async def pulled() -> bool:
+            last[:] = [await self.request(await self.prepared())]
+            return last[0].pulled == BLOCKS and last[0].bytes_ok
+
+        if await self.wait_for(pulled, 60.0) is None:
+            raise RuntimeError(f"no warm-up pull moved every block within 60 s: {last}")
 
     async def _provision(self) -> dict[str, str]:
         async with channel(self.cp.address, self.admin_key) as ch:
@@ -309,6 +315,7 @@ class Case:
     heal: Inject
     requests: int = 3
     expect_pull: bool | None = None  # True: the fault must not stop the pull; None: either
+    max_recomputed: int | None = None  # at most this many requests may recompute (None: any)
 
 
 async def _nothing(m: Matrix) -> None:
@@ -365,6 +372,10 @@ def cases(m_lookup_ms: int = int(LOOKUP_DEADLINE_S * 1000)) -> list[Case]:
     return [
         Case("baseline", 1500, _nothing, _nothing, expect_pull=True),
         Case("latency_20ms_each_way", 2500, _delay(20), _heal_network, expect_pull=True),
+        # The same step held for ~6 s of back-to-back pulls on the connection made before it: BBR keeps the
+        # pre-step min RTT for its 10 s window and its cwnd collapses; the WRITE that times out closes the
+        # endpoint, the next pull re-handshakes onto a fresh connection (docs/architecture.md).
+        Case("latency_20ms_sustained", pull_path, _delay(20), _heal_network, requests=12, max_recomputed=1),
         Case("bandwidth_100mbit", 2500, _rate("100mbit"), _heal_network, expect_pull=True),
         Case("loss_5pct", pull_path, _loss(0.05), _heal_network),
         Case("nixl_partition_grpc_up", pull_path, _nixl_partition, _heal_network),
@@ -417,12 +428,14 @@ async def run_case(m: Matrix, case: Case) -> CaseResult:
         await case.heal(m)
     map_s, pull_s = await m.recovered()
     measured = max(r.ms for r in done)
-    pulled_ok = case.expect_pull is not True or all(r.pulled == BLOCKS for r in done)
+    missed = sum(1 for r in done if r.pulled < BLOCKS)
+    pulled_ok = (case.expect_pull is not True or not missed) and (
+        case.max_recomputed is None or missed <= case.max_recomputed)
     ok = (all(r.bytes_ok for r in done) and measured <= case.bound_ms and pulled_ok and map_s is not None
           and pull_s is not None)
     return CaseResult(ok, case.bound_ms, round(measured), {
         "pulled": sum(r.pulled for r in done), "recomputed": sum(r.recomputed for r in done),
-        "bytes_ok": all(r.bytes_ok for r in done),
+        "requests_recomputed": missed, "bytes_ok": all(r.bytes_ok for r in done),
         "map_complete_after_s": None if map_s is None else round(map_s, 2),
         "pulls_again_after_s": None if pull_s is None else round(pull_s, 2),
         "notes": sorted({r.note for r in done if r.note})})

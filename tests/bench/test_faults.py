@@ -63,6 +63,36 @@ def test_hosts_reach_each_other_and_a_drop_partitions_them():
     assert _namespaces() == before, "close() removes every namespace it made"
 
 
+_SINK = "import socket\ns=socket.socket();s.bind(('0.0.0.0',7101));s.listen(1);print('up',flush=True)\n" \
+        "c=s.accept()[0]\nwhile c.recv(1<<20): pass\nc.sendall(b'k');c.close()"
+_SEND = "import socket,sys,time\nt0=time.monotonic();c=socket.create_connection((sys.argv[1],7101),timeout=60)\n" \
+        "t1=time.monotonic();c.sendall(bytes(4<<20));c.shutdown(socket.SHUT_WR);c.recv(1)\n" \
+        "print(round((t1-t0)*1000,1),round((time.monotonic()-t1)*1000,1))"
+
+
+@needs_root
+def test_delay_is_a_long_link_not_a_slow_sender():
+    """20 ms each way between two hosts is a 40 ms RTT over which a fresh connection moves 4 MiB at link
+    speed. Negative control (measured): with the delay on the sender's egress (NFQUEUE on OUTPUT, the
+    earlier netdelay rule) TCP Small Queues counted the held packets against the socket and BBR paced
+    to the few that got out: ~2.5 Mbit/s, ~13 s for 4 MiB."""
+    with Network() as net:
+        a, b = net.add_host("a"), net.add_host("b")
+        sink = subprocess.Popen([*net.prefix(a), sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+        try:
+            assert sink.stdout.readline().strip() == "up"
+            for host in (a, b):
+                net.delay(host, 20)
+            out = subprocess.run([*net.prefix(b), sys.executable, "-c", _SEND, a.ip], capture_output=True,
+                                 text=True, timeout=120)
+            connect_ms, bulk_ms = map(float, out.stdout.split())
+        finally:
+            sink.kill()
+            sink.wait()
+    assert connect_ms >= 38, f"a connect is one RTT: {connect_ms} ms"
+    assert bulk_ms < 5_000, f"4 MiB over 40 ms RTT took {bulk_ms} ms"
+
+
 @needs_root
 @pytest.mark.slow
 def test_fault_matrix_subset():

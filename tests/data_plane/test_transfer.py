@@ -1,0 +1,67 @@
+"""NixlTransport with real NIXL agents (UCX) in this process: a transfer that times out may still write, and
+closes its peer's endpoint so the next use needs a new handshake; a transfer that completes keeps it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data_plane.shm import SharedRegion
+from data_plane.transfer import NixlTransport, TransferFailed
+
+pytestmark = pytest.mark.nixl
+
+BLOCK = 1 << 20
+SLOTS = 64
+
+
+@pytest.fixture
+async def pair(shm_dir, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # bytes cross a socket, as between hosts (in-process UCX would copy)
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    regions = [SharedRegion(shm_dir / f"t{i}.tier", BLOCK, SLOTS, owner=True) for i in range(2)]
+    src, dst = (NixlTransport(f"t{i}", region, progress_wait_ms=10) for i, region in enumerate(regions))
+    for t in (src, dst):
+        await t.ready(60.0)
+    yield src, dst, regions
+    for t in (src, dst):
+        t.close()
+    for region in regions:
+        region.close()
+
+
+async def test_a_timed_out_write_may_still_write_and_closes_the_endpoint(pair):
+    src, dst, (src_region, dst_region) = pair
+    peer = src.add_peer(dst.metadata())
+    src_region.slot(0)[:] = 7
+    offsets = [src_region.offset(s) for s in range(SLOTS)]
+    remote = [dst_region.base_addr + dst_region.offset(s) for s in range(SLOTS)]
+
+    await src.write(peer, offsets[:1], remote[:1], BLOCK, timeout_s=30.0)  # control: a write that completes
+    assert np.all(dst_region.slot(0) == 7)
+    await src.write(peer, offsets[:1], remote[:1], BLOCK, timeout_s=30.0)  # ... keeps its endpoint
+
+    with pytest.raises(TransferFailed) as failed:  # 64 MiB with no time to move it: still in flight
+        await src.write(peer, offsets, remote, BLOCK, timeout_s=0.0)
+    assert "timed out" in str(failed.value) and failed.value.may_still_write
+    with pytest.raises(TransferFailed, match="unknown peer"):  # the endpoint is gone
+        await src.write(peer, offsets[:1], remote[:1], BLOCK, timeout_s=30.0)
+
+    assert src.add_peer(dst.metadata()) == peer  # a new handshake: a fresh endpoint that works
+    src_region.slot(1)[:] = 9
+    await src.write(peer, offsets[1:2], remote[1:2], BLOCK, timeout_s=30.0)
+    assert np.all(dst_region.slot(1) == 9)
+
+
+async def test_a_peer_removed_during_a_transfer_is_closed_after_it(pair):
+    src, dst, (src_region, dst_region) = pair
+    peer = src.add_peer(dst.metadata())
+    src_region.slot(2)[:] = 5
+    src._busy[peer] = 1  # a transfer in flight to it
+    src.remove_peer(peer)
+    assert peer in src._retired  # not invalidated under the transfer
+    src._busy.clear()
+    src._retired.discard(peer)
+    src.add_peer(dst.metadata())  # re-added before the deferred close: usable
+    await src.write(peer, [src_region.offset(2)], [dst_region.base_addr + dst_region.offset(2)], BLOCK, 30.0)
+    assert np.all(dst_region.slot(2) == 5)
