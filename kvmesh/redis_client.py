@@ -1,9 +1,11 @@
 """Connects to the block-map store: one Redis, or a Redis Cluster.
 
 ``redis://host:port/db`` (or ``rediss://``) is a single server;
-``redis+cluster://host:port`` (or ``rediss+cluster://``) is a cluster reached
-through any of its nodes. Both give a ``redis.asyncio`` client with the same
-commands; kvmesh keys carry hash tags so every multi-key script stays in one slot.
+``redis+cluster://host:port[,host:port...]`` (or ``rediss+cluster://``) is a
+cluster reached through any of the nodes listed (name several: a client that
+must rediscover the cluster after its first node died asks the others). Both
+give a ``redis.asyncio`` client with the same commands; kvmesh keys carry hash
+tags so every multi-key script stays in one slot.
 :class:`Coalescer` pipelines the commands concurrent callers issue in one event-loop turn.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from kvmesh.errors import InvalidArgument
 
@@ -37,8 +39,7 @@ def connect(url: str, username: str | None = None, password: str | None = None):
         kwargs["password"] = password
     for scheme in ("redis+cluster://", "rediss+cluster://"):
         if url.startswith(scheme):
-            plain = url.replace("+cluster", "", 1)
-            return RedisCluster.from_url(plain, **kwargs)
+            return _cluster(url.replace("+cluster", "", 1), kwargs)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return aioredis.Redis.from_url(url, **kwargs)
     raise InvalidArgument(f"redis url {redacted(url)!r} must start with redis://, rediss://, unix:// or "
@@ -111,3 +112,19 @@ class Coalescer:
                 future.set_exception(reply)
             else:
                 future.set_result(reply)
+
+
+def _cluster(url: str, kwargs: dict) -> RedisCluster:
+    """A cluster client seeded with every node ``url`` lists (the first one carries the URL's options)."""
+    scheme, _, rest = url.partition("://")
+    userinfo, at, location = rest.rpartition("@")
+    hosts, slash, path = location.partition("/")
+    first, *more = hosts.split(",")
+    seeds = []
+    for host in more:
+        name, colon, port = host.rpartition(":")
+        if not colon or not name or not port.isdigit():
+            raise InvalidArgument(f"redis url {redacted(url)!r}: every node must be host:port")
+        seeds.append(ClusterNode(name, int(port)))
+    return RedisCluster.from_url(f"{scheme}://{userinfo}{at}{first}{slash}{path}", startup_nodes=seeds or None,
+                                 **kwargs)

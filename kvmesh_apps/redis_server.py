@@ -187,6 +187,11 @@ class RedisCluster:
     def url(self) -> str:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
+    @property
+    def seeds_url(self) -> str:
+        """The cluster URL naming every node: a client still finds the cluster after any one node died."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+
     def start(self) -> "RedisCluster":
         for i in range(self.masters * (1 + self.replicas)):
             node_dir = self.workdir / f"node{i}"

@@ -125,7 +125,11 @@ def _denial(code: grpc.StatusCode, message: str):
         async def abort(request, context):
             await context.abort(code, message)
 
-        return abort
+        async def abort_stream(request, context):  # a streaming handler must be an async generator
+            await context.abort(code, message)
+            yield  # never reached: abort raises
+
+        return abort_stream if streaming else abort
 
     return wrap
 

@@ -1,15 +1,20 @@
-"""kvmesh.redis_client.Coalescer against a real redis-server: concurrent callers share pipelines, and each
-caller still gets its own reply or error."""
+"""kvmesh.redis_client against real Redis: the Coalescer on a redis-server (concurrent callers share pipelines, and
+each caller still gets its own reply or error); a cluster URL naming several nodes, whose client still finds the
+cluster when the first node it names is gone (what a control plane needs after a failover)."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 
+import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.exceptions import RedisClusterException
 
-from kvmesh.redis_client import Coalescer
+from kvmesh.errors import InvalidArgument
+from kvmesh.redis_client import Coalescer, connect
+from kvmesh_apps.redis_server import free_port
 
 
 async def _connections_named(url: str, name: str) -> int:
@@ -65,3 +70,24 @@ async def test_a_failed_connection_reaches_every_caller_of_the_batch(redis_serve
     replies = await asyncio.gather(coalescer.execute("PING"), coalescer.execute("PING"), return_exceptions=True)
     assert all(isinstance(r, redis.exceptions.ConnectionError) for r in replies)
     await client.aclose()
+
+
+async def test_a_cluster_url_names_several_seeds_and_a_dead_first_one_is_skipped(redis_cluster):
+    dead = free_port()  # nothing listens there: the node the URL names first has died
+    client = connect(f"redis+cluster://127.0.0.1:{dead}," + redis_cluster.seeds_url.removeprefix("redis+cluster://"))
+    try:
+        await client.set("{seeds}:k", "v")
+        assert await client.get("{seeds}:k") == b"v"
+    finally:
+        await client.aclose()
+    alone = connect(f"redis+cluster://127.0.0.1:{dead}")  # negative control: only the dead node
+    try:
+        with pytest.raises(RedisClusterException):
+            await alone.get("{seeds}:k")
+    finally:
+        await alone.aclose()
+
+
+def test_every_seed_needs_host_and_port():
+    with pytest.raises(InvalidArgument, match="host:port"):
+        connect("redis+cluster://127.0.0.1:7000,nohost")

@@ -37,7 +37,6 @@ import redis
 from data_plane.client import DataPlaneClient, SharedTier
 from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
-from kvmesh.redis_keys import Keys
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 from kvmesh_apps.netns import Host, Network
@@ -113,7 +112,8 @@ class Matrix:
             self.hosts[name] = self.net.add_host(name)
         self.redis.start()
         self.cp = ServiceProcess(
-            ["control-plane", "--listen", f"{self.net.host_ip}:0", "--redis-url", self.redis.url,
+            ["control-plane", "--listen", f"{self.net.host_ip}:0", "--redis-url",
+             self.redis.seeds_url if isinstance(self.redis, RedisCluster) else self.redis.url,
              "--lease-ms", str(LEASE_MS), "--gc-interval-s", "1"],
             env={"KVMESH_CP_ADMIN_KEY": self.admin_key}, log_path=self.workdir / "control-plane.log").start()
         self.keys = asyncio.run(self._provision())
@@ -339,17 +339,24 @@ async def _thaw_redis(m: Matrix) -> None:
 
 
 def _blocks_primary(m: Matrix) -> int:
-    """The pid of the Redis primary that holds the namespace's block map."""
+    """The pid of the Redis primary that holds the namespace's block map (found, not derived: the key
+    carries the tenant's epoch)."""
     if isinstance(m.redis, RedisServer):
         return m.redis.proc.pid
-    key = Keys("kvm").blocks(NS)
-    client = redis.RedisCluster.from_url(m.redis.url.replace("redis+cluster://", "redis://"))
-    try:
-        node = client.get_node_from_key(key)
-    finally:
-        client.close()
-    (server,) = [n for n in m.redis_nodes() if n.port == node.port]
-    return server.proc.pid
+    holders = []
+    for server in m.redis_nodes():
+        if server.proc is None or server.proc.poll() is not None:
+            continue
+        client = redis.Redis(port=server.port)
+        try:
+            if client.info("replication")["role"] == "master" and \
+                    any(client.scan_iter(match=f"*{NS.fingerprint}*:blocks")):
+                holders.append(server.proc.pid)
+        finally:
+            client.close()
+    if len(holders) != 1:
+        raise RuntimeError(f"{len(holders)} Redis primaries hold the block map of {NS.fingerprint}")
+    return holders[0]
 
 
 async def _nixl_partition(m: Matrix) -> None:

@@ -201,6 +201,8 @@ async def test_redis_down_is_unavailable_not_a_hang(cp_config, tmp_path, admin_k
             as_node = control_plane_pb2_grpc.ControlPlaneStub(ch)
             await expect_error(as_node.Ping(common_pb2.PingRequest(), timeout=10, metadata=auth_metadata(node_key)),
                                grpc.StatusCode.UNAVAILABLE, "credential store unavailable")
+            stream = as_node.StreamEvents(timeout=10, metadata=auth_metadata(node_key))  # streaming: not INTERNAL
+            await expect_error(stream.read(), grpc.StatusCode.UNAVAILABLE, "credential store unavailable")
             assert loop.time() - start < 5
     finally:
         await running.stop()
