@@ -145,15 +145,23 @@ class DataPlaneClient:
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer_node_id: str = "",
                      pending_wait_ms: int = 0, lease_ms: int = 0, media: Iterable[Medium] | None = None,
-                     timeout: float | None = 10.0, grant: bytes = b"",
-                     landing_addrs: list[int] | None = None) -> tuple[LookupAnswer, int]:
-        """The settled answer and the source's block_bytes. ``landing_addrs``: the source WRITEs the leading
-        HITs there (addresses in this node's registered region) and pins nothing."""
+                     timeout: float | None = 10.0, grant: bytes = b"") -> tuple[LookupAnswer, int]:
+        """The settled answer (HITs pinned under its lease) and the source's block_bytes."""
         r = await self._stub.Lookup(pb.LookupRequest(
             namespace=ns.to_proto(), block_hashes=hashes, consumer_node_id=consumer_node_id,
-            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media),
-            landing_addrs=landing_addrs or []), timeout=timeout, metadata=self._peer(grant, "Lookup"))
+            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media)),
+            timeout=timeout, metadata=self._peer(grant, "Lookup"))
         return wire.lookup_answer(r, len(hashes)), r.block_bytes
+
+    async def send(self, ns: Namespace, lease_id: str, hashes: list[bytes], landing_addrs: list[int], *,
+                   timeout: float | None = 10.0, grant: bytes = b"") -> tuple[int, int]:
+        """Has the source WRITE the blocks pinned under ``lease_id`` (this caller's :meth:`lookup` in ``ns``;
+        ``hashes``: its leading HITs, in order) to ``landing_addrs`` (in this node's registered region) and end
+        the lease: how many leading blocks it wrote, and its block_bytes."""
+        r = await self._stub.Lookup(pb.LookupRequest(
+            namespace=ns.to_proto(), block_hashes=hashes, landing_addrs=landing_addrs, lease_id=lease_id),
+            timeout=timeout, metadata=self._peer(grant, "Lookup"))
+        return wire.sent_blocks(r, len(hashes)), r.block_bytes
 
 
 class SharedTier:

@@ -68,6 +68,11 @@ _REFUSED_BEFORE_WRITE = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAU
                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+def _scope(ns: Namespace, epoch: Epoch) -> str:
+    """What a peer's lease pins: blocks of one namespace, served under one tenant epoch."""
+    return f"{ns.fingerprint}@{epoch}"
+
+
 def _info(position: int, protected: bool = False) -> BlockInfo:
     return BlockInfo(cost=1.0 + position * ATTENTION_COST_PER_BLOCK, protected=protected)
 
@@ -317,11 +322,11 @@ class DataPlaneCore:
         for block in self._leases.release(lease_id, holder):
             self.tier.unpin(block)
 
-    def _lease(self, holder: str, blocks: list[Block], lease_ms: int) -> str:
+    def _lease(self, holder: str, blocks: list[Block], lease_ms: int, scope: str = "") -> str:
         if not blocks:
             return ""
         ttl = self._bounded(lease_ms, self.config.lease_ms, self.config.max_lease_ms)
-        return self._leases.grant(holder, blocks, ttl)
+        return self._leases.grant(holder, blocks, ttl, scope)
 
     def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium], caller: str,
                   epoch: Epoch) -> Block | None:
@@ -436,7 +441,7 @@ class DataPlaneCore:
         pinned = [b for b in blocks if b is not None]
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
-        lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms)
+        lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms, _scope(ns, epoch))
         return LookupAnswer(
             statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
             addrs=[self.region.base_addr + self.region.offset(b.slot) if b else -1 for b in blocks],
@@ -444,44 +449,53 @@ class DataPlaneCore:
             lease_id=lease_id,
         )
 
-    async def send(self, ns: Namespace, hashes: list[bytes], landing_addrs: list[int], consumer_node_id: str, *,
-                   timeout_s: float, pending_wait_ms: int = 0,
-                   media: frozenset[Medium] = frozenset(Medium), grant_epoch: str = "") -> LookupAnswer:
-        """The gated byte path: WRITEs the leading blocks this node holds in ``ns`` (the namespace the
-        caller's grant was checked for, stored under the grant's tenant epoch) to the consumer's landing
-        addresses, then answers like
-        :meth:`lookup`, with nothing left pinned. Only these blocks leave: the consumer holds no rkey of
-        this node. Unavailable when the write failed and could not be cancelled (the landing slots may
-        still change); a write that failed cleanly answers MISS."""
-        if len(landing_addrs) != len(hashes):
-            raise InvalidArgument(f"{len(landing_addrs)} landing addresses for {len(hashes)} hashes")
-        agent = self._peer_agents.get(consumer_node_id)
-        if agent is None:
-            raise FailedPrecondition(f"node {consumer_node_id!r} has not handshaken with this node: call "
-                                     "ExchangeAgentMetadata first")
-        started = time.monotonic()
-        answer = await self.lookup(ns, hashes, consumer=consumer_node_id, pending_wait_ms=pending_wait_ms,
-                                   lease_ms=int(timeout_s * 1000) + 1_000, media=media, grant_epoch=grant_epoch)
-        lead = 0
-        while lead < len(hashes) and answer.statuses[lead] is LookupStatus.HIT and landing_addrs[lead]:
-            lead += 1
+    async def send(self, ns: Namespace, lease_id: str, hashes: list[bytes], landing_addrs: list[int],
+                   consumer_node_id: str, holder: str, *, timeout_s: float, grant_epoch: str = "") -> int:
+        """The gated byte path: WRITEs the blocks pinned under ``lease_id`` (an earlier :meth:`lookup` by
+        ``holder`` in ``ns`` under ``grant_epoch``: the namespace and tenant epoch of the caller's grant)
+        to the consumer's landing addresses and ends the lease (nothing stays pinned): how many leading
+        blocks of ``hashes`` were written. ``hashes`` must be the leading blocks of the lease, in order:
+        they are not looked up again (a block purged since, e.g. by a new tenant epoch, ends the run).
+        Only these blocks leave: the consumer holds no rkey of this node. A lease that is not ``holder``'s
+        in ``ns`` under ``grant_epoch`` (or expired) writes nothing (0). Unavailable when the write failed
+        and could not be cancelled (the landing slots may still change); a write that failed cleanly
+        answers 0."""
+        hashes = self._check(ns, hashes)
+        n = len(hashes)
+        if len(landing_addrs) != n:
+            raise InvalidArgument(f"{len(landing_addrs)} landing addresses for {n} hashes")
+        if not lease_id:
+            raise InvalidArgument("landing_addrs needs the lease_id of this caller's Lookup of the blocks")
+        lease = self._leases.take(lease_id, holder, _scope(ns, grant_epoch))
+        if lease is None:
+            log.info("send to %s: lease %s is not its own in %s, or expired; answering MISS",
+                     consumer_node_id, lease_id, ns.fingerprint)
+            return 0
+        blocks = lease.items
+        sent = 0
         try:
-            if lead:
-                base = self.region.base_addr
-                await self.transport.write(agent, [a - base for a in answer.addrs[:lead]], landing_addrs[:lead],
-                                           self.block_bytes, max(0.0, timeout_s - (time.monotonic() - started)))
+            if n > len(blocks) or any(b.key.block_hash != h for b, h in zip(blocks, hashes)):
+                raise InvalidArgument(f"block_hashes are not the leading blocks of lease {lease_id}")
+            agent = self._peer_agents.get(consumer_node_id)
+            if agent is None:
+                raise FailedPrecondition(f"node {consumer_node_id!r} has not handshaken with this node: call "
+                                         "ExchangeAgentMetadata first")
+            get = self.tier.get
+            indexed = next((i for i, b in enumerate(blocks[:n]) if get(b.key) is not b), n)
+            if indexed:
+                offset = self.region.offset
+                await self.transport.write(agent, [offset(b.slot) for b in blocks[:indexed]],
+                                           landing_addrs[:indexed], self.block_bytes, timeout_s)
+            sent = indexed
         except TransferFailed as exc:
-            log.warning("sending %d blocks to %s failed: %s", lead, consumer_node_id, exc)
+            log.warning("sending %d blocks to %s failed: %s", indexed, consumer_node_id, exc)
             if exc.may_still_write:
                 raise Unavailable(f"the WRITE to {consumer_node_id} failed and may still land (timed out, or could "
-                              "not be cancelled)") from None
-            lead = 0
+                                  "not be cancelled)") from None
         finally:
-            self.release(answer.lease_id)
-        n = len(hashes)
-        return LookupAnswer(
-            statuses=[LookupStatus.HIT] * lead + [LookupStatus.MISS] * (n - lead),
-            addrs=[-1] * n, checksums=answer.checksums[:lead] + [0] * (n - lead), lease_id="")
+            for block in blocks:
+                self.tier.unpin(block)
+        return sent
 
     # ---- pulls ----
 
@@ -681,29 +695,31 @@ class DataPlaneCore:
     async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                               source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
                               tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
-        """Asks the source which wanted blocks it holds (a plain Lookup: nothing is reserved or evicted here
-        for a source that is down or holds nothing), reserves slots for the leading HITs and has the source
-        WRITE into them (a Lookup with landing addresses): the arrived blocks (uncommitted) and their
-        checksums; the rest is aborted. A send that failed mid-way quarantines the slots (the source's WRITE
-        may still land)."""
+        """Asks the source which wanted blocks it holds (a plain Lookup, which pins its HITs under a lease:
+        nothing is reserved or evicted here for a source that is down or holds nothing), reserves slots for
+        the leading HITs and has the source WRITE the blocks of that lease into them and end it (the send):
+        the arrived blocks (uncommitted) and their checksums; the rest is aborted. A send that failed
+        mid-way quarantines the slots (the source's WRITE may still land)."""
+        t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
+        lookup_ms = (time.perf_counter() - t0) * 1000
         if answer is None:
             return None
-        if answer.lease_id:
-            self._spawn(self._release_remote(peer, answer.lease_id, grant))
-        blocks, _, _ = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes, answer)
+        blocks, _, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes,
+                                                      answer)
         if not blocks:
+            if answer.lease_id:
+                self._spawn(self._release_remote(peer, answer.lease_id, grant))
             return None
         base = self.region.base_addr
-        landing = [base + self.region.offset(b.slot) for b in blocks]
-        remaining = deadline - time.monotonic()
-        t0 = time.perf_counter()
+        offset = self.region.offset
+        landing = [base + offset(b.slot) for b in blocks]
+        t1 = time.perf_counter()
         outcome = "failed"
         try:
-            answer, block_bytes = await peer.client.lookup(
-                ns, [b.key.block_hash for b in blocks], consumer_node_id=self.node_id,
-                pending_wait_ms=max(1, min(self.config.pending_wait_ms, int(remaining * 500))), media=source_media,
-                timeout=remaining, grant=grant, landing_addrs=landing)
+            sent, block_bytes = await peer.client.send(
+                ns, answer.lease_id, [b.key.block_hash for b in blocks], landing,
+                timeout=max(0.0, deadline - time.monotonic()), grant=grant)
             outcome = "ok" if block_bytes == self.block_bytes else "failed"
         except grpc.aio.AioRpcError as exc:
             clean = exc.code() in _REFUSED_BEFORE_WRITE
@@ -716,21 +732,18 @@ class DataPlaneCore:
             log.warning("pull: %s sent %s; answering MISS", peer.address, exc)
             await self._peers.forget(peer)
             outcome = "quarantine"
-        elapsed_ms = (time.perf_counter() - t0) * 1000
+        transfer_ms = (time.perf_counter() - t1) * 1000
         if outcome != "ok":
             for block in blocks:
                 self._writers.pop(block.key, None)
                 (self.tier.quarantine if outcome == "quarantine" else self.tier.abort)(block)
             return None
-        n = 0
-        while n < len(blocks) and answer.statuses[n] is LookupStatus.HIT:
-            n += 1
-        if n < len(blocks):  # the plain Lookup had them: the WRITE failed (the source closed its endpoint)
-            await self._peers.forget(peer)
-        for block in blocks[n:]:
+        if sent < len(blocks):  # the Lookup had pinned them: the WRITE failed (the source closed its endpoint)
+            await self._peers.forget(peer)  # or the lease expired first
+        for block in blocks[sent:]:
             self._writers.pop(block.key, None)
             self.tier.abort(block)
-        return blocks[:n], answer.checksums[:n], 0.0, elapsed_ms
+        return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms
 
     async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
         """Checksum of every pulled block against the source's, split over worker threads (the GIL is released)."""

@@ -3,7 +3,9 @@
 A reader that disappears must not pin blocks forever, so every pin is taken
 under a lease with a deadline; :meth:`LeaseTable.expire` (run periodically by
 the data plane) returns the leases that ran out so their pins can be dropped.
-Releasing twice, or after expiry, is a no-op.
+Releasing twice, or after expiry, is a no-op. Lease ids are 128 random bits
+(a peer names its own lease in a later call; nobody can guess another's), and a
+lease is handed back only to its holder, in its scope (the namespace it pins).
 
 Threading model: not thread-safe; event-loop thread only. Time comes from an
 injected clock so tests can move it by hand.
@@ -11,8 +13,8 @@ injected clock so tests can move it by hand.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -34,6 +36,7 @@ class Lease(Generic[T]):
     holder: str
     items: list[T]
     expires_at: float
+    scope: str = ""  # what the items belong to (the namespace fingerprint of a Lookup's pins)
 
 
 class LeaseTable(Generic[T]):
@@ -41,10 +44,21 @@ class LeaseTable(Generic[T]):
         self._clock = clock
         self._leases: dict[str, Lease[T]] = {}
 
-    def grant(self, holder: str, items: list[T], ttl_s: float) -> str:
-        lease_id = uuid.uuid4().hex
-        self._leases[lease_id] = Lease(lease_id, holder, items, self._clock.monotonic() + ttl_s)
+    def grant(self, holder: str, items: list[T], ttl_s: float, scope: str = "") -> str:
+        lease_id = secrets.token_hex(16)
+        self._leases[lease_id] = Lease(lease_id, holder, items, self._clock.monotonic() + ttl_s, scope)
         return lease_id
+
+    def take(self, lease_id: str, holder: str, scope: str) -> Lease[T] | None:
+        """Ends the lease and returns it, so its items stay pinned for the caller (who unpins them); None,
+        with the lease left as it is, if unknown, ended, expired (swept or not) or another holder's or
+        scope's."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.holder != holder or lease.scope != scope \
+                or lease.expires_at <= self._clock.monotonic():  # expired: the sweep unpins it
+            return None
+        del self._leases[lease_id]
+        return lease
 
     def release(self, lease_id: str, holder: str | None = None) -> list[T]:
         """The lease's items (to unpin); empty if unknown, already released, expired or (``holder`` given)

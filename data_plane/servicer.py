@@ -22,9 +22,9 @@ SEND_MARGIN_S = 0.25
 
 
 def lease_holder(grant: Grant | None) -> str:
-    """Leases are held by the peer key that proved the grant: a peer can release only the leases its own
-    lookups took."""
-    return "local" if grant is None else f"peer:{grant.consumer_public_key}"
+    """Leases are held by the consumer node and peer key that proved the grant: a peer can release, or have
+    the node send, only the leases its own lookups took."""
+    return "local" if grant is None else f"peer:{grant.consumer_node_id}:{grant.consumer_public_key}"
 
 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
@@ -49,16 +49,17 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Lookup(self, request, context):
         ns = Namespace.from_proto(request.namespace)
         grant = await self._auth.require_grant(context.invocation_metadata(), ns, "Lookup")
-        if request.landing_addrs:
+        if request.landing_addrs or request.lease_id:
             if grant is None:
-                raise InvalidArgument("landing_addrs is for peers: a local caller acquires blocks instead")
+                raise InvalidArgument("landing_addrs and lease_id are for peers: a local caller acquires blocks "
+                                      "instead")
             remaining = context.time_remaining()
             timeout_s = self._core.config.pull_timeout_ms / 1000 if remaining is None else remaining
-            answer = await self._core.send(
-                ns, list(request.block_hashes), list(request.landing_addrs), grant.consumer_node_id,
-                timeout_s=max(0.0, timeout_s - SEND_MARGIN_S), pending_wait_ms=request.pending_wait_ms,
-                media=wire.media_from_pb(request.media), grant_epoch=grant.tenant_epoch)
-            return wire.lookup_response(answer, self._core.block_bytes)
+            hashes = list(request.block_hashes)
+            sent = await self._core.send(
+                ns, request.lease_id, hashes, list(request.landing_addrs), grant.consumer_node_id,
+                lease_holder(grant), timeout_s=max(0.0, timeout_s - SEND_MARGIN_S), grant_epoch=grant.tenant_epoch)
+            return wire.send_response(sent, len(hashes), self._core.block_bytes)
         answer = await self._core.lookup(
             ns, list(request.block_hashes),
             consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,

@@ -72,6 +72,24 @@ def lookup_answer(msg: pb.LookupResponse, expected: int) -> LookupAnswer:
     return LookupAnswer(statuses, addrs, list(msg.checksums), msg.lease_id)
 
 
+def send_response(sent: int, n: int, block_bytes: int) -> pb.LookupResponse:
+    """A send's answer: HIT for the ``sent`` leading blocks written, MISS for the other ``n - sent``."""
+    return pb.LookupResponse(statuses=[pb.BLOCK_STATUS_HIT] * sent + [pb.BLOCK_STATUS_MISS] * (n - sent),
+                             block_bytes=block_bytes)
+
+
+def sent_blocks(msg: pb.LookupResponse, expected: int) -> int:
+    """How many leading blocks a source's send answer says it wrote (checked: one status per hash)."""
+    if len(msg.statuses) != expected:
+        raise InvalidArgument(f"malformed send answer: {len(msg.statuses)} statuses for {expected} hashes")
+    sent = 0
+    for status in msg.statuses:
+        if status != pb.BLOCK_STATUS_HIT:
+            break
+        sent += 1
+    return sent
+
+
 def pull_response(result: PullResult) -> pb.PullResponse:
     return pb.PullResponse(
         blocks_pulled=result.pulled,

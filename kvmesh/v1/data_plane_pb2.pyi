@@ -52,7 +52,7 @@ class BlockLocation(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "consumer_node_id", "pending_wait_ms", "lease_ms", "media", "landing_addrs")
+    __slots__ = ("namespace", "block_hashes", "consumer_node_id", "pending_wait_ms", "lease_ms", "media", "landing_addrs", "lease_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class LookupRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     LANDING_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     consumer_node_id: str
@@ -67,7 +68,8 @@ class LookupRequest(_message.Message):
     lease_ms: int
     media: _containers.RepeatedScalarFieldContainer[_common_pb2.Medium]
     landing_addrs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., consumer_node_id: _Optional[str] = ..., pending_wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., landing_addrs: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., consumer_node_id: _Optional[str] = ..., pending_wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., landing_addrs: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("statuses", "locations", "lease_id", "block_bytes", "checksums")

@@ -9,8 +9,9 @@ grant covers into the destination's reserved slots (the gated byte path,
 ``pull_*``); the other serves one-sided READs (``serve_peer_reads``,
 ``*_ungated``); rounds alternate between them, and ``gating_cost_fraction_*``
 is the gated median time over the ungated one, minus 1 (``gating_cost_fraction``:
-the worse case). ``transfer_gbps_*`` is the gated send alone (lookup and
-WRITE in one call, from the node's own timing). ``memcpy_gbps`` is a
+the worse case). ``transfer_gbps_*`` is the gated send alone (the call in
+which the source WRITEs the blocks its Lookup pinned, from the node's own
+timing). ``memcpy_gbps`` is a
 single-thread copy of the same bytes in this process, measured between the
 pull rounds.
 

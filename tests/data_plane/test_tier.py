@@ -128,3 +128,20 @@ def test_leases_expire_and_release_is_idempotent():
     assert table.release(a) == []
     assert table.release(b) == ["y"] and table.release(b) == []
     assert len(table) == 0
+
+
+def test_a_lease_is_taken_only_by_its_holder_in_its_scope_before_it_expires():
+    clock = FakeClock()
+    table: LeaseTable[str] = LeaseTable(clock)
+    lease = table.grant("peer-1", ["x", "y"], ttl_s=1.0, scope="ns-a")
+    assert table.take(lease, "peer-2", "ns-a") is None  # another holder
+    assert table.take(lease, "peer-1", "ns-b") is None  # another scope
+    assert table.take("0" * 32, "peer-1", "ns-a") is None  # no such lease
+    assert len(lease) == 32 and len(table) == 1  # 128 random bits; the refusals left it alone
+    taken = table.take(lease, "peer-1", "ns-a")
+    assert taken is not None and taken.items == ["x", "y"] and len(table) == 0  # control: its holder, its scope
+    assert table.take(lease, "peer-1", "ns-a") is None  # once
+    late = table.grant("peer-1", ["z"], ttl_s=1.0, scope="ns-a")
+    clock.now += 1.0
+    assert table.take(late, "peer-1", "ns-a") is None  # expired (not swept yet): the sweep unpins it
+    assert [expired.lease_id for expired in table.expire()] == [late]

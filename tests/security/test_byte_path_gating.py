@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import shutil
 import time
@@ -81,23 +82,32 @@ def fleet():
     shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-@pytest.fixture
-def attacker():
-    """A NIXL agent in this process, on UCX over tcp, with a buffer to read into."""
+@contextlib.contextmanager
+def nixl_agent_with_buffer(role: str, nbytes: int):
+    """A NIXL agent in this process, on UCX over tcp, with a registered buffer of ``nbytes`` (zeroed)."""
     saved = {k: os.environ.get(k) for k in UCX_TCP}
     os.environ.update(UCX_TCP)
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(f"attacker-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=["UCX"]))
-    buf = np.zeros(N * BLOCK, dtype=np.uint8)
+    agent = nixl_agent(f"{role}-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=["UCX"]))
+    buf = np.zeros(nbytes, dtype=np.uint8)
     reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    yield agent, buf
-    agent.deregister_memory(reg)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    try:
+        yield agent, buf
+    finally:
+        agent.deregister_memory(reg)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def attacker():
+    """The attacker's NIXL agent in this process, with a buffer to read (or be written) into."""
+    with nixl_agent_with_buffer("attacker", N * BLOCK) as agent_and_buffer:
+        yield agent_and_buffer
 
 
 async def store(source: DataPlaneProcess, ns: Namespace, n: int = N) -> tuple[list[bytes], list[bytes]]:
@@ -168,12 +178,14 @@ async def test_a_grant_for_tenant_b_reads_none_of_tenant_as_bytes(fleet, attacke
         assert hs.agent_metadata == b"", "a gated source hands out no rkey"
         assert nixl_read(agent, buf, hs.agent_name, addrs).startswith("refused"), "no metadata: nothing to READ"
         landing = [buf.ctypes.data + i * BLOCK for i in range(N)]
-        with pytest.raises(grpc.aio.AioRpcError) as err:  # ask it to WRITE A's blocks with B's grant
-            await peer.lookup(TENANT_A, hashes, grant=grant_b, landing_addrs=landing)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "another namespace" in err.value.details()
-        answer, _ = await peer.lookup(TENANT_B, hashes, grant=grant_b, landing_addrs=landing)  # A's hashes as B's
-        assert answer.statuses == [LookupStatus.MISS] * N
+        for call in (peer.lookup(TENANT_A, hashes, grant=grant_b),  # look A's blocks up, or have them sent
+                     peer.send(TENANT_A, "0" * 32, hashes, landing, grant=grant_b)):  # with B's grant
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "another namespace" in err.value.details()
+        answer, _ = await peer.lookup(TENANT_B, hashes, grant=grant_b)  # A's hashes as B's
+        assert answer.statuses == [LookupStatus.MISS] * N and not answer.lease_id
     assert not buf.any(), "not one byte of A's blocks reached the attacker"
 
     # Positive control: a consumer node with A's grant pulls A's bytes from the gated source.
@@ -225,3 +237,47 @@ async def test_bytes_stop_when_the_grant_expires(fleet):
         assert (await local.pull(TENANT_A, later, "src-gated", gated.address, grant=grant)).pulled == 0
         fresh = fleet.grant(consumer_key, "consumer", "src-gated", TENANT_A)
         assert (await local.pull(TENANT_A, later, "src-gated", gated.address, grant=fresh)).pulled == N
+
+
+async def test_a_lease_is_sent_only_to_the_consumer_that_took_it_in_its_namespace(fleet, attacker):
+    """The send names the lease of the consumer's own Lookup: the source WRITEs the blocks pinned under it
+    without looking them up again, so the lease must not serve anyone else. The attacker has the victim's lease
+    id (say, read off a link without TLS) and grants of its own, for the victim's tenant and for another one:
+    nothing is written to it, and the lease is left untouched; nor does the victim's own grant for another
+    namespace send it. Positive control: the victim's send of the same
+    lease afterwards writes A's bytes into the victim's buffer (once: the send ends the lease)."""
+    agent, buf = attacker
+    gated = fleet.start("src-gated")
+    hashes, secrets = await store(gated, TENANT_A)
+    victim_id, me = NodeIdentity(), NodeIdentity()
+    victim_grant = fleet.grant(victim_id.public_key, "victim", "src-gated", TENANT_A)
+    with nixl_agent_with_buffer("victim", N * BLOCK) as (victim_agent, victim_buf):
+        async with as_peer(victim_id, gated) as victim, as_peer(me, gated) as peer:
+            await victim.exchange_agent_metadata("victim", victim_agent.get_agent_metadata(), BLOCK,
+                                                 grant=victim_grant)
+            answer, _ = await victim.lookup(TENANT_A, hashes, lease_ms=60_000, grant=victim_grant)
+            assert answer.statuses == [LookupStatus.HIT] * N and answer.lease_id
+            stolen = answer.lease_id
+
+            landing = [buf.ctypes.data + i * BLOCK for i in range(N)]
+            grant_a = fleet.grant(me.public_key, "attacker", "src-gated", TENANT_A)  # another consumer of A
+            grant_b = fleet.grant(me.public_key, "attacker", "src-gated", TENANT_B)  # another namespace
+            await peer.exchange_agent_metadata("attacker", agent.get_agent_metadata(), BLOCK, grant=grant_a)
+            assert await peer.send(TENANT_A, stolen, hashes, landing, grant=grant_a) == (0, BLOCK)
+            assert await peer.send(TENANT_B, stolen, hashes, landing, grant=grant_b) == (0, BLOCK)
+            assert await peer.send(TENANT_A, os.urandom(16).hex(), hashes, landing, grant=grant_a) == (0, BLOCK)
+            await peer.release(stolen, grant=grant_a)  # nor can it end the victim's lease
+            await asyncio.sleep(0.2)
+            assert not buf.any(), "not one byte reached the attacker"
+            # the lease's own holder, under a grant for another namespace (e.g. after A's policy dropped it)
+            victim_b = fleet.grant(victim_id.public_key, "victim", "src-gated", TENANT_B)
+            victim_landing = [victim_buf.ctypes.data + i * BLOCK for i in range(N)]
+            assert await victim.send(TENANT_B, stolen, hashes, victim_landing, grant=victim_b) == (0, BLOCK)
+            await asyncio.sleep(0.2)
+            assert not victim_buf.any(), "a lease serves only the namespace it was taken in"
+
+            assert await victim.send(TENANT_A, stolen, hashes, victim_landing, grant=victim_grant) == (N, BLOCK)
+            assert [bytes(victim_buf[i * BLOCK:(i + 1) * BLOCK]) for i in range(N)] == secrets
+            victim_buf[:] = 0
+            assert await victim.send(TENANT_A, stolen, hashes, victim_landing, grant=victim_grant) == (0, BLOCK)
+            assert not victim_buf.any(), "a lease is sent once"
