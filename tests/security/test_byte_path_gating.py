@@ -55,9 +55,9 @@ class Fleet:
         return proc
 
     def grant(self, consumer_public_key: bytes, consumer: str, source: str, ns: Namespace,
-              ttl_ms: int = 60_000) -> bytes:
+              ttl_ms: int = 60_000, tenant_epoch: str = "") -> bytes:
         return self.signer.sign(Grant(ns.tenant, ns.fingerprint, consumer, encode_public_key(consumer_public_key),
-                                      source, int(time.time() * 1000) + ttl_ms))
+                                      source, int(time.time() * 1000) + ttl_ms, tenant_epoch=tenant_epoch))
 
 
 def as_peer(identity: NodeIdentity, source: DataPlaneProcess) -> DataPlaneClient:
@@ -244,7 +244,7 @@ async def test_a_lease_is_sent_only_to_the_consumer_that_took_it_in_its_namespac
     without looking them up again, so the lease must not serve anyone else. The attacker has the victim's lease
     id (say, read off a link without TLS) and grants of its own, for the victim's tenant and for another one:
     nothing is written to it, and the lease is left untouched; nor does the victim's own grant for another
-    namespace send it. Positive control: the victim's send of the same
+    namespace, or for A under another tenant epoch, send it. Positive control: the victim's send of the same
     lease afterwards writes A's bytes into the victim's buffer (once: the send ends the lease)."""
     agent, buf = attacker
     gated = fleet.start("src-gated")
@@ -275,6 +275,11 @@ async def test_a_lease_is_sent_only_to_the_consumer_that_took_it_in_its_namespac
             assert await victim.send(TENANT_B, stolen, hashes, victim_landing, grant=victim_b) == (0, BLOCK)
             await asyncio.sleep(0.2)
             assert not victim_buf.any(), "a lease serves only the namespace it was taken in"
+            # ... or a grant for A issued after A was deleted and re-created (another tenant epoch)
+            victim_new_a = fleet.grant(victim_id.public_key, "victim", "src-gated", TENANT_A, tenant_epoch="e2")
+            assert await victim.send(TENANT_A, stolen, hashes, victim_landing, grant=victim_new_a) == (0, BLOCK)
+            await asyncio.sleep(0.2)
+            assert not victim_buf.any(), "a lease serves only the tenant epoch it was taken under"
 
             assert await victim.send(TENANT_A, stolen, hashes, victim_landing, grant=victim_grant) == (N, BLOCK)
             assert [bytes(victim_buf[i * BLOCK:(i + 1) * BLOCK]) for i in range(N)] == secrets
