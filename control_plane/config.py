@@ -25,7 +25,8 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     listen: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds (port 0: any free port)")
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="block-map store: redis://host:port/db, or redis+cluster://host:port for a Redis Cluster",
+        description="block-map store: redis://host:port/db, or redis+cluster://host:port[,host:port...] for a "
+        "Redis Cluster (name several nodes: the client rediscovers the cluster through them after a failover)",
     )
     redis_username: str | None = Field(None, description="Redis ACL user of the control plane")
     redis_password: str | None = Field(None, description="its password")

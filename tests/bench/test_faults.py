@@ -98,7 +98,7 @@ def test_delay_is_a_long_link_not_a_slow_sender():
 def test_fault_matrix_subset():
     """A short subset of `kvmesh bench faults` on one redis-server (the whole matrix, with the Redis Cluster
     failover, is the benchmark)."""
-    cases = "baseline,nixl_partition_grpc_up,freeze_source_dp,node_restart"
+    cases = "baseline,latency_20ms_each_way,nixl_partition_grpc_up,freeze_source_dp,node_restart"
     out = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "bench", "faults", "--json", "--single-redis",
                           "--cases", cases],
                          capture_output=True, text=True, timeout=600)
