@@ -113,8 +113,11 @@ class DataPlaneClient:
             timeout=timeout)
         return list(r.slots), r.lease_id
 
-    async def release(self, lease_id: str, timeout: float | None = 10.0, grant: bytes = b"") -> None:
-        await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout, metadata=self._peer(grant, "Release"))
+    async def release(self, lease_id: str, timeout: float | None = 10.0, grant: bytes = b"") -> tuple[bool, str]:
+        """Ends the lease; whether no WRITE under it may still land (settled), and the node's agent name."""
+        r = await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout,
+                                     metadata=self._peer(grant, "Release"))
+        return r.settled, r.agent_name
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: Iterable[Medium] | None = None,

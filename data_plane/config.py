@@ -71,6 +71,11 @@ class DataPlaneConfig(BaseSettings):
         100, ge=1, le=10_000, description="longest sleep of NIXL's progress thread between checks when no UCX "
         "event wakes it (it wakes at once on one); small values cost idle CPU")
     lease_sweep_ms: int = Field(250, ge=1, description="how often expired leases are released")
+    reclaim_retry_ms: int = Field(1_000, ge=1, description="first wait before asking a source whether slots "
+                                  "quarantined after its transfer failed can be reused; doubles per answer "
+                                  "that does not prove it")
+    reclaim_max_retry_ms: int = Field(60_000, ge=1, description="longest such wait")
+    reclaim_timeout_ms: int = Field(2_000, ge=1, description="bound of one such question")
     control_plane_address: str = Field("", description="host:port of the control plane (unset: publish nothing)")
     control_plane_timeout_ms: int = Field(
         2_000, ge=1, description="longest wait for one control-plane answer (tenant limits, a pull grant)")

@@ -47,6 +47,7 @@ from data_plane.eviction import BlockInfo, EvictionPolicy
 from data_plane.leases import Clock, LeaseTable, SystemClock
 from data_plane.metrics import DataPlaneMetrics
 from data_plane.peers import Peer, PeerPool, PeerProof
+from data_plane.reclaim import Quarantine, Reclaimer, Verdict
 from data_plane.shm import SharedRegion
 from data_plane.tier import Block, MemoryTier
 from data_plane.transfer import TransferFailed, Transport
@@ -141,6 +142,11 @@ class DataPlaneCore:
         self._sweeper: asyncio.Task | None = None
         self._epoch_sweeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # lease id -> holder, of sends whose WRITE may still land: from the moment the send takes the lease
+        # until the WRITE ends or NIXL releases it (never, for one NIXL could not release)
+        self._writing: dict[str, str] = {}
+        self._reclaimer = Reclaimer(self._ask_settled, self._reclaim, config.reclaim_retry_ms / 1000,
+                                    config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000)
 
     # ---- lifecycle ----
 
@@ -154,6 +160,7 @@ class DataPlaneCore:
         for task in [*sweepers, *self._background]:
             task.cancel()
         await asyncio.gather(*self._background, *sweepers, return_exceptions=True)
+        await self._reclaimer.close()
         await self._peers.close()
         self.transport.close()
         if self.disk is not None:
@@ -322,6 +329,16 @@ class DataPlaneCore:
         for block in self._leases.release(lease_id, holder):
             self.tier.unpin(block)
 
+    def settle(self, lease_id: str, holder: str | None = None) -> bool:
+        """:meth:`release`, then whether no send under ``lease_id`` (``holder``'s, when given) may still WRITE:
+        the consumer's proof that the landing slots it quarantined can be reused. Once released, a send
+        naming the lease writes nothing, and the answer and the release happen in one step of the loop, as a
+        send's taking the lease and recording its WRITE do: whichever comes first, no WRITE lands after a
+        True. Another holder's lease is neither released nor reported (True: no write of *its* is out)."""
+        self.release(lease_id, holder)
+        writer = self._writing.get(lease_id)
+        return writer is None or (holder is not None and writer != holder)
+
     def _lease(self, holder: str, blocks: list[Block], lease_ms: int, scope: str = "") -> str:
         if not blocks:
             return ""
@@ -471,8 +488,21 @@ class DataPlaneCore:
             log.info("send to %s: lease %s is not its own in %s, or expired; answering MISS",
                      consumer_node_id, lease_id, ns.fingerprint)
             return 0
-        blocks = lease.items
-        sent = 0
+        self._writing[lease_id] = holder
+        # The WRITE runs in a task of its own: a caller that goes away (its deadline passed) cancels this
+        # handler, not the WRITE, which ends within its own bound and only then leaves the ledger.
+        task = asyncio.get_running_loop().create_task(
+            self._send_lease(lease.lease_id, lease.items, hashes, landing_addrs, consumer_node_id, timeout_s))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its caller may be gone
+        return await asyncio.shield(task)
+
+    async def _send_lease(self, lease_id: str, blocks: list[Block], hashes: list[bytes], landing_addrs: list[int],
+                          consumer_node_id: str, timeout_s: float) -> int:
+        n = len(hashes)
+        sent = indexed = 0
+        stuck = False  # NIXL could not release the WRITE: it may land until this process exits
         try:
             if n > len(blocks) or any(b.key.block_hash != h for b, h in zip(blocks, hashes)):
                 raise InvalidArgument(f"block_hashes are not the leading blocks of lease {lease_id}")
@@ -490,11 +520,14 @@ class DataPlaneCore:
         except TransferFailed as exc:
             log.warning("sending %d blocks to %s failed: %s", indexed, consumer_node_id, exc)
             if exc.may_still_write:
+                stuck = not exc.released
                 raise Unavailable(f"the WRITE to {consumer_node_id} failed and may still land (timed out, or could "
                                   "not be cancelled)") from None
         finally:
             for block in blocks:
                 self.tier.unpin(block)
+            if not stuck:
+                del self._writing[lease_id]
         return sent
 
     # ---- pulls ----
@@ -521,6 +554,7 @@ class DataPlaneCore:
                        source_media, first_block_index, grant, route_token))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its caller may be gone
         return await asyncio.shield(task)
 
     async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
@@ -685,7 +719,7 @@ class DataPlaneCore:
             blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index,
                                                                      tenant_limit_bytes, answer)
             t1 = time.perf_counter()
-            arrived = await self._transfer(peer, blocks, remote_addrs, deadline)
+            arrived = await self._transfer(peer, blocks, remote_addrs, deadline, grant)
             transfer_ms = (time.perf_counter() - t1) * 1000
         finally:
             if answer.lease_id:
@@ -736,7 +770,11 @@ class DataPlaneCore:
         if outcome != "ok":
             for block in blocks:
                 self._writers.pop(block.key, None)
-                (self.tier.quarantine if outcome == "quarantine" else self.tier.abort)(block)
+            if outcome == "quarantine":
+                self._quarantine(blocks, peer, ns, answer.lease_id, grant)
+            else:
+                for block in blocks:
+                    self.tier.abort(block)
             return None
         if sent < len(blocks):  # the Lookup had pinned them: the WRITE failed (the source closed its endpoint)
             await self._peers.forget(peer)  # or the lease expired first
@@ -808,7 +846,8 @@ class DataPlaneCore:
                 checksums.append(answer.checksums[j])
         return blocks, addrs, checksums
 
-    async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float) -> bool:
+    async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float,
+                        grant: bytes) -> bool:
         if not blocks:
             return False
         ns = blocks[0].namespace
@@ -828,9 +867,55 @@ class DataPlaneCore:
                 log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
                 for block in blocks:
                     self._writers.pop(block.key, None)
-                    (self.tier.quarantine if exc.may_still_write else self.tier.abort)(block)
+                if exc.may_still_write:  # the consumer's own READ: only the source's exit proves it over
+                    self._quarantine(blocks, peer, blocks[0].namespace, "", grant)
+                else:
+                    for block in blocks:
+                        self.tier.abort(block)
                 await self._peers.forget(peer)
                 return False
+
+    # ---- quarantine ----
+
+    def _quarantine(self, blocks: list[Block], peer: Peer, ns: Namespace, lease_id: str, grant: bytes) -> None:
+        """Quarantines the landing slots of a transfer that may still write; the reclaimer frees them once
+        that is proven over (data_plane.reclaim)."""
+        slots = [self.tier.quarantine(block) for block in blocks]
+        self.metrics.quarantined(len(slots), self.tier.quarantined)
+        self._reclaimer.add(Quarantine(slots, ns, peer.node_id, peer.address, peer.incarnation, lease_id, grant))
+
+    def _reclaim(self, slots: list[int]) -> None:
+        self.tier.reclaim(slots)
+        self.metrics.reclaimed(len(slots), self.tier.quarantined)
+
+    async def _ask_settled(self, record: Quarantine, timeout_s: float) -> Verdict:
+        """Asks the source's address whether a write into ``record``'s slots can still land (its Release
+        of the lease, under the pull's grant, renewed once from the control plane when refused)."""
+        client = self._peers.client(record.source_address, record.source_node_id)
+        deadline = time.monotonic() + timeout_s
+        try:
+            for attempt in range(2):
+                try:
+                    settled, agent = await client.release(record.lease_id, timeout=deadline - time.monotonic(),
+                                                          grant=record.grant)
+                except grpc.aio.AioRpcError as exc:
+                    refused = exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+                    if not refused or attempt or self._grants is None:
+                        log.info("quarantined slots: %s did not answer (%s)", record.source_address,
+                                 exc.code().name)
+                        return Verdict.PENDING
+                    record.grant, _ = await self._grants(record.ns, record.source_node_id,
+                                                         deadline - time.monotonic())
+                    continue
+                if agent and agent != record.source_agent:
+                    return Verdict.GONE
+                return Verdict.SETTLED if settled and record.lease_id else Verdict.PENDING
+            return Verdict.PENDING
+        except (Unavailable, PermissionDenied) as exc:  # no new grant
+            log.info("quarantined slots: no grant to ask %s (%s)", record.source_address, exc)
+            return Verdict.PENDING
+        finally:
+            await client.close()
 
     async def _release_remote(self, peer: Peer, lease_id: str, grant: bytes) -> None:
         try:

@@ -4,12 +4,13 @@ Hit rate by tier (local acquires and peer lookups: CPU hit, disk hit, miss),
 bytes written by the engine, read by peers and pulled from them, pull and
 promotion times, pending waits, and evictions — with evictions of blocks that
 were never read since they were stored ("evicted before reuse"), and blocks
-purged because their tenant was deleted or re-created.
+purged because their tenant was deleted or re-created; slots quarantined
+after a transfer that may still write, and those reclaimed once proven safe.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmesh.metrics import LATENCY_BUCKETS
 
@@ -36,6 +37,12 @@ class DataPlaneMetrics:
                                "blocks evicted from the CPU tier without having been read since stored", registry=r)
         self._purged = Counter("kvmesh_dp_purged_blocks", "blocks dropped from a tier because their tenant was "
                                "deleted or re-created (an earlier tenant epoch)", registry=r)
+        self._quarantined = Gauge("kvmesh_dp_quarantined_slots", "CPU-tier slots quarantined now (a transfer "
+                                  "that may still write into them failed)", registry=r)
+        self._quarantines = Counter("kvmesh_dp_quarantine_slots", "CPU-tier slots quarantined, in all",
+                                    registry=r)
+        self._reclaimed = Counter("kvmesh_dp_reclaimed_slots", "quarantined slots freed again once no write "
+                                  "could land in them", registry=r)
         self._read_since_stored: set[BlockKey] = set()
         self._children: dict[tuple, object] = {}  # (metric, labels) -> child: labels() costs ~5 us a call
 
@@ -81,6 +88,16 @@ class DataPlaneMetrics:
 
     def purged(self, n: int) -> None:
         self._purged.inc(n)
+
+    def quarantined(self, n: int, now: int) -> None:
+        """``n`` slots quarantined; ``now`` are."""
+        self._quarantines.inc(n)
+        self._quarantined.set(now)
+
+    def reclaimed(self, n: int, now: int) -> None:
+        """``n`` quarantined slots freed; ``now`` stay quarantined."""
+        self._reclaimed.inc(n)
+        self._quarantined.set(now)
 
     def evicted(self, tier: str, key: BlockKey) -> None:
         self._child(self._evictions, tier).inc()

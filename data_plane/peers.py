@@ -33,6 +33,7 @@ class Peer:
     node_id: str
     agent_name: str  # "" when the source WRITEs instead of handing out its metadata
     client: DataPlaneClient
+    incarnation: str = ""  # the agent name the source answered with (changes on every start)
 
 
 # (grant, method, target node id) -> this node's proof of possession of the grant's key (tenancy.peer_proof)
@@ -58,9 +59,7 @@ class PeerPool:
             peer = self._peers.get(address)
             if peer is not None:
                 return peer
-            proof = self._proof
-            client = DataPlaneClient(address, tls=self._tls,
-                                     peer_proof=(lambda g, method: proof(g, method, node_id)) if proof else None)
+            client = self.client(address, node_id)
             try:
                 hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(),
                                                           self._block_bytes, timeout=timeout_s, grant=grant)
@@ -77,9 +76,16 @@ class PeerPool:
                     f"peer {address} uses {hs.block_bytes}-byte blocks, this node {self._block_bytes}")
             # No metadata: the source hands out no rkey and WRITEs what a grant covers (agent_name "").
             agent = self._transport.add_peer(hs.agent_metadata) if hs.agent_metadata else ""
-            peer = Peer(address, hs.node_id, agent, client)
+            peer = Peer(address, hs.node_id, agent, client, hs.agent_name)
             self._peers[address] = peer
             return peer
+
+    def client(self, address: str, node_id: str) -> DataPlaneClient:
+        """A new client of node ``node_id`` at ``address`` that proves this node's peer key (the caller
+        closes it)."""
+        proof = self._proof
+        return DataPlaneClient(address, tls=self._tls,
+                               peer_proof=(lambda g, method: proof(g, method, node_id)) if proof else None)
 
     async def forget(self, peer: Peer) -> None:
         """Drops a peer after a failure; the next :meth:`get` handshakes again."""

@@ -70,8 +70,8 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Release(self, request, context):
         grant = await self._auth.require_grant(context.invocation_metadata(), None, "Release")
-        self._core.release(request.lease_id, None if grant is None else lease_holder(grant))
-        return pb.ReleaseResponse()
+        settled = self._core.settle(request.lease_id, None if grant is None else lease_holder(grant))
+        return pb.ReleaseResponse(settled=settled, agent_name=self._core.transport.agent_name)
 
     # ---- local API ----
 

@@ -12,7 +12,8 @@ Lifecycle of a block (one slot), legal transitions only::
 * COMMITTED: visible to lookups. Evictable while unpinned; a block pinned by a
   reader (a peer's lease, the local engine's acquire) is never evicted.
 * Quarantined: a slot that a transfer that could not be cancelled may still
-  write into; it is never reused (logged; see :meth:`MemoryTier.quarantine`).
+  write into; it is not reused until :meth:`MemoryTier.reclaim` hands it back,
+  once it is proven that nothing can land in it any more (data_plane.reclaim).
 * Purged: a committed block of a tenant epoch that ended (:meth:`MemoryTier.purge`)
   leaves the index at once; its slot is free again once no reader pins it.
 
@@ -80,7 +81,8 @@ class MemoryTier:
         self._free = list(range(region.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._per_tenant: collections.Counter[str] = collections.Counter()  # slots held, by tenant
         self._purged_pinned: set[Block] = set()  # purged while pinned: out of the index, slot freed at unpin
-        self.quarantined = 0
+        self.quarantined = 0  # slots quarantined now
+        self.reclaimed = 0  # slots handed back by reclaim(), in all
 
     # ---- queries ----
 
@@ -152,11 +154,20 @@ class MemoryTier:
         self._drop(block)
         self._free.append(block.slot)
 
-    def quarantine(self, block: Block) -> None:
-        """Drops an uncommitted block whose slot may still be written by a transfer: never reused."""
+    def quarantine(self, block: Block) -> int:
+        """Drops an uncommitted block whose slot may still be written by a transfer; its slot (returned) is
+        not reused until :meth:`reclaim`."""
         self._drop(block)
         self.quarantined += 1
         log.error("slot %d quarantined after a transfer that could not be cancelled", block.slot)
+        return block.slot
+
+    def reclaim(self, slots: list[int]) -> None:
+        """Frees quarantined slots: the caller has proven no transfer can still write into them."""
+        self._free.extend(slots)
+        self.quarantined -= len(slots)
+        self.reclaimed += len(slots)
+        log.info("%d quarantined slots reclaimed (no transfer can still write into them)", len(slots))
 
     def _drop(self, block: Block) -> None:
         if self._blocks.get(block.key) is block:

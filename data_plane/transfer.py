@@ -101,9 +101,15 @@ def _descriptors(local: np.ndarray, remote: np.ndarray, length: int) -> tuple[np
 
 
 class TransferFailed(Exception):
-    def __init__(self, reason: str, *, may_still_write: bool = False) -> None:
+    """``may_still_write``: the destination may still change. ``released``: NIXL released (cancelled) the
+    request, so this process will not move its bytes any more (bytes UCX already handed to a TCP socket may
+    still arrive); False when NIXL could not release it (or it is not known), and then this process may
+    move them at any time until it exits."""
+
+    def __init__(self, reason: str, *, may_still_write: bool = False, released: bool = False) -> None:
         super().__init__(reason)
         self.may_still_write = may_still_write
+        self.released = released
 
 
 class Transport(abc.ABC):
@@ -262,8 +268,8 @@ class NixlTransport(Transport):
                     # Released or not, bytes UCX already handed to a TCP socket still land when the path
                     # drains (after a cut heals, or a collapsed congestion window catches up; measured in
                     # the fault matrix): the destination may still change.
-                    self._release(handle)
-                    raise TransferFailed(f"{op} with {peer} timed out", may_still_write=True)
+                    raise TransferFailed(f"{op} with {peer} timed out", may_still_write=True,
+                                         released=self._release(handle))
                 spins += 1
                 if spins > _SPINS_BEFORE_SLEEP:
                     time.sleep(_POLL_SLEEP_S)
@@ -272,11 +278,13 @@ class NixlTransport(Transport):
                 raise TransferFailed(f"{op} with {peer} failed ({state})")
         except TransferFailed as exc:
             if not exc.may_still_write:
-                exc.may_still_write = not self._release(handle)
+                exc.released = self._release(handle)
+                exc.may_still_write = not exc.released
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
-            raise TransferFailed(f"{op} with {peer} failed: {exc}",
-                                 may_still_write=not self._release(handle)) from exc
+            released = self._release(handle)
+            raise TransferFailed(f"{op} with {peer} failed: {exc}", may_still_write=not released,
+                                 released=released) from exc
         self._release(handle)
 
     @staticmethod

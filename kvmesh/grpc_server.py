@@ -195,9 +195,12 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 def server_options() -> list[tuple[str, int]]:
-    """Every server: message limits, and it accepts the clients' keepalive pings (the default would answer
-    pings more often than every 5 minutes with GOAWAY "too_many_pings")."""
+    """Every server: message limits, it accepts the clients' keepalive pings (the default would answer
+    pings more often than every 5 minutes with GOAWAY "too_many_pings"), and it binds its port exclusively
+    (no SO_REUSEPORT, which gRPC sets by default): a second process cannot bind a port a live one holds, so
+    a new incarnation answering at a data plane's address proves the old one exited (data_plane.reclaim)."""
     return [
+        ("grpc.so_reuseport", 0),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_permit_without_calls", 1),

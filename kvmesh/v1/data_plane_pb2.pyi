@@ -92,8 +92,12 @@ class ReleaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("settled", "agent_name")
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    settled: bool
+    agent_name: str
+    def __init__(self, settled: _Optional[bool] = ..., agent_name: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes", "source_node_id", "source_address", "timeout_ms", "source_media", "first_block_index", "grant", "route_token")

@@ -78,7 +78,8 @@ async def test_a_source_frozen_between_the_calls_is_a_bounded_miss_that_evicts_n
     came from free ones; they are quarantined, as the frozen source's WRITE could still land). Control: the
     same source, not frozen, is pulled from first."""
     source = dp_process("src")
-    consumer = await local_node(node_id="consumer", capacity_bytes=16 * 64 * 1024)
+    consumer = await local_node(node_id="consumer", capacity_bytes=16 * 64 * 1024,
+                                reclaim_retry_ms=600_000)  # reclaiming is test_reclaim.py's
     async with DataPlaneClient(source.address, key=source.api_key) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
         own = await commit_blocks(local, ns, 6)  # the consumer's own prefix

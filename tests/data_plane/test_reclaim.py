@@ -1,0 +1,194 @@
+"""Quarantined landing slots come back once no write can land in them, and not before. Nodes are real (gRPC,
+NIXL over UCX; sources are processes where they freeze or die); the consumer runs in this process so the test
+can freeze the source at the exact moment between its Lookup and its send."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.transfer import Transport
+from data_plane.types import LookupStatus
+from tenancy.peer_proof import NodeIdentity
+
+pytestmark = pytest.mark.nixl
+
+N = 4
+FAST_RECLAIM = dict(reclaim_retry_ms=100, reclaim_max_retry_ms=400, reclaim_timeout_ms=500)
+
+
+async def commit_blocks(client: DataPlaneClient, ns, n: int) -> list[bytes]:
+    hashes = [os.urandom(32) for _ in range(n)]
+    tier = SharedTier.open(await client.describe_tier())
+    for i, slot in enumerate(await client.reserve(ns, hashes)):
+        tier.slot(slot)[:] = np.uint8(i + 1)
+    tier.close()
+    assert await client.commit(ns, hashes) == n
+    return hashes
+
+
+def freeze_between_the_calls(monkeypatch, consumer, pid: int) -> None:
+    """SIGSTOPs ``pid`` right after the consumer reserved its landing slots (the source answered the Lookup
+    and pinned its HITs; the send has not left yet)."""
+    real = consumer.core._reserve_for_pull
+
+    def reserve_then_freeze(*args, **kwargs):
+        out = real(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
+        return out
+
+    monkeypatch.setattr(consumer.core, "_reserve_for_pull", reserve_then_freeze)
+
+
+async def until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+def metric(node, name: str) -> float:
+    return node.core.metrics.registry.get_sample_value(name) or 0.0
+
+
+async def quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, grant) -> int:
+    """Pulls N blocks from ``source`` (a process), frozen between the calls: the consumer quarantines N slots.
+    Returns the consumer's free slots before the pull."""
+    async with DataPlaneClient(source.address, key=source.api_key) as owner, \
+            DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
+        control, hashes = await commit_blocks(owner, ns, 1), await commit_blocks(owner, ns, N)
+        token = grant((await local.describe_tier()).peer_public_key, "consumer", source.node_id, ns)
+        # handshaken (both agents up) before the pull whose short bound is for the frozen source alone
+        assert (await local.pull(ns, control, source.node_id, source.address, grant=token)).pulled == 1
+        free = consumer.core.tier.free_slots
+        freeze_between_the_calls(monkeypatch, consumer, source.proc.pid)
+        result = await local.pull(ns, hashes, source.node_id, source.address, grant=token, timeout_ms=1_500)
+        monkeypatch.undo()
+    assert result.pulled == 0 and result.statuses == [LookupStatus.MISS] * N
+    assert consumer.core.tier.quarantined == N and consumer.core.tier.free_slots == free - N
+    assert metric(consumer, "kvmesh_dp_quarantined_slots") == N
+    return free
+
+
+async def test_slots_quarantined_behind_a_frozen_source_come_back_once_it_resumes(
+        local_node, dp_process, ns, grant, monkeypatch):
+    """The source freezes (SIGSTOP) between the Lookup and the send: the send times out and the consumer
+    quarantines its landing slots. Negative control: while the source stays frozen, round after round of
+    asking proves nothing and the slots stay quarantined. After SIGCONT the source's WRITE completes or is
+    abandoned, it answers "settled" for the lease, and every slot is free again (and handed out again)."""
+    source = dp_process("src")
+    consumer = await local_node(node_id="consumer", **FAST_RECLAIM)
+    try:
+        free = await quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, grant)
+        await asyncio.sleep(2.5)  # about a dozen asks at 100-400 ms, each unanswered
+        assert consumer.core.tier.quarantined == N, "a frozen source proves nothing"
+        assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == 0
+    finally:
+        os.kill(source.proc.pid, signal.SIGCONT)
+    assert await until(lambda: consumer.core.tier.quarantined == 0, 30.0), "the resumed source settled the lease"
+    assert consumer.core.tier.free_slots == free
+    assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == N
+    assert metric(consumer, "kvmesh_dp_quarantined_slots") == 0
+    assert metric(consumer, "kvmesh_dp_quarantine_slots_total") == N
+    async with DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
+        many = [os.urandom(32) for _ in range(consumer.core.region.num_slots)]
+        assert -1 not in await local.reserve(ns, many), "every slot is handed out again"
+        await local.abort(ns, many)
+
+
+async def test_slots_come_back_when_a_restarted_source_answers_at_the_same_address(
+        local_node, dp_process, ns, grant, monkeypatch):
+    """The frozen source is killed and another process of the same node starts at the same address: its NIXL
+    agent (its incarnation) differs from the one that took the lease, so the process that could write is gone
+    (a live one would still hold the port) and the slots come back. Negative control: while the old process is
+    frozen (not yet killed), they stay quarantined."""
+    source = dp_process("src")
+    consumer = await local_node(node_id="consumer", **FAST_RECLAIM)
+    free = await quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, grant)
+    await asyncio.sleep(1.5)
+    assert consumer.core.tier.quarantined == N, "a frozen source proves nothing"
+    source.kill()
+    restarted = dp_process("src", listen=source.address)
+    assert restarted.address == source.address
+    assert await until(lambda: consumer.core.tier.quarantined == 0, 30.0), "a new incarnation answered"
+    assert consumer.core.tier.free_slots == free
+    assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == N
+
+
+class HeldWrites(Transport):
+    """The real transport, whose WRITEs wait until ``go`` is set, then run (real NIXL) with their own bound."""
+
+    def __init__(self, real: Transport) -> None:
+        self._real = real
+        self.agent_name = real.agent_name
+        self.go = asyncio.Event()
+
+    async def ready(self, timeout_s):
+        await self._real.ready(timeout_s)
+
+    def metadata(self):
+        return self._real.metadata()
+
+    def add_peer(self, metadata):
+        return self._real.add_peer(metadata)
+
+    def remove_peer(self, agent_name):
+        self._real.remove_peer(agent_name)
+
+    async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
+        await self._real.read(peer, local_offsets, remote_addrs, length, timeout_s)
+
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
+        await self.go.wait()
+        await self._real.write(peer, local_offsets, remote_addrs, length, 10.0)
+
+    def close(self):
+        self._real.close()
+
+
+async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, grant, monkeypatch):
+    """The attacker (a consumer with a valid grant of its own for the same namespace and source, holding the
+    victim's lease id) asks the source to settle it while the victim's WRITE is still held: the victim's slots
+    stay quarantined and the source still answers the victim "not settled". Positive control: once the held
+    WRITE runs (landing in the quarantined slots, as it may), the victim's own ask proves it and the slots come
+    back."""
+    source = await local_node(node_id="src")
+    consumer = await local_node(node_id="consumer", **FAST_RECLAIM)
+    held = HeldWrites(source.core.transport)
+    source.core.transport = held
+    leases: list[str] = []
+    real_send = source.core.send
+
+    async def send_recording_lease(ns_, lease_id, *args, **kwargs):
+        leases.append(lease_id)
+        return await real_send(ns_, lease_id, *args, **kwargs)
+
+    monkeypatch.setattr(source.core, "send", send_recording_lease)
+    attacker = NodeIdentity()
+    async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
+            DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local, \
+            DataPlaneClient(source.address,
+                            peer_proof=lambda g, method: attacker.proof(g, method, "src")) as mallory:
+        hashes = await commit_blocks(owner, ns, N)
+        await consumer.core.transport.ready(60.0)
+        victim_key = (await local.describe_tier()).peer_public_key
+        free = consumer.core.tier.free_slots
+        result = await local.pull(ns, hashes, "src", source.address, grant=grant(victim_key, "consumer", "src", ns),
+                                  timeout_ms=1_000)
+        assert result.pulled == 0 and consumer.core.tier.quarantined == N and len(leases) == 1
+        attacker_grant = grant(attacker.public_key, "mallory", "src", ns)
+        for _ in range(3):
+            await mallory.release(leases[0], grant=attacker_grant)
+        await asyncio.sleep(1.5)  # the victim asks several times meanwhile
+        assert consumer.core.tier.quarantined == N, "the attacker's release settled nothing"
+        held.go.set()  # the WRITE runs now
+        assert await until(lambda: consumer.core.tier.quarantined == 0, 20.0), "the victim's own ask proved it"
+        assert consumer.core.tier.free_slots == free
