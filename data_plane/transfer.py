@@ -11,8 +11,10 @@ Implementor contracts:
     of them have arrived. Otherwise it raises :class:`TransferFailed`; its
     ``may_still_write`` is True when the request timed out (over TCP, bytes
     already in the socket land when the path drains, cancelled or not) or
-    could not be cancelled, and then the caller must never reuse the
-    destination slots.
+    could not be cancelled, and then the caller must not reuse the
+    destination slots until that is proven over (data_plane.reclaim); its
+    ``released`` says whether NIXL released the request (False: this
+    process may still move its bytes until it exits).
   * ``write`` is the mirror image: the local offsets are the source, the
     remote addresses lie in the peer's registered region; same guarantees.
   * ``read`` never waits past its timeout; a peer that died or disconnected
