@@ -194,6 +194,7 @@ class NodeAuth:
             is_fresh=lambda _limit, age: age < refresh_s, is_usable=lambda _limit: True)
         self._epochs: dict[str, Epoch] = {}  # the last epoch the control plane answered, per tenant
         self._on_epoch: Callable[[str, Epoch], None] = lambda _tenant, _epoch: None
+        self._channel: tuple[asyncio.AbstractEventLoop, grpc.aio.Channel] | None = None
 
     async def authenticate(self, presented: str) -> Principal:
         key_id, secret = api_keys.parse(presented)
@@ -280,8 +281,10 @@ class NodeAuth:
         if not self._cp_address or self._static_keys or now - self._forced_at < min_age_s:
             return False
         self._forced_at = now
+        # through the cache, so the next _grant_verifier() does not put the keys it held before back
+        await self._grant_keys.refresh("grant keys", self._timeout_s)
         try:
-            self._use_keys(await self._fetch_grant_keys("grant keys", self._timeout_s))
+            self._use_keys(await self._grant_keys.get("grant keys", self._timeout_s))
         except Unavailable:
             return False
         return True
@@ -342,10 +345,23 @@ class NodeAuth:
         self._on_epoch(tenant, answer.epoch)
         return answer
 
+    def _stub(self) -> cp_grpc.ControlPlaneStub:
+        """One channel to the control plane for this node's calls (opened on first use, per event loop:
+        a new connection and TLS handshake per grant or limits fetch would cost more than the call)."""
+        loop = asyncio.get_running_loop()
+        if self._channel is None or self._channel[0] is not loop:
+            self._channel = (loop, channel(self._cp_address, self.node_key, self._tls))
+        return cp_grpc.ControlPlaneStub(self._channel[1])
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            _, ch = self._channel
+            self._channel = None
+            await ch.close()
+
     async def _call(self, rpc):
         try:
-            async with channel(self._cp_address, self.node_key, self._tls) as ch:
-                return await rpc(cp_grpc.ControlPlaneStub(ch))
+            return await rpc(self._stub())
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 raise PermissionDenied(f"control plane refused: {exc.details()}") from None

@@ -39,6 +39,7 @@ class RunningDataPlane:
     server: RunningServer
     publisher: Any | None  # control_plane.publisher.EventPublisher
     metrics: MetricsEndpoint
+    auth: NodeAuth
 
     @property
     def address(self) -> str:
@@ -51,6 +52,7 @@ class RunningDataPlane:
             await self.publisher.flush(timeout=2.0)
             await self.publisher.stop()
         await self.core.close()
+        await self.auth.close()
 
 
 def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetrics) -> DataPlaneCore:
@@ -95,6 +97,7 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
         server = await start_server(config.listen, [binding], interceptors=interceptors, tls=tls)
     except BaseException:
         await core.close()
+        await auth.close()
         raise
     core.address = config.advertised(server.port)
     core.start_background()
@@ -109,7 +112,7 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
         await publisher.start()
     host, _, port = config.metrics_listen.rpartition(":")
     endpoint = MetricsEndpoint(metrics.registry, host or "127.0.0.1", int(port or 0))
-    return RunningDataPlane(core, server, publisher, endpoint)
+    return RunningDataPlane(core, server, publisher, endpoint, auth)
 
 
 async def _run(config: DataPlaneConfig) -> None:

@@ -92,3 +92,52 @@ async def test_hung_control_plane_costs_one_bounded_wait_per_refresh_period(flee
             elapsed, result = await timed(cb.pull(other, fresh, "hung-a", a.address, timeout_ms=3000))
             assert result.statuses == [LookupStatus.MISS] and elapsed < 3 + 2, f"pull {i} took {elapsed:.1f}s"
         tier.close()
+
+
+async def test_a_restarted_control_plane_is_reached_again_within_the_reconnect_bound(
+        redis_server, key_prefix, admin_key, ns, dp_process):
+    """The node keeps one channel to the control plane; after the control plane dies and comes back at the same
+    address, the node's next grant fetch reaches it again (reconnect attempts back off to at most KEEPALIVE_MS;
+    gRPC's default grows to 120 s, which only a longer outage than this test's would show). The restarted control plane signs with a new key (none is configured
+    here), so the source must also take the new key from a grant naming it, and keep it (a forced key refresh
+    once went around the key cache, which put the old key back on the next call: every second call refused).
+    Negative control: while it is down, the same pull misses."""
+    secret = ControlPlaneConfig(admin_key=admin_key).tenant_secret()
+    store = RedisTenantStore(redis_server.url, key_prefix=key_prefix, tenant_secret=secret)
+    await store.create_tenant(ns.tenant, "", TenantPolicy(allowed_nodes=("re-a", "re-b")))
+    keys = {n: (await store.issue_key(Role.NODE, node_id=n))[1] for n in ("re-a", "re-b")}
+    await store.close()
+    argv = ["control-plane", "--redis-url", redis_server.url, "--key-prefix", key_prefix, "--admin-key", admin_key]
+    cp = ServiceProcess([*argv, "--listen", "127.0.0.1:0"])
+    await asyncio.to_thread(cp.start)
+    flags = dict(control_plane_address=cp.address, grant_public_key="", control_plane_refresh_ms=1_000,
+                 control_plane_timeout_ms=2_000)
+    a = await asyncio.to_thread(dp_process, "re-a", **{**flags, "api_key": keys["re-a"]})
+    b = await asyncio.to_thread(dp_process, "re-b", **{**flags, "api_key": keys["re-b"]})
+    try:
+        async with DataPlaneClient(a.address, key=a.api_key) as ca, DataPlaneClient(b.address, key=b.api_key) as cb:
+            async def stored(namespace: Namespace) -> list[bytes]:
+                hashes = [os.urandom(32)]
+                await ca.reserve(namespace, hashes)
+                await ca.commit(namespace, hashes)
+                return hashes
+
+            # the node's channel to the control plane is open (and the NIXL agents are up)
+            assert (await cb.pull(ns, await stored(ns), "re-a", a.address, timeout_ms=30_000)).pulled == 1
+            cp.stop()
+            down = Namespace(ns.tenant, "model-while-down", ns.weight_version, ns.cache_config)
+            hashes = await stored(down)
+            assert (await cb.pull(down, hashes, "re-a", a.address, timeout_ms=2_000)).pulled == 0
+            restarted = ServiceProcess([*argv, "--listen", cp.address])
+            await asyncio.to_thread(restarted.start)
+            cp = restarted
+            await asyncio.sleep(1.0)  # the failed grant is not asked again within the refresh period
+            # a grant never asked before: only the reconnect stands between the node and the control plane
+            later = Namespace(ns.tenant, "model-after-restart", ns.weight_version, ns.cache_config)
+            t0 = time.monotonic()
+            hashes = await stored(later)
+            while (result := await cb.pull(later, hashes, "re-a", a.address, timeout_ms=2_000)).pulled != 1:
+                assert time.monotonic() - t0 < 15, f"the node did not reach the restarted control plane: {result}"
+                await asyncio.sleep(0.2)
+    finally:
+        cp.stop()
