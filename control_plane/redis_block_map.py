@@ -91,8 +91,12 @@ class RedisBlockMap(BlockMap):
         # EVALSHA_RO (Redis 7) declares its keys read-only, so a tenant's Redis user needs only
         # read access to the live-slot table; before 7 the lookup runs as a plain EVALSHA.
         self._read_only_scripts = int(str(version).split(".")[0]) >= 7
+        # Filled aside and published whole: concurrent first calls each see no scripts (and load them too,
+        # idempotently) or all of them, never a partly filled table (that was a KeyError: INTERNAL).
+        shas = {}
         for name, src in self._sources.items():
-            self._sha[name] = await self._redis.script_load(src)
+            shas[name] = await self._redis.script_load(src)
+        self._sha = shas
 
     async def _eval(self, name: str, keys: list[str], args: list, tenant: str | None = None,
                     read_only: bool = False) -> object:

@@ -266,6 +266,24 @@ async def test_a_new_instance_over_the_same_store_answers_the_same(block_map, ns
         await replica.close()
 
 
+async def test_concurrent_first_lookups_of_a_fresh_replica(block_map, ns, store_url, key_prefix):
+    """Regression: a replica's first calls raced its script loading and saw a partly filled table
+    (KeyError: INTERNAL) when many lookups arrived at once, as when `kvmesh bench load` scaled to 4 replicas."""
+    hs = hashes(40)
+    await (await Publisher(block_map, ns, 1).register()).store(hs)
+    fresh = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
+    try:
+        await fresh.list_nodes()  # connected (a cluster client learns the topology), no script loaded yet
+        async def staggered(i: int):  # arriving one after another, some while the scripts are being loaded
+            await asyncio.sleep(i * 0.00025)
+            return await fresh.lookup_prefix(ns, hs, ALL_TIERS)
+
+        matches = await asyncio.gather(*(staggered(i) for i in range(24)))
+        assert all([h.leading_blocks for h in m.holders] == [40] for m in matches)
+    finally:
+        await fresh.close()
+
+
 async def test_concurrent_publishers_and_lookups(block_map, ns):
     hs = hashes(64)
     pubs = [await Publisher(block_map, ns, i).register() for i in range(8)]
