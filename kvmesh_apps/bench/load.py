@@ -277,6 +277,12 @@ def measure_backend(workdir: Path, cluster: bool, pool, args) -> dict:
             out["noop"] = saturate(pool, addresses[:1], key, backend.admin_key, args, backend, rpc="ping")
             print(f"redis x1 no-op: {out['noop']}", file=sys.stderr, flush=True)
         return out
+    except Exception:  # a failed call: say what the replicas logged (their logs vanish with the workdir)
+        for log in sorted(workdir.glob("cp*.log")):
+            errors = [line for line in log.read_text().splitlines() if "ERROR" in line or "Error" in line]
+            if errors:
+                print(f"{log.name}:\n" + "\n".join(errors[-20:]), file=sys.stderr, flush=True)
+        raise
     finally:
         backend.stop()
 
