@@ -73,6 +73,7 @@ class RedisBlockMap(BlockMap):
         self._tenant_credentials = tenant_credentials
         self._tenant_clients: dict[str, tuple[object, str]] = {}  # tenant -> (client, epoch)
         self._coalescers: dict[object, Coalescer] = {}  # client -> its coalescer (single server)
+        self._connecting: dict[str, asyncio.Future] = {}  # tenant -> its connection attempt in progress
         self._refused: set[str] = set()
         self._keys = Keys(key_prefix)
         self._lease_ms = lease_ms
@@ -115,36 +116,44 @@ class RedisBlockMap(BlockMap):
             return client.execute_command(command, self._sha[name], len(keys), *keys, *args)
 
         for attempt in range(2):
-            client = await self._client(tenant)
+            client, epoch = await self._tenant(tenant)
             try:
                 return await run(client)
             except redis.exceptions.NoScriptError:  # the server restarted or was flushed
                 await self._load()
             except redis.exceptions.ConnectionError as exc:
                 # A tenant connection closed by Redis (its user was deleted or changed) or refused (rotated
-                # password, or Redis lost its ACL users): reconnect once with fresh credentials.
+                # password, or Redis lost its ACL users): reconnect once with fresh credentials. The epoch
+                # compared is the one this call used (concurrent callers fail together: the first drops the
+                # client, the others find it gone, and none may take the new epoch for a re-created tenant).
                 if tenant is None or self._tenant_credentials is None or attempt:
                     raise
-                epoch = self._tenant_clients.get(tenant, (None, ""))[1]
-                await self._drop_client(tenant)
+                await self._drop_client(tenant, client)
                 if isinstance(exc, redis.exceptions.AuthenticationError):
                     self._refused.add(tenant)
                 if (await self._tenant(tenant))[1] != epoch:  # never touch the old tenant's keys
                     raise errors.Unavailable(f"tenant {tenant!r} was deleted and created again; retry") from None
-        return await run(client)
-
-    async def _client(self, tenant: str | None):
-        return (await self._tenant(tenant))[0]
+        return await run((await self._tenant(tenant))[0])
 
     async def _tenant(self, tenant: str | None) -> tuple[object, str]:
-        """(the client to use for ``tenant``, the tenant's epoch)."""
+        """(the client to use for ``tenant``, the tenant's epoch). Concurrent first callers share one
+        connection attempt (each making its own client left all but one unclosed, and on a cluster a burst
+        of them exhausted connections)."""
         if tenant is None or self._tenant_credentials is None:
             return self._redis, ""
         found = self._tenant_clients.get(tenant)
-        if found is None:
-            user, password, epoch = await self._tenant_credentials(tenant, tenant in self._refused)
-            self._refused.discard(tenant)
-            found = self._tenant_clients[tenant] = (connect(self._url, username=user, password=password), epoch)
+        if found is not None:
+            return found
+        pending = self._connecting.get(tenant)
+        if pending is None:
+            pending = self._connecting[tenant] = asyncio.ensure_future(self._connect_tenant(tenant))
+            pending.add_done_callback(lambda _: self._connecting.pop(tenant, None))
+        return await asyncio.shield(pending)  # a caller that gives up leaves the others' attempt alone
+
+    async def _connect_tenant(self, tenant: str) -> tuple[object, str]:
+        user, password, epoch = await self._tenant_credentials(tenant, tenant in self._refused)
+        self._refused.discard(tenant)
+        found = self._tenant_clients[tenant] = (connect(self._url, username=user, password=password), epoch)
         return found
 
     def forget_tenant(self, tenant: str) -> None:
@@ -157,11 +166,15 @@ class RedisBlockMap(BlockMap):
     async def blocks_key(self, ns: Namespace) -> str:
         return self._keys.blocks(ns, (await self._tenant(ns.tenant))[1])
 
-    async def _drop_client(self, tenant: str | None) -> None:
-        found = self._tenant_clients.pop(tenant, None) if tenant else None
-        if found is not None:
-            self._coalescers.pop(found[0], None)
-            await found[0].aclose()
+    async def _drop_client(self, tenant: str | None, client: object | None = None) -> None:
+        """Closes the tenant's client (only if it is still ``client``, when given: a concurrent caller may
+        have reconnected already)."""
+        found = self._tenant_clients.get(tenant) if tenant else None
+        if found is None or (client is not None and found[0] is not client):
+            return
+        del self._tenant_clients[tenant]
+        self._coalescers.pop(found[0], None)
+        await found[0].aclose()
 
     # -- registry --------------------------------------------------------------
 

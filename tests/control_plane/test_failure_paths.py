@@ -82,6 +82,44 @@ async def test_a_replica_dying_after_apply_before_end_batch_is_replayed_idempote
         await other.close()
 
 
+async def test_concurrent_lookups_on_a_failed_tenant_connection_reconnect_without_a_false_recreation(
+        redis_server, key_prefix, ns):
+    """Regression (`kvmesh bench load`): when a tenant's connection failed under many concurrent lookups, the
+    callers after the first found the client already dropped, took "" for the epoch they had used and answered
+    UNAVAILABLE "tenant was deleted and created again" for a tenant nobody re-created. Here the tenant's Redis
+    user is switched off and its connections killed while 20 lookups are in flight: all must answer, after one
+    reconnection with fresh credentials."""
+    admin = aioredis.Redis.from_url(redis_server.url)
+    user, password = f"{key_prefix}-tenant", f"pw-{key_prefix}"
+    refreshed: list[bool] = []
+
+    async def enable() -> None:
+        await admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all"])
+
+    async def credentials(tenant: str, failed_before: bool) -> tuple[str, str, str]:
+        refreshed.append(failed_before)
+        await enable()
+        return user, password, "epoch-1"
+
+    await enable()
+    bm = RedisBlockMap(redis_server.url, lease_ms=60_000, key_prefix=key_prefix, tenant_credentials=credentials)
+    try:
+        inc = (await bm.register_node(NodeInfo("node-1", "127.0.0.1:7001"))).incarnation
+        hs = hashes(8, "tenant-conn")
+        await bm.apply_batch(EventBatch("node-1", inc, 1, ns, (Stored(tuple(hs), Medium.CPU, 32),), False))
+        assert (await bm.lookup_prefix(ns, hs, ALL_TIERS)).longest == 8  # positive control: the tenant works
+        await admin.acl_setuser(user, enabled=False)
+        await admin.client_kill_filter(user=user)
+        matches = await asyncio.gather(*(bm.lookup_prefix(ns, hs, ALL_TIERS) for _ in range(20)),
+                                       return_exceptions=True)
+        assert [m if isinstance(m, Exception) else m.longest for m in matches] == [8] * 20
+        assert len(refreshed) == 2  # one reconnection, with fresh credentials, for all 20
+    finally:
+        await bm.close()
+        await admin.acl_deluser(user)
+        await admin.aclose()
+
+
 class Node:
     def __init__(self, ns: Namespace) -> None:
         self.ns = ns
