@@ -21,7 +21,7 @@ import redis.exceptions
 
 from kvmesh import errors
 from kvmesh.namespace import Namespace
-from kvmesh.redis_client import Coalescer, connect
+from kvmesh.redis_client import SOCKET_TIMEOUT_S, Coalescer, connect
 from redis.asyncio.cluster import RedisCluster
 
 from control_plane.block_map import BlockMap
@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 MAX_SLOTS = 8192  # entries are 2 bytes: 13 bits of slot, 3 of tiers
 SWEEP_CHUNK = 1000
 GC_LOCK_MS = 30_000
-GC_HINT = "gc_interval_s"  # a node may retire 16 slots (prelude.lua) per garbage collection
+GC_HINT = "gc_interval_s"
+RETIRE_AFTER_S = 2 * SOCKET_TIMEOUT_S  # a dropped tenant client outlives the calls still on it  # a node may retire 16 slots (prelude.lua) per garbage collection
 _SCRIPTS = ("register", "heartbeat", "deregister", "begin_batch", "end_batch", "apply", "rotate",
             "lookup", "sweep", "reap", "unlock")
 _NEEDS_PRELUDE = {"register", "heartbeat", "deregister", "begin_batch", "rotate", "reap"}
@@ -74,6 +75,7 @@ class RedisBlockMap(BlockMap):
         self._tenant_clients: dict[str, tuple[object, str]] = {}  # tenant -> (client, epoch)
         self._coalescers: dict[object, Coalescer] = {}  # client -> its coalescer (single server)
         self._connecting: dict[str, asyncio.Future] = {}  # tenant -> its connection attempt in progress
+        self._retiring: dict[asyncio.Task, object] = {}  # clients closed once their last calls are over
         self._refused: set[str] = set()
         self._keys = Keys(key_prefix)
         self._lease_ms = lease_ms
@@ -128,7 +130,7 @@ class RedisBlockMap(BlockMap):
                 # client, the others find it gone, and none may take the new epoch for a re-created tenant).
                 if tenant is None or self._tenant_credentials is None or attempt:
                     raise
-                await self._drop_client(tenant, client)
+                self._drop_client(tenant, client)
                 if isinstance(exc, redis.exceptions.AuthenticationError):
                     self._refused.add(tenant)
                 if (await self._tenant(tenant))[1] != epoch:  # never touch the old tenant's keys
@@ -160,21 +162,31 @@ class RedisBlockMap(BlockMap):
         """Drops the tenant's connection and epoch (the tenant changed); the next use reconnects."""
         found = self._tenant_clients.pop(tenant, None)
         if found is not None:
-            self._coalescers.pop(found[0], None)
-            asyncio.get_running_loop().create_task(found[0].aclose())
+            self._retire(found[0])
+
+    def _retire(self, client) -> None:
+        """No new call uses ``client``; it is closed once the calls still on it have ended or timed out.
+        Closing it at once broke them (redis-py then fails inside a closed connection: AttributeError, which
+        answered INTERNAL, under `kvmesh bench load` on a cluster)."""
+        self._coalescers.pop(client, None)
+
+        async def close_later() -> None:
+            await asyncio.sleep(RETIRE_AFTER_S)
+            await client.aclose()
+
+        task = asyncio.get_running_loop().create_task(close_later())
+        self._retiring[task] = client
+        task.add_done_callback(lambda t: self._retiring.pop(t, None))
 
     async def blocks_key(self, ns: Namespace) -> str:
         return self._keys.blocks(ns, (await self._tenant(ns.tenant))[1])
 
-    async def _drop_client(self, tenant: str | None, client: object | None = None) -> None:
-        """Closes the tenant's client (only if it is still ``client``, when given: a concurrent caller may
-        have reconnected already)."""
-        found = self._tenant_clients.get(tenant) if tenant else None
-        if found is None or (client is not None and found[0] is not client):
-            return
-        del self._tenant_clients[tenant]
-        self._coalescers.pop(found[0], None)
-        await found[0].aclose()
+    def _drop_client(self, tenant: str, client: object) -> None:
+        """Retires the tenant's client if it is still ``client`` (a concurrent caller may have reconnected)."""
+        found = self._tenant_clients.get(tenant)
+        if found is not None and found[0] is client:
+            del self._tenant_clients[tenant]
+            self._retire(client)
 
     # -- registry --------------------------------------------------------------
 
@@ -388,6 +400,10 @@ class RedisBlockMap(BlockMap):
         return int(size), sum(1 for v in present if v is None)
 
     async def close(self) -> None:
-        for tenant in list(self._tenant_clients):
-            await self._drop_client(tenant)
+        for task, client in list(self._retiring.items()):
+            task.cancel()
+            await client.aclose()
+        for client, _epoch in self._tenant_clients.values():
+            await client.aclose()
+        self._tenant_clients.clear()
         await self._redis.aclose()

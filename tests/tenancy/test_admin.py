@@ -121,7 +121,7 @@ async def test_redis_credentials_rotate_without_interruption(fleet, control_plan
     before = await control_plane.core.tenants.redis_credentials("tenant-a")
     await fleet.admin.RotateRedisCredentials(tpb.RotateRedisCredentialsRequest(tenant_id="tenant-a"))
     assert await control_plane.core.tenants.redis_credentials("tenant-a") != before
-    await control_plane.core.block_map._drop_client("tenant-a")  # a new connection must use the new password
+    control_plane.core.block_map.forget_tenant("tenant-a")  # a new connection must use the new password
     await fleet.admin_cp.LookupPrefix(lookup)
 
 
