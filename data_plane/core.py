@@ -145,6 +145,8 @@ class DataPlaneCore:
         # lease id -> holder, of sends whose WRITE may still land: from the moment the send takes the lease
         # until the WRITE ends or NIXL releases it (never, for one NIXL could not release)
         self._writing: dict[str, str] = {}
+        self._sends: set[asyncio.Task] = set()  # the WRITEs of sends in flight
+        self._draining = False
         self._reclaimer = Reclaimer(self._ask_settled, self._reclaim, config.reclaim_retry_ms / 1000,
                                     config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000)
 
@@ -159,13 +161,25 @@ class DataPlaneCore:
         sweepers = [t for t in (self._sweeper, self._epoch_sweeper) if t is not None]
         for task in [*sweepers, *self._background]:
             task.cancel()
-        await asyncio.gather(*self._background, *sweepers, return_exceptions=True)
+        for task in self._sends:
+            task.cancel()
+        await asyncio.gather(*self._background, *self._sends, *sweepers, return_exceptions=True)
         await self._reclaimer.close()
         await self._peers.close()
         self.transport.close()
         if self.disk is not None:
             self.disk.close()
         self.region.close()
+
+    async def drain_sends(self, timeout_s: float) -> None:
+        """Refuses new sends and waits, at most ``timeout_s``, for the WRITEs in flight to end. Called before
+        the server gives up its port: a replacement that binds the port afterwards proves to consumers that
+        this process moves no more bytes (data_plane.reclaim). A WRITE NIXL could not release is not waited
+        for (it has ended as far as this process can tell; it stops with the process)."""
+        self._draining = True
+        if self._sends:
+            log.info("stopping: waiting up to %.1fs for %d sends in flight", timeout_s, len(self._sends))
+            await asyncio.wait(set(self._sends), timeout=timeout_s)
 
     async def _sweep_leases(self) -> None:
         while True:
@@ -488,13 +502,18 @@ class DataPlaneCore:
             log.info("send to %s: lease %s is not its own in %s, or expired; answering MISS",
                      consumer_node_id, lease_id, ns.fingerprint)
             return 0
+        if self._draining:
+            for block in lease.items:
+                self.tier.unpin(block)
+            log.info("send to %s: this node is stopping; answering MISS", consumer_node_id)
+            return 0
         self._writing[lease_id] = holder
         # The WRITE runs in a task of its own: a caller that goes away (its deadline passed) cancels this
         # handler, not the WRITE, which ends within its own bound and only then leaves the ledger.
         task = asyncio.get_running_loop().create_task(
             self._send_lease(lease.lease_id, lease.items, hashes, landing_addrs, consumer_node_id, timeout_s))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its caller may be gone
         return await asyncio.shield(task)
 
@@ -552,8 +571,8 @@ class DataPlaneCore:
         task = asyncio.ensure_future(
             self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
                        source_media, first_block_index, grant, route_token))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its caller may be gone
         return await asyncio.shield(task)
 

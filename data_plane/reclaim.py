@@ -81,6 +81,11 @@ class Reclaimer:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
+    def active(self) -> bool:
+        """Whether the task runs (only while something is quarantined)."""
+        return self._task is not None and not self._task.done()
+
+    @property
     def records(self) -> int:
         """Failed transfers whose slots are still quarantined."""
         return len(self._records)

@@ -46,6 +46,8 @@ class RunningDataPlane:
         return self.core.address
 
     async def stop(self) -> None:
+        # the WRITEs in flight end before the port is given up (a new incarnation there proves none is left)
+        await self.core.drain_sends(self.core.config.max_pull_timeout_ms / 1000)
         await self.server.stop()
         self.metrics.stop()
         if self.publisher is not None:

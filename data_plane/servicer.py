@@ -54,7 +54,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 raise InvalidArgument("landing_addrs and lease_id are for peers: a local caller acquires blocks "
                                       "instead")
             remaining = context.time_remaining()
-            timeout_s = self._core.config.pull_timeout_ms / 1000 if remaining is None else remaining
+            # the caller's deadline, never more than this node's own bound on a pull
+            timeout_s = min(self._core.config.pull_timeout_ms / 1000 if remaining is None else remaining,
+                            self._core.config.max_pull_timeout_ms / 1000)
             hashes = list(request.block_hashes)
             sent = await self._core.send(
                 ns, request.lease_id, hashes, list(request.landing_addrs), grant.consumer_node_id,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.reclaim import Quarantine, Reclaimer, Verdict
 from data_plane.transfer import Transport
 from data_plane.types import LookupStatus
 from tenancy.peer_proof import NodeIdentity
@@ -192,3 +193,35 @@ async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, 
         held.go.set()  # the WRITE runs now
         assert await until(lambda: consumer.core.tier.quarantined == 0, 20.0), "the victim's own ask proved it"
         assert consumer.core.tier.free_slots == free
+
+
+async def test_the_reclaimer_backs_off_and_stops_when_nothing_is_quarantined(ns):
+    """The reclaimer's own loop, with a scripted source (the real ones above drive it through gRPC): it asks
+    again only after a delay that doubles up to its cap, an ask that hangs or breaks proves nothing, the slots
+    are freed on the first proof, and once nothing is quarantined no task runs (an idle node costs nothing)."""
+    answers = [Verdict.PENDING, "hang", "break", Verdict.PENDING, Verdict.SETTLED]
+    asked_at: list[float] = []
+    freed: list[list[int]] = []
+
+    async def ask(record: Quarantine, timeout_s: float) -> Verdict:
+        asked_at.append(time.monotonic())
+        answer = answers[len(asked_at) - 1]
+        if answer == "hang":
+            await asyncio.sleep(60)
+        if answer == "break":
+            raise RuntimeError("the ask broke")
+        return answer
+
+    reclaimer = Reclaimer(ask, freed.append, retry_s=0.05, max_retry_s=0.2, timeout_s=0.1)
+    assert not reclaimer.active
+    added = time.monotonic()
+    reclaimer.add(Quarantine([3, 5], ns, "src", "127.0.0.1:1", "src-agent", "lease", b"grant"))
+    assert reclaimer.active and reclaimer.records == 1
+    assert await until(lambda: freed, 10.0)
+    assert freed == [[3, 5]] and len(asked_at) == len(answers)
+    waits = [b - a for a, b in zip([added, *asked_at], asked_at)]
+    expected = [0.05, 0.1, 0.2 + 0.1, 0.2, 0.2]  # doubling, capped at 0.2; the hung ask costs its 0.1 s bound
+    assert all(w >= e - 0.01 for w, e in zip(waits, expected)), waits
+    await asyncio.sleep(0)
+    assert not reclaimer.active and reclaimer.records == 0
+    await reclaimer.close()
