@@ -43,6 +43,8 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     lease_ms: int = Field(10_000, ge=500, description="node lease; nodes heartbeat well within it")
     max_batch_blocks: int = Field(65_536, ge=1, description="most block hashes one event batch may carry")
     max_lookup_blocks: int = Field(65_536, ge=1, description="most blocks one LookupPrefix may ask about")
+    lookup_stream_window: int = Field(32, ge=1, le=1024, description="lookups of one LookupPrefixStream worked on at "
+                                      "once (answers still go back in request order)")
     gc_interval_s: float = Field(5.0, gt=0, description="how often expired leases are reaped and fenced entries swept")
     admin_key: str | None = Field(
         None, description="bootstrap admin API key (kvm_<key_id>_<secret>; `kvmesh admin new-key` makes one)"

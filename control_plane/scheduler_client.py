@@ -14,10 +14,18 @@ Example::
 ``decision.kv_transfer_params()`` is ``{"remote_kv_source": {...}}`` when the
 control plane named a peer to pull the prefix from, else ``{}``. Errors are
 ``grpc.aio.AioRpcError`` with the status codes of docs/api.md.
+
+A scheduler that only needs prefix lookups, at a high rate, calls
+``await client.lookup_prefix(token_ids=...)`` from as many tasks as it likes:
+the lookups share one ``LookupPrefixStream`` the client keeps open (answers in
+request order), which costs the control plane about half a unary call each
+(docs/scheduling.md).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from typing import Sequence
 
 import grpc
@@ -26,14 +34,17 @@ from kvmesh.channels import ClientTLS
 from kvmesh.grpc_server import channel_options
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
-from kvmesh.v1 import control_plane_pb2_grpc as pb_grpc
+from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
+from control_plane import wire as cp_wire
+from control_plane.model import Medium, PrefixMatch
 from control_plane.routing import wire
 from control_plane.routing.types import (
     Candidate, EngineSample, LinkSample, Policy, PullOutcome, RouteDecision, RouteRequest, StatsReport,
 )
 
-__all__ = ["Candidate", "EngineSample", "LinkSample", "Policy", "PullOutcome", "RouteDecision", "SchedulerClient"]
+__all__ = ["Candidate", "EngineSample", "LinkSample", "Medium", "Policy", "PrefixMatch", "PullOutcome",
+           "RouteDecision", "SchedulerClient"]
 
 
 class SchedulerClient:
@@ -48,6 +59,7 @@ class SchedulerClient:
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout = timeout_s
+        self._lookups: _LookupStream | None = None
 
     async def route(self, candidates: Sequence[Candidate], *, token_ids: Sequence[int] = (),
                     block_hashes: Sequence[bytes] = (), prompt_tokens: int = 0, extras: Extras = Extras(),
@@ -68,7 +80,32 @@ class SchedulerClient:
         await self._stub.ReportStats(wire.stats_report_to_pb(report), metadata=self._metadata,
                                      timeout=self._timeout)
 
+    async def lookup_prefix(self, *, token_ids: Sequence[int] = (), block_hashes: Sequence[bytes] = (),
+                            extras: Extras = Extras(), media: Sequence[Medium] = ()) -> PrefixMatch:
+        """Which live nodes hold the longest prefix of the prompt, per tier (``media`` empty: every tier).
+
+        Sent on the one ``LookupPrefixStream`` this client keeps open (opened on first use, and again after
+        it ends); concurrent callers pipeline on it. A lookup the server refuses raises its status; the
+        lookups sent after it on the same stream, which the server never answered, are sent once more on a
+        new stream."""
+        request = cp_wire.lookup_request_to_pb(self.namespace, block_hashes, token_ids, extras, media)
+        try:
+            return cp_wire.prefix_match(await self._lookup_once(request))
+        except _Unanswered:
+            try:
+                return cp_wire.prefix_match(await self._lookup_once(request))
+            except _Unanswered:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "the lookup stream ended twice before answering") from None
+
+    async def _lookup_once(self, request: pb.LookupPrefixRequest) -> pb.LookupPrefixResponse:
+        if self._lookups is None or self._lookups.ended:
+            self._lookups = _LookupStream(self._stub, self._metadata)
+        return await asyncio.wait_for(self._lookups.lookup(request), self._timeout)
+
     async def close(self) -> None:
+        if self._lookups is not None:
+            await self._lookups.close()
         await self._channel.close()
 
     async def __aenter__(self) -> "SchedulerClient":
@@ -76,3 +113,55 @@ class SchedulerClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class _Unanswered(Exception):
+    """The stream ended before this lookup's answer (an earlier lookup failed): send it again."""
+
+
+class _LookupStream:
+    """One open ``LookupPrefixStream``: requests written in order under a lock, answers matched in order."""
+
+    def __init__(self, stub: pb_grpc.ControlPlaneStub, metadata) -> None:
+        self._call = stub.LookupPrefixStream(metadata=metadata)
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._write = asyncio.Lock()
+        self.ended = False
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def lookup(self, request: pb.LookupPrefixRequest) -> pb.LookupPrefixResponse:
+        answer = asyncio.get_running_loop().create_future()
+        async with self._write:
+            if self.ended:
+                raise _Unanswered
+            self._waiting.append(answer)
+            try:
+                await self._call.write(request)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                pass  # the stream is ending: the reader settles every waiting answer
+        return await answer
+
+    async def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            while (reply := await self._call.read()) is not grpc.aio.EOF:
+                answer = self._waiting.popleft()
+                if not answer.done():
+                    answer.set_result(reply)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        finally:
+            self.ended = True
+            if error is not None and self._waiting:  # the first unanswered lookup is the one refused
+                answer = self._waiting.popleft()
+                if not answer.done():
+                    answer.set_exception(error)
+            while self._waiting:
+                answer = self._waiting.popleft()
+                if not answer.done():
+                    answer.set_exception(_Unanswered())
+
+    async def close(self) -> None:
+        self.ended = True
+        self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvmesh.errors import InvalidArgument
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
@@ -61,10 +63,41 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     @grpc_errors
     async def LookupPrefix(self, request, context):
+        return await self._lookup(current_principal(), request)
+
+    @grpc_errors
+    async def LookupPrefixStream(self, request_iterator, context):
+        """Up to ``lookup_stream_window`` lookups of the stream run at once; answers go back in request order.
+        The first failed lookup ends the stream with its status, after the answers to the requests before it
+        (the auth interceptor checks the caller's key again before each request)."""
+        principal = current_principal()
+        window = asyncio.Semaphore(self._core.config.lookup_stream_window)
+        in_flight: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await window.acquire()
+                    in_flight.put_nowait(asyncio.ensure_future(self._lookup(principal, request)))
+            finally:
+                in_flight.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (lookup := await in_flight.get()) is not None:
+                yield await lookup
+                window.release()
+            await reader  # the request stream's own end: a revoked key, an undecodable message
+        finally:
+            for task in [reader, *(in_flight.get_nowait() for _ in range(in_flight.qsize()))]:
+                if task is not None:
+                    _discard(task)
+
+    async def _lookup(self, principal, request) -> pb.LookupPrefixResponse:
         ns = wire.namespace(request.namespace, request.HasField("namespace"))
         media = [wire.medium(m, "media") for m in request.media]
-        match = await self._core.lookup_prefix(current_principal(), ns, list(request.block_hashes),
-                                               list(request.token_ids), wire.extras(request.extras), tier_mask(media))
+        match = await self._core.lookup_prefix(principal, ns, list(request.block_hashes), list(request.token_ids),
+                                               wire.extras(request.extras), tier_mask(media))
         return wire.prefix_match_to_pb(match)
 
     @grpc_errors
@@ -99,3 +132,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def Ping(self, request, context):
         return common_pb2.PingResponse()
+
+
+def _discard(task: asyncio.Future) -> None:
+    """Cancel ``task``, or take its failure if it already failed (an unread one is logged as unretrieved)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()

@@ -8,7 +8,8 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 
 from control_plane.model import (
-    Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodeStatus, PrefixMatch, Removed, Stored,
+    Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus, PrefixMatch, Removed,
+    Stored,
 )
 
 _ACK_TO_PB = {
@@ -117,3 +118,20 @@ def prefix_match_to_pb(match: PrefixMatch) -> pb.LookupPrefixResponse:
             if n:
                 add_tier(medium=int(medium), leading_blocks=n)
     return reply
+
+
+def prefix_match(reply: pb.LookupPrefixResponse) -> PrefixMatch:
+    """A lookup's answer, on the client side."""
+    return PrefixMatch(reply.blocks_queried, [
+        NodePrefix(h.node_id, h.data_plane_address, h.leading_blocks,
+                   {Medium(t.medium): t.leading_blocks for t in h.tiers}) for h in reply.holders],
+        list(reply.block_hashes))
+
+
+def lookup_request_to_pb(ns: Namespace, block_hashes, token_ids, extras_: Extras,
+                         media) -> pb.LookupPrefixRequest:
+    return pb.LookupPrefixRequest(namespace=ns.to_proto(), block_hashes=block_hashes, token_ids=token_ids,
+                                  extras=common_pb2.HashExtras(lora_name=extras_.lora_name,
+                                                               lora_path=extras_.lora_path,
+                                                               cache_salt=extras_.cache_salt),
+                                  media=[int(m) for m in media])

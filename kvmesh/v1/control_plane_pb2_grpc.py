@@ -70,6 +70,11 @@ class ControlPlaneStub:
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.FromString,
                 _registered_method=True)
+        self.LookupPrefixStream = channel.stream_stream(
+                '/kvmesh.v1.ControlPlane/LookupPrefixStream',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.FromString,
+                _registered_method=True)
         self.IssuePullGrant = channel.unary_unary(
                 '/kvmesh.v1.ControlPlane/IssuePullGrant',
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.IssuePullGrantRequest.SerializeToString,
@@ -152,6 +157,20 @@ class ControlPlaneServicer:
 
     def LookupPrefix(self, request, context):
         """Which live nodes hold the longest prefix of the given blocks, per tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupPrefixStream(self, request_iterator, context):
+        """The same lookups on one long-lived stream, for schedulers that look up at
+        a high rate: one answer per request, in request order (the server works
+        on up to lookup_stream_window requests of a stream at once). Same
+        validation, authorization and tenant isolation as LookupPrefix, and the
+        caller's key is checked again before each request. A request that fails
+        ends the stream with its status code (INVALID_ARGUMENT, PERMISSION_DENIED,
+        UNAUTHENTICATED, UNAVAILABLE...) after the answers to the requests before
+        it; the caller opens a new stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -240,6 +259,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
             ),
             'LookupPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.LookupPrefix,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.SerializeToString,
+            ),
+            'LookupPrefixStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.LookupPrefixStream,
                     request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.SerializeToString,
             ),
@@ -461,6 +485,33 @@ class ControlPlane:
             request,
             target,
             '/kvmesh.v1.ControlPlane/LookupPrefix',
+            kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupPrefixStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.ControlPlane/LookupPrefixStream',
             kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.SerializeToString,
             kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.FromString,
             options,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import hashlib
 import json
 import multiprocessing
@@ -69,7 +70,8 @@ def _pct(values: list[float], q: float) -> float:
 def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
                    seed: int, rate: float = 0.0, rpc: str = "lookup") -> tuple[int, list[float], float, float]:
     """(calls, their latencies in ms, seconds of the measured window, this process's CPU seconds in it);
-    ``rate`` > 0 paces them (per s). ``rpc`` "ping" drives the no-op RPC instead (the floor).
+    ``rate`` > 0 paces them (per s). ``rpc`` "ping" drives the no-op RPC instead (the floor), "stream" the
+    same lookups on one ``LookupPrefixStream`` per process with ``concurrency`` of them in flight.
 
     The generator is kept cheap so that it measures the server: a plain channel with the key as call metadata
     (client interceptors cost a task per call), requests built once, ``concurrency`` calls in flight on one
@@ -88,6 +90,27 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
             start = time.perf_counter()
             deadline = start + seconds
 
+            async def streamed() -> None:
+                """Writes while fewer than ``concurrency`` are unanswered; answers come back in request order."""
+                call = stub.LookupPrefixStream(metadata=metadata)
+                room = asyncio.Semaphore(concurrency)
+                sent: collections.deque[float] = collections.deque()
+
+                async def write() -> None:
+                    while time.perf_counter() < deadline:
+                        await room.acquire()
+                        sent.append(time.perf_counter())
+                        await call.write(rng.choice(requests))
+                    await call.done_writing()
+
+                writer = asyncio.ensure_future(write())
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    if not reply.holders or reply.holders[0].leading_blocks != PROMPT_BLOCKS:
+                        raise RuntimeError("a lookup did not find the prompt held in full")
+                    latencies.append((time.perf_counter() - sent.popleft()) * 1000)
+                    room.release()
+                await writer
+
             async def loop() -> None:
                 while time.perf_counter() < deadline:
                     if rate:
@@ -101,7 +124,7 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
                             raise RuntimeError("a lookup did not find the prompt held in full")
                     latencies.append((time.perf_counter() - t0) * 1000)
 
-            await asyncio.gather(*(loop() for _ in range(concurrency)))
+            await (streamed() if rpc == "stream" else asyncio.gather(*(loop() for _ in range(concurrency))))
             window = time.perf_counter() - start
             cpu = _own_cpu_s() - cpu0
         return len(latencies), latencies, window, cpu
@@ -234,7 +257,7 @@ async def prepare(address: str, admin_key: str) -> str:
 
 def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend: "Backend",
              rpc: str = "lookup") -> dict:
-    """Lookups (or no-op RPCs: ``rpc`` "ping") from ``args.clients`` processes over ``addresses`` with event
+    """Lookups (``rpc`` "stream": on lookup streams; "ping": no-op RPCs instead) from ``args.clients`` processes over ``addresses`` with event
     streams alongside; with the CPU the control-plane replicas, Redis and the clients used per call (what
     bounds throughput on a small machine)."""
     cp_pids = [r.proc.pid for r in backend.replicas if r.address in addresses]
@@ -253,7 +276,7 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend
     cp_cpu, redis_cpu = sum(map(cpu_seconds, cp_pids)) - cpu0[0], sum(map(cpu_seconds, redis_pids)) - cpu0[1]
     client_cpu = sum(cpu for _, _, _, cpu in results)
     done = max(1, len(latencies))
-    what = "lookup" if rpc == "lookup" else "noop"
+    what = {"lookup": "lookup", "stream": "stream_lookup", "ping": "noop"}[rpc]
     return {f"{what}s_per_s": round(sum(n / window for n, _, window, _ in results), 1),
             f"control_plane_cpu_ms_per_{what}": round(cp_cpu * 1000 / done, 3),
             f"redis_cpu_ms_per_{what}": round(redis_cpu * 1000 / done, 3),
@@ -276,6 +299,9 @@ def measure_backend(workdir: Path, cluster: bool, pool, args) -> dict:
         if not cluster:  # the floor: the same load of no-op RPCs on one replica (same clients, same streams)
             out["noop"] = saturate(pool, addresses[:1], key, backend.admin_key, args, backend, rpc="ping")
             print(f"redis x1 no-op: {out['noop']}", file=sys.stderr, flush=True)
+            # the same lookups on one LookupPrefixStream per client process (same clients, same in flight)
+            out["stream"] = saturate(pool, addresses[:1], key, backend.admin_key, args, backend, rpc="stream")
+            print(f"redis x1 stream: {out['stream']}", file=sys.stderr, flush=True)
         return out
     except Exception:  # a failed call: say what the replicas logged (their logs vanish with the workdir)
         for log in sorted(workdir.glob("cp*.log")):
@@ -435,19 +461,23 @@ def main(argv: list[str]) -> int:
         cluster = {} if args.no_cluster or args.soak_only else measure_backend(workdir / "cluster", True, pool, args)
         soaked = soak(workdir, pool, args) if args.soak_minutes > 0 else {}
     noop = single.pop("noop", None)
+    streamed = single.pop("stream", None)
     first = single.get(str(args.replicas[0]), {})
     result = {
         "lookups_per_s": {n: r["lookups_per_s"] for n, r in single.items()},
         "lookup_p99_ms_at_saturation": first.get("p99_ms"),
         "lookup_p50_ms_at_saturation": first.get("p50_ms"),
         "control_plane_cpu_ms_per_lookup": first.get("control_plane_cpu_ms_per_lookup"),
+        "stream_lookups_per_s": streamed and streamed["stream_lookups_per_s"],
+        "stream_lookup_p99_ms_at_saturation": streamed and streamed["p99_ms"],
+        "control_plane_cpu_ms_per_stream_lookup": streamed and streamed["control_plane_cpu_ms_per_stream_lookup"],
         "cluster": {"lookups_per_s": {n: r["lookups_per_s"] for n, r in cluster.items()},
                     "lookup_p99_ms_at_saturation": cluster[str(args.replicas[0])]["p99_ms"] if cluster else None},
         "soak": soaked,
         "floor": noop and {"noops_per_s": noop["noops_per_s"],
                            "control_plane_cpu_ms_per_noop": noop["control_plane_cpu_ms_per_noop"],
                            "client_cpu_ms_per_noop": noop["client_cpu_ms_per_noop"]},
-        "detail": {"single": single, "cluster": cluster, "noop": noop},
+        "detail": {"single": single, "cluster": cluster, "noop": noop, "stream": streamed},
         "load": {"clients": args.clients, "concurrency": args.concurrency, "streams": args.streams, "stream_batches_per_s_per_node": args.stream_rate,
                  "soak_churn_actions_per_s": args.churn_rate, "soak_lookups_per_s": args.soak_lookup_rate,
                  "prompt_blocks": PROMPT_BLOCKS, "holders": HOLDERS, "seconds": args.seconds,

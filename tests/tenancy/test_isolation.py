@@ -62,6 +62,25 @@ async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix(fleet):
     assert not (await as_b.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb("tenant-b"), token_ids=TOKENS))).holders
 
 
+async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix_over_a_lookup_stream(fleet):
+    await fleet.tenant("tenant-a")
+    await fleet.tenant("tenant-b")
+    cp_a, reg, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
+    assert (await cp_a.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
+    _, a_key = await fleet.key("scheduler", tenant_id="tenant-a")
+    _, b_key = await fleet.key("scheduler", tenant_id="tenant-b")
+    held = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=TOKENS)
+    absent = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=[t + 1 for t in TOKENS])
+    own = pb.LookupPrefixRequest(namespace=ns_pb("tenant-b"), token_ids=TOKENS)
+    # positive control: tenant A's scheduler finds its prefix on the stream
+    (found,) = [r async for r in fleet.cp(a_key).LookupPrefixStream(iter([held]))]
+    assert found.holders[0].leading_blocks == 8 and found.holders[0].node_id == "node-a"
+    probe, control, mine = [r async for r in fleet.cp(b_key).LookupPrefixStream(iter([held, absent, own]))]
+    assert not probe.holders and not control.holders and not mine.holders
+    assert probe.blocks_queried == control.blocks_queried == 8  # the probe of A's prefix looks like a miss
+    assert [f.name for f, _ in probe.ListFields()] == [f.name for f, _ in control.ListFields()]
+
+
 async def test_identical_tokens_in_two_tenants_never_share_a_key(control_plane):
     from kvmesh.redis_keys import Keys
 

@@ -1,0 +1,105 @@
+"""LookupPrefixStream on a real server and a real Redis: the unary lookup's answers, in request order, on one
+stream; a failed lookup ends the stream with its status; the scheduler client's shared stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvmesh.hashing import BlockHasher, Extras
+from kvmesh.namespace import Namespace
+from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
+
+from control_plane.model import Medium
+from control_plane.scheduler_client import SchedulerClient
+from tests.control_plane.test_service import hashes, ns_pb, register, stored_batch
+
+TOKENS = list(range(5000, 5000 + 32 * 12))
+
+
+async def publish_fleet(stub) -> list[bytes]:
+    """Three nodes holding different prefixes of one prompt on different tiers; returns its block hashes."""
+    hs = BlockHasher().block_hashes(TOKENS, 32, Extras())
+    for i, (n, medium) in enumerate([(12, common_pb2.MEDIUM_CPU), (7, common_pb2.MEDIUM_GPU),
+                                     (3, common_pb2.MEDIUM_DISK)]):
+        node_id = f"node-{i}"
+        inc = await register(stub, node_id, f"127.0.0.1:{7001 + i}")
+        ack = await stub.PublishEvents(stored_batch(node_id, inc, 1, hs[:n], medium=medium))
+        assert ack.status == pb.ACK_STATUS_APPLIED
+    return hs
+
+
+def queries(hs: list[bytes]) -> list[pb.LookupPrefixRequest]:
+    """Lookups whose answers differ: by hashes and by tokens, cut at each length, per tier, salted, absent."""
+    out = [pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hs[:n]) for n in (1, 3, 5, 7, 9, 12)]
+    out += [pb.LookupPrefixRequest(namespace=ns_pb(), token_ids=TOKENS[:32 * n + 5]) for n in (2, 6, 11)]
+    out += [pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hs, media=[m])
+            for m in (common_pb2.MEDIUM_GPU, common_pb2.MEDIUM_CPU, common_pb2.MEDIUM_DISK)]
+    out += [pb.LookupPrefixRequest(namespace=ns_pb(), token_ids=TOKENS, extras=common_pb2.HashExtras(cache_salt="s")),
+            pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(4, "absent"))]
+    return out
+
+
+async def stream_answers(stub, requests) -> list[pb.LookupPrefixResponse]:
+    async def send():
+        for r in requests:
+            yield r
+
+    return [reply async for reply in stub.LookupPrefixStream(send())]
+
+
+async def test_stream_answers_are_the_unary_answers_in_request_order(cp_stub):
+    hs = await publish_fleet(cp_stub)
+    requests = queries(hs) * 4  # more than the server's window: several lookups in flight at once
+    unary = [await cp_stub.LookupPrefix(r) for r in requests]
+    assert len({a.SerializeToString(deterministic=True) for a in unary}) >= 10  # the answers tell requests apart
+    streamed = await stream_answers(cp_stub, requests)
+    assert streamed == unary
+    # negative control: the same answers in another order are caught
+    assert await stream_answers(cp_stub, requests[::-1]) != unary
+
+
+async def test_a_failed_lookup_ends_the_stream_with_its_status_after_the_earlier_answers(cp_stub):
+    hs = await publish_fleet(cp_stub)
+    good = pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hs)
+    cases = [
+        (pb.LookupPrefixRequest(block_hashes=hs), "namespace is required"),
+        (pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(3000)), "the limit is 2048"),
+        (pb.LookupPrefixRequest(namespace=ns_pb(), media=[7]), "unknown medium 7"),
+        (pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=[b"short"]), "has 5 bytes"),
+    ]
+    for bad, text in cases:
+        call = cp_stub.LookupPrefixStream(iter([good, good, bad, good]))
+        assert (await call.read()).holders[0].leading_blocks == 12  # positive control: answered before the error
+        assert (await call.read()).holders[0].leading_blocks == 12
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in info.value.details()
+
+
+async def test_the_scheduler_client_pipelines_lookups_on_one_stream(control_plane, cp_stub, admin_key):
+    hs = await publish_fleet(cp_stub)
+    ns = Namespace.from_proto(ns_pb())
+    async with SchedulerClient(f"127.0.0.1:{control_plane.port}", ns, api_key=admin_key) as client:
+        cut = [3, 12, 7, 1, 9] * 20
+        matches = await asyncio.gather(*(client.lookup_prefix(block_hashes=hs[:n]) for n in cut))
+        assert [m.blocks_queried for m in matches] == cut
+        for n, m in zip(cut, matches):
+            unary = await cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hs[:n]))
+            assert [(h.node_id, h.data_plane_address, h.leading_blocks) for h in m.holders] == [
+                (h.node_id, h.data_plane_address, h.leading_blocks) for h in unary.holders]
+        by_tokens = await client.lookup_prefix(token_ids=TOKENS, media=[Medium.GPU])
+        assert by_tokens.block_hashes == hs and [(h.node_id, h.per_tier) for h in by_tokens.holders] == [
+            ("node-1", {Medium.GPU: 7})]
+        # a refused lookup raises its status; the lookups after it go on (on a new stream)
+        results = await asyncio.gather(client.lookup_prefix(block_hashes=hs),
+                                       client.lookup_prefix(block_hashes=hashes(3000)),
+                                       *(client.lookup_prefix(block_hashes=hs[:n]) for n in (5, 6)),
+                                       return_exceptions=True)
+        assert results[0].longest == 12
+        assert isinstance(results[1], grpc.aio.AioRpcError)
+        assert results[1].code() == grpc.StatusCode.INVALID_ARGUMENT and "the limit is 2048" in results[1].details()
+        assert [r.longest for r in results[2:]] == [5, 6]
+        assert (await client.lookup_prefix(block_hashes=hs[:4])).longest == 4
