@@ -28,6 +28,7 @@ def test_load_and_short_soak():
     assert set(result["lookups_per_s"]) == {"1", "2"} and all(v > 0 for v in result["lookups_per_s"].values())
     assert set(result["cluster"]["lookups_per_s"]) == {"1", "2"}
     assert result["lookup_p99_ms_at_saturation"] > 0
+    assert result["stream_lookups_per_s"] > 0 and result["stream_lookup_p99_ms_at_saturation"] > 0
     soak = result["soak"]
     assert soak["minutes"] == 0.25 and soak["samples"] >= 3
     assert {"rss_slope_mib_per_h", "redis_slope_mib_per_h", "fd_slope_per_h"} <= set(soak)
