@@ -9,8 +9,11 @@ import os
 import signal
 import time
 
+import grpc
 import numpy as np
 import pytest
+
+from kvmesh.grpc_server import server_options
 
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.reclaim import Quarantine, Reclaimer, Verdict
@@ -116,6 +119,9 @@ async def test_slots_come_back_when_a_restarted_source_answers_at_the_same_addre
     free = await quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, grant)
     await asyncio.sleep(1.5)
     assert consumer.core.tier.quarantined == N, "a frozen source proves nothing"
+    # the premise of that proof: no other process can bind the address while the frozen one lives
+    with pytest.raises(RuntimeError, match="Address already in use"):
+        dp_process("src-twin", listen=source.address)
     source.kill()
     restarted = dp_process("src", listen=source.address)
     assert restarted.address == source.address
@@ -225,3 +231,25 @@ async def test_the_reclaimer_backs_off_and_stops_when_nothing_is_quarantined(ns)
     await asyncio.sleep(0)
     assert not reclaimer.active and reclaimer.records == 0
     await reclaimer.close()
+
+
+async def test_a_port_is_not_shared_with_another_process_as_grpc_would_by_default():
+    """The control of the premise above: with gRPC's default options (SO_REUSEPORT on) a second server binds
+    a port a live one holds, so "another agent answers at the address" would prove nothing; with the options
+    every kvmesh server uses, it cannot."""
+
+    def binds(port: int, options) -> bool:
+        server = grpc.aio.server(options=options)
+        try:
+            return server.add_insecure_port(f"127.0.0.1:{port}") != 0
+        except RuntimeError:  # grpcio raises when it cannot bind
+            return False
+
+    for options, shared in (([], True), (server_options(), False)):
+        first = grpc.aio.server(options=options)
+        port = first.add_insecure_port("127.0.0.1:0")
+        await first.start()
+        try:
+            assert binds(port, options) is shared
+        finally:
+            await first.stop(None)
