@@ -86,22 +86,16 @@ class SchedulerClient:
 
         Sent on the one ``LookupPrefixStream`` this client keeps open (opened on first use, and again after
         it ends); concurrent callers pipeline on it. A lookup the server refuses raises its status; the
-        lookups sent after it on the same stream, which the server never answered, are sent once more on a
-        new stream."""
+        lookups sent after it on the same stream, which the server never answered, are sent once more as
+        unary ``LookupPrefix`` calls."""
         request = cp_wire.lookup_request_to_pb(self.namespace, block_hashes, token_ids, extras, media)
-        try:
-            return cp_wire.prefix_match(await self._lookup_once(request))
-        except _Unanswered:
-            try:
-                return cp_wire.prefix_match(await self._lookup_once(request))
-            except _Unanswered:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           "the lookup stream ended twice before answering") from None
-
-    async def _lookup_once(self, request: pb.LookupPrefixRequest) -> pb.LookupPrefixResponse:
         if self._lookups is None or self._lookups.ended:
             self._lookups = _LookupStream(self._stub, self._metadata)
-        return await asyncio.wait_for(self._lookups.lookup(request), self._timeout)
+        try:
+            reply = await asyncio.wait_for(self._lookups.lookup(request), self._timeout)
+        except _Unanswered:  # lookups are read-only: the unary call gives the answer, or the exact status
+            reply = await self._stub.LookupPrefix(request, metadata=self._metadata, timeout=self._timeout)
+        return cp_wire.prefix_match(reply)
 
     async def close(self) -> None:
         if self._lookups is not None:
@@ -116,7 +110,7 @@ class SchedulerClient:
 
 
 class _Unanswered(Exception):
-    """The stream ended before this lookup's answer (an earlier lookup failed): send it again."""
+    """The stream ended before this lookup's answer (an earlier lookup failed): ask again."""
 
 
 class _LookupStream:
@@ -149,7 +143,9 @@ class _LookupStream:
                 if not answer.done():
                     answer.set_result(reply)
         except grpc.aio.AioRpcError as exc:
-            error = exc
+            # grpc.aio marks a call INTERNAL ("Internal error from Core") when a write loses the race with the
+            # server's end of the stream, hiding the server's status: then every unanswered lookup is resent.
+            error = None if exc.code() == grpc.StatusCode.INTERNAL else exc
         finally:
             self.ended = True
             if error is not None and self._waiting:  # the first unanswered lookup is the one refused
