@@ -571,9 +571,8 @@ class DataPlaneCore:
         task = asyncio.ensure_future(
             self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
                        source_media, first_block_index, grant, route_token))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its caller may be gone
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)
 
     async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
@@ -913,23 +912,22 @@ class DataPlaneCore:
         client = self._peers.client(record.source_address, record.source_node_id)
         deadline = time.monotonic() + timeout_s
         try:
-            for attempt in range(2):
+            for renewed in (False, True):
                 try:
                     settled, agent = await client.release(record.lease_id, timeout=deadline - time.monotonic(),
                                                           grant=record.grant)
+                    break
                 except grpc.aio.AioRpcError as exc:
                     refused = exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
-                    if not refused or attempt or self._grants is None:
+                    if not refused or renewed or self._grants is None:
                         log.info("quarantined slots: %s did not answer (%s)", record.source_address,
                                  exc.code().name)
                         return Verdict.PENDING
                     record.grant, _ = await self._grants(record.ns, record.source_node_id,
                                                          deadline - time.monotonic())
-                    continue
-                if agent and agent != record.source_agent:
-                    return Verdict.GONE
-                return Verdict.SETTLED if settled and record.lease_id else Verdict.PENDING
-            return Verdict.PENDING
+            if agent and agent != record.source_agent:
+                return Verdict.GONE
+            return Verdict.SETTLED if settled and record.lease_id else Verdict.PENDING
         except (Unavailable, PermissionDenied) as exc:  # no new grant
             log.info("quarantined slots: no grant to ask %s (%s)", record.source_address, exc)
             return Verdict.PENDING
