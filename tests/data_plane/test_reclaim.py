@@ -16,6 +16,7 @@ import pytest
 from kvmesh.grpc_server import server_options
 
 from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.server import serve
 from data_plane.reclaim import Quarantine, Reclaimer, Verdict
 from data_plane.transfer import Transport
 from data_plane.types import LookupStatus
@@ -238,13 +239,6 @@ async def test_a_port_is_not_shared_with_another_process_as_grpc_would_by_defaul
     a port a live one holds, so "another agent answers at the address" would prove nothing; with the options
     every kvmesh server uses, it cannot."""
 
-    def binds(port: int, options) -> bool:
-        server = grpc.aio.server(options=options)
-        try:
-            return server.add_insecure_port(f"127.0.0.1:{port}") != 0
-        except RuntimeError:  # grpcio raises when it cannot bind
-            return False
-
     for options, shared in (([], True), (server_options(), False)):
         first = grpc.aio.server(options=options)
         port = first.add_insecure_port("127.0.0.1:0")
@@ -253,3 +247,36 @@ async def test_a_port_is_not_shared_with_another_process_as_grpc_would_by_defaul
             assert binds(port, options) is shared
         finally:
             await first.stop(None)
+
+
+async def test_a_stopping_source_keeps_its_port_until_its_writes_in_flight_end(config, local_node, ns, grant):
+    """A source stopped gracefully with a WRITE in flight (held here) keeps its port until that WRITE ends, so a
+    replacement that binds the port proves the WRITE is over. Control: the port is free as soon as the stop
+    returns."""
+    source = await serve(config(node_id="src"))
+    consumer = await local_node(node_id="consumer", reclaim_retry_ms=600_000)
+    held = HeldWrites(source.core.transport)
+    source.core.transport = held
+    port = int(source.address.rpartition(":")[2])
+    async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
+            DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
+        hashes = await commit_blocks(owner, ns, N)
+        await consumer.core.transport.ready(60.0)
+        key = (await local.describe_tier()).peer_public_key
+        result = await local.pull(ns, hashes, "src", source.address, grant=grant(key, "consumer", "src", ns),
+                                  timeout_ms=1_000)
+    assert result.pulled == 0 and consumer.core.tier.quarantined == N  # the WRITE is still held
+    stopping = asyncio.create_task(source.stop())
+    await asyncio.sleep(1.0)
+    assert not stopping.done() and not binds(port, server_options()), "the port is kept while the WRITE runs"
+    held.go.set()
+    await asyncio.wait_for(stopping, 30.0)
+    assert binds(port, server_options()), "given up once it ended"
+
+
+def binds(port: int, options) -> bool:
+    server = grpc.aio.server(options=options)
+    try:
+        return server.add_insecure_port(f"127.0.0.1:{port}") != 0
+    except RuntimeError:  # grpcio raises when it cannot bind
+        return False
