@@ -521,7 +521,7 @@ class DataPlaneCore:
                           consumer_node_id: str, timeout_s: float) -> int:
         n = len(hashes)
         sent = indexed = 0
-        stuck = False  # NIXL could not release the WRITE: it may land until this process exits
+        stuck = False  # the WRITE may land until this process exits: never reported settled
         try:
             if n > len(blocks) or any(b.key.block_hash != h for b, h in zip(blocks, hashes)):
                 raise InvalidArgument(f"block_hashes are not the leading blocks of lease {lease_id}")
@@ -539,7 +539,10 @@ class DataPlaneCore:
         except TransferFailed as exc:
             log.warning("sending %d blocks to %s failed: %s", indexed, consumer_node_id, exc)
             if exc.may_still_write:
-                stuck = not exc.released
+                # Released or not: over UCX tcp, bytes already in this host's socket buffers still land when
+                # the path drains (after a cut heals), so only the "gone" proof (a new process at this
+                # address) may hand the consumer's landing slots back.
+                stuck = True
                 raise Unavailable(f"the WRITE to {consumer_node_id} failed and may still land (timed out, or could "
                                   "not be cancelled)") from None
         finally:

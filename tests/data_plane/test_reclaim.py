@@ -18,7 +18,7 @@ from kvmesh.grpc_server import server_options
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.server import serve
 from data_plane.reclaim import Quarantine, Reclaimer, Verdict
-from data_plane.transfer import Transport
+from data_plane.transfer import TransferFailed, Transport
 from data_plane.types import LookupStatus
 from tenancy.peer_proof import NodeIdentity
 
@@ -280,3 +280,32 @@ def binds(port: int, options) -> bool:
         return server.add_insecure_port(f"127.0.0.1:{port}") != 0
     except RuntimeError:  # grpcio raises when it cannot bind
         return False
+
+
+class TimedOutWrites(HeldWrites):
+    """The real transport, whose WRITEs time out the way one over UCX tcp does on a cut path: NIXL released
+    the request, but bytes already in the socket buffers may still land when the path drains."""
+
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
+        raise TransferFailed(f"WRITE with {peer} timed out", may_still_write=True, released=True)
+
+
+async def test_a_timed_out_write_is_never_reported_settled_even_when_nixl_released_it(local_node, ns, grant):
+    """Releasing a timed-out request does not call back bytes UCX already handed to a TCP socket: the source
+    keeps the send in its ledger, so the consumer's landing slots stay quarantined (reused, they could be
+    overwritten when the cut path heals). Control: a source whose WRITE is merely held answers settled once it
+    ran (test_another_consumer_cannot_settle_the_victims_lease)."""
+    source = await local_node(node_id="src")
+    consumer = await local_node(node_id="consumer", **FAST_RECLAIM)
+    source.core.transport = TimedOutWrites(source.core.transport)
+    async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
+            DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
+        hashes = await commit_blocks(owner, ns, N)
+        await consumer.core.transport.ready(60.0)
+        key = (await local.describe_tier()).peer_public_key
+        result = await local.pull(ns, hashes, "src", source.address, grant=grant(key, "consumer", "src", ns),
+                                  timeout_ms=2_000)
+        assert result.pulled == 0 and consumer.core.tier.quarantined == N
+        await asyncio.sleep(1.5)  # the consumer asks several times meanwhile (FAST_RECLAIM)
+        assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == 0
+        assert consumer.core.tier.quarantined == N, "a timed-out WRITE was reported settled"
