@@ -9,26 +9,16 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 
-from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.client import DataPlaneClient
 from data_plane.types import LookupStatus
+
+from tests.data_plane.helpers import commit_blocks
 
 pytestmark = pytest.mark.nixl
 
 N = 4
-
-
-async def commit_blocks(client: DataPlaneClient, ns, n: int) -> list[bytes]:
-    """Commits n blocks of distinct bytes on a node; their hashes."""
-    hashes = [os.urandom(32) for _ in range(n)]
-    tier = SharedTier.open(await client.describe_tier())
-    for i, slot in enumerate(await client.reserve(ns, hashes)):
-        tier.slot(slot)[:] = np.uint8(i + 1)
-    tier.close()
-    assert await client.commit(ns, hashes) == n
-    return hashes
 
 
 def between_the_calls(monkeypatch, consumer, act) -> list[int]:

@@ -15,27 +15,17 @@ from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.transfer import TransferFailed, Transport
 from data_plane.types import LookupStatus
 
+from tests.data_plane.helpers import WrappedTransport
+
 pytestmark = pytest.mark.nixl
 
 
-class FailingTransfers(Transport):
+class FailingTransfers(WrappedTransport):
     """The real transport, except every READ and WRITE fails; ``cancelled``: whether NIXL could cancel it."""
 
     def __init__(self, real: Transport, cancelled: bool) -> None:
-        self._real, self._cancelled = real, cancelled
-        self.agent_name = real.agent_name
-
-    async def ready(self, timeout_s):
-        await self._real.ready(timeout_s)
-
-    def metadata(self):
-        return self._real.metadata()
-
-    def add_peer(self, metadata):
-        return self._real.add_peer(metadata)
-
-    def remove_peer(self, agent_name):
-        self._real.remove_peer(agent_name)
+        super().__init__(real)
+        self._cancelled = cancelled
 
     async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
         raise TransferFailed("READ failed", may_still_write=not self._cancelled)

@@ -10,32 +10,23 @@ import signal
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from kvmesh.grpc_server import server_options
 
-from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.client import DataPlaneClient
 from data_plane.server import serve
 from data_plane.reclaim import Quarantine, Reclaimer, Verdict
 from data_plane.transfer import TransferFailed, Transport
 from data_plane.types import LookupStatus
+
+from tests.data_plane.helpers import WrappedTransport, commit_blocks
 from tenancy.peer_proof import NodeIdentity
 
 pytestmark = pytest.mark.nixl
 
 N = 4
 FAST_RECLAIM = dict(reclaim_retry_ms=100, reclaim_max_retry_ms=400, reclaim_timeout_ms=500)
-
-
-async def commit_blocks(client: DataPlaneClient, ns, n: int) -> list[bytes]:
-    hashes = [os.urandom(32) for _ in range(n)]
-    tier = SharedTier.open(await client.describe_tier())
-    for i, slot in enumerate(await client.reserve(ns, hashes)):
-        tier.slot(slot)[:] = np.uint8(i + 1)
-    tier.close()
-    assert await client.commit(ns, hashes) == n
-    return hashes
 
 
 def freeze_between_the_calls(monkeypatch, consumer, pid: int) -> None:
@@ -131,35 +122,16 @@ async def test_slots_come_back_when_a_restarted_source_answers_at_the_same_addre
     assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == N
 
 
-class HeldWrites(Transport):
+class HeldWrites(WrappedTransport):
     """The real transport, whose WRITEs wait until ``go`` is set, then run (real NIXL) with their own bound."""
 
     def __init__(self, real: Transport) -> None:
-        self._real = real
-        self.agent_name = real.agent_name
+        super().__init__(real)
         self.go = asyncio.Event()
-
-    async def ready(self, timeout_s):
-        await self._real.ready(timeout_s)
-
-    def metadata(self):
-        return self._real.metadata()
-
-    def add_peer(self, metadata):
-        return self._real.add_peer(metadata)
-
-    def remove_peer(self, agent_name):
-        self._real.remove_peer(agent_name)
-
-    async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
-        await self._real.read(peer, local_offsets, remote_addrs, length, timeout_s)
 
     async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
         await self.go.wait()
         await self._real.write(peer, local_offsets, remote_addrs, length, 10.0)
-
-    def close(self):
-        self._real.close()
 
 
 async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, grant, monkeypatch):
@@ -282,7 +254,7 @@ def binds(port: int, options) -> bool:
         return False
 
 
-class TimedOutWrites(HeldWrites):
+class TimedOutWrites(WrappedTransport):
     """The real transport, whose WRITEs time out the way one over UCX tcp does on a cut path: NIXL released
     the request, but bytes already in the socket buffers may still land when the path drains."""
 

@@ -1,0 +1,51 @@
+"""Shared pieces of the data-plane tests: a transport wrapper to change what one READ or WRITE does around the
+real NIXL transport, and committing blocks of known bytes on a node."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.transfer import Transport
+
+
+class WrappedTransport(Transport):
+    """The real transport, as is; a test subclasses it to change ``read`` or ``write``."""
+
+    def __init__(self, real: Transport) -> None:
+        self._real = real
+        self.agent_name = real.agent_name
+
+    async def ready(self, timeout_s):
+        await self._real.ready(timeout_s)
+
+    def metadata(self):
+        return self._real.metadata()
+
+    def add_peer(self, metadata):
+        return self._real.add_peer(metadata)
+
+    def remove_peer(self, agent_name):
+        self._real.remove_peer(agent_name)
+
+    async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
+        await self._real.read(peer, local_offsets, remote_addrs, length, timeout_s)
+
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
+        await self._real.write(peer, local_offsets, remote_addrs, length, timeout_s)
+
+    def close(self):
+        self._real.close()
+
+
+async def commit_blocks(client: DataPlaneClient, ns, n: int) -> list[bytes]:
+    """Commits n blocks of distinct bytes (block i is all i + 1) on the client's node; their hashes."""
+    hashes = [os.urandom(32) for _ in range(n)]
+    tier = SharedTier.open(await client.describe_tier())
+    for i, slot in enumerate(await client.reserve(ns, hashes)):
+        tier.slot(slot)[:] = np.uint8(i + 1)
+    tier.close()
+    assert await client.commit(ns, hashes) == n
+    return hashes
