@@ -21,7 +21,7 @@ import redis.exceptions
 
 from kvmesh import errors
 from kvmesh.namespace import Namespace
-from kvmesh.redis_client import SOCKET_TIMEOUT_S, Coalescer, connect
+from kvmesh.redis_client import SOCKET_TIMEOUT_S, Coalescer, connect, failed_inside_redis_py
 from redis.asyncio.cluster import RedisCluster
 
 from control_plane.block_map import BlockMap
@@ -123,6 +123,13 @@ class RedisBlockMap(BlockMap):
                 return await run(client)
             except redis.exceptions.NoScriptError:  # the server restarted or was flushed
                 await self._load()
+            except (AttributeError, TypeError) as exc:
+                if not failed_inside_redis_py(exc):
+                    raise
+                # Retried once when it only reads; a write may have reached Redis: the caller decides.
+                log.warning("redis-py failed inside a %s (%s: %s)", name, type(exc).__name__, exc)
+                if not read_only or attempt:
+                    raise errors.Unavailable(f"the Redis connection failed under {name}; retry") from None
             except redis.exceptions.ConnectionError as exc:
                 # A tenant connection closed by Redis (its user was deleted or changed) or refused (rotated
                 # password, or Redis lost its ACL users): reconnect once with fresh credentials. The epoch
@@ -346,8 +353,8 @@ class RedisBlockMap(BlockMap):
         tenant = ns.tenant
         if self._cluster:  # the live-slot table is in another slot: fetch it concurrently
             (found,), slots, (sec, usec) = await asyncio.gather(
-                self._eval("lookup", [blocks_key], args, tenant, read_only=True), self._redis.hgetall(self._keys.slots),
-                self._redis.time())
+                self._eval("lookup", [blocks_key], args, tenant, read_only=True),
+                self._read(self._redis.hgetall, self._keys.slots), self._read(self._redis.time))
             now_ms = int(sec) * 1000 + int(usec) // 1000
             by_slot = {int(slot): record for slot, record in slots.items()}
             records = [by_slot.get(slot) for slot in found[1::5]]
@@ -364,6 +371,19 @@ class RedisBlockMap(BlockMap):
                                           {Medium.GPU: found[i + 2], Medium.CPU: found[i + 3], Medium.DISK: found[i + 4]}))
         holders.sort(key=lambda h: (-h.leading_blocks, h.node_id))
         return PrefixMatch(len(block_hashes), holders)
+
+    @staticmethod
+    async def _read(command, *args):
+        """A read-only command, retried once when redis-py failed inside it (as :meth:`_eval` does)."""
+        for attempt in range(2):
+            try:
+                return await command(*args)
+            except (AttributeError, TypeError) as exc:
+                if not failed_inside_redis_py(exc):
+                    raise
+                log.warning("redis-py failed inside a read (%s: %s)", type(exc).__name__, exc)
+                if attempt:
+                    raise errors.Unavailable("the Redis connection failed under a read; retry") from None
 
     # -- garbage -----------------------------------------------------------------
 

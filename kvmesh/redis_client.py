@@ -21,6 +21,18 @@ from kvmesh.errors import InvalidArgument
 SOCKET_TIMEOUT_S = 2.0
 
 
+def failed_inside_redis_py(exc: BaseException) -> bool:
+    """An AttributeError or TypeError raised inside redis-py itself: a connection closed under a command in
+    flight (redis-py 8 then writes to a writer that is gone: redis/redis-py#4287), a transient failure of the
+    connection, not a bug of the caller."""
+    if not isinstance(exc, (AttributeError, TypeError)):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == "redis"
+
+
 def redacted(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for logs and messages)."""
     scheme, sep, rest = url.partition("://")

@@ -11,8 +11,11 @@ import hashlib
 import logging
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
 
+from kvmesh import errors
 from kvmesh.namespace import Namespace
 from kvmesh.redis_keys import Keys
 
@@ -118,6 +121,39 @@ async def test_concurrent_lookups_on_a_failed_tenant_connection_reconnect_withou
         await bm.close()
         await admin.acl_deluser(user)
         await admin.aclose()
+
+
+async def test_redis_py_failing_inside_a_connection_closed_under_it_is_retried_or_unavailable(
+        block_map, ns, monkeypatch):
+    """Regression (`kvmesh bench load --soak-minutes 10`, cluster, 2 replicas): redis-py 8 raised AttributeError
+    ('NoneType' object has no attribute 'writelines') from a connection closed under a command in flight, and
+    LookupPrefix answered INTERNAL. Now a read is retried once (the answer is the right one), a read failing
+    again and a write answer UNAVAILABLE (a write may have reached Redis: its caller retries or resyncs).
+    Negative control: without the handling the AttributeError reaches the caller."""
+    inc = (await block_map.register_node(NodeInfo("node-1", "127.0.0.1:7001"))).incarnation
+    hs = hashes(8, "closed-under")
+    await block_map.apply_batch(EventBatch("node-1", inc, 1, ns, (Stored(tuple(hs), Medium.CPU, 32),), False))
+    original = Connection._send_packed_command
+    breaking = {"left": 0}
+
+    async def writer_gone(self, command):
+        if breaking["left"]:
+            breaking["left"] -= 1
+            self._writer = None  # what a concurrent disconnect leaves behind
+        return await original(self, command)
+
+    monkeypatch.setattr(Connection, "_send_packed_command", writer_gone)
+    breaking["left"] = 1
+    assert (await block_map.lookup_prefix(ns, hs, ALL_TIERS)).longest == 8
+    breaking["left"] = 1_000
+    with pytest.raises(errors.Unavailable):
+        await block_map.lookup_prefix(ns, hs, ALL_TIERS)
+    breaking["left"] = 1
+    with pytest.raises(errors.Unavailable):
+        await block_map.apply_batch(EventBatch("node-1", inc, 2, ns, (Stored(tuple(hashes(2, "w")), Medium.CPU, 32),),
+                                               False))
+    breaking["left"] = 0
+    assert (await block_map.lookup_prefix(ns, hs, ALL_TIERS)).longest == 8
 
 
 class Node:
