@@ -29,6 +29,17 @@ N = 4
 FAST_RECLAIM = dict(reclaim_retry_ms=100, reclaim_max_retry_ms=400, reclaim_timeout_ms=500)
 
 
+async def pull_fresh_blocks(owner: DataPlaneClient, local: DataPlaneClient, consumer, source_address: str, ns,
+                            grant, timeout_ms: int):
+    """Commits N blocks on the source "src" (through ``owner``) and has ``consumer`` pull them under a grant for
+    its own peer key, once its NIXL agent is up: the pull's result."""
+    hashes = await commit_blocks(owner, ns, N)
+    await consumer.core.transport.ready(60.0)
+    key = (await local.describe_tier()).peer_public_key
+    return await local.pull(ns, hashes, "src", source_address, grant=grant(key, "consumer", "src", ns),
+                            timeout_ms=timeout_ms)
+
+
 def freeze_between_the_calls(monkeypatch, consumer, pid: int) -> None:
     """SIGSTOPs ``pid`` right after the consumer reserved its landing slots (the source answered the Lookup
     and pinned its HITs; the send has not left yet)."""
@@ -157,12 +168,8 @@ async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, 
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local, \
             DataPlaneClient(source.address,
                             peer_proof=lambda g, method: attacker.proof(g, method, "src")) as mallory:
-        hashes = await commit_blocks(owner, ns, N)
-        await consumer.core.transport.ready(60.0)
-        victim_key = (await local.describe_tier()).peer_public_key
         free = consumer.core.tier.free_slots
-        result = await local.pull(ns, hashes, "src", source.address, grant=grant(victim_key, "consumer", "src", ns),
-                                  timeout_ms=1_000)
+        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=1_000)
         assert result.pulled == 0 and consumer.core.tier.quarantined == N and len(leases) == 1
         attacker_grant = grant(attacker.public_key, "mallory", "src", ns)
         for _ in range(3):
@@ -232,11 +239,7 @@ async def test_a_stopping_source_keeps_its_port_until_its_writes_in_flight_end(c
     port = int(source.address.rpartition(":")[2])
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
-        hashes = await commit_blocks(owner, ns, N)
-        await consumer.core.transport.ready(60.0)
-        key = (await local.describe_tier()).peer_public_key
-        result = await local.pull(ns, hashes, "src", source.address, grant=grant(key, "consumer", "src", ns),
-                                  timeout_ms=1_000)
+        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=1_000)
     assert result.pulled == 0 and consumer.core.tier.quarantined == N  # the WRITE is still held
     stopping = asyncio.create_task(source.stop())
     await asyncio.sleep(1.0)
@@ -272,11 +275,7 @@ async def test_a_timed_out_write_is_never_reported_settled_even_when_nixl_releas
     source.core.transport = TimedOutWrites(source.core.transport)
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
-        hashes = await commit_blocks(owner, ns, N)
-        await consumer.core.transport.ready(60.0)
-        key = (await local.describe_tier()).peer_public_key
-        result = await local.pull(ns, hashes, "src", source.address, grant=grant(key, "consumer", "src", ns),
-                                  timeout_ms=2_000)
+        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=2_000)
         assert result.pulled == 0 and consumer.core.tier.quarantined == N
         await asyncio.sleep(1.5)  # the consumer asks several times meanwhile (FAST_RECLAIM)
         assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == 0

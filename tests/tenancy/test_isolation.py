@@ -43,13 +43,19 @@ async def publish_as_node(fleet, node_id, tenant, hs, node_key=None):
     return cp, reg, batch
 
 
-async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix(fleet):
+async def a_prefix_of_tenant_a(fleet) -> tuple[str, str]:
+    """Tenants A and B; node-a holds 8 blocks of TOKENS in A's namespace. The two tenants' scheduler keys."""
     await fleet.tenant("tenant-a")
     await fleet.tenant("tenant-b")
-    cp_a, reg, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
+    cp_a, _, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
     assert (await cp_a.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
     _, a_key = await fleet.key("scheduler", tenant_id="tenant-a")
     _, b_key = await fleet.key("scheduler", tenant_id="tenant-b")
+    return a_key, b_key
+
+
+async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix(fleet):
+    a_key, b_key = await a_prefix_of_tenant_a(fleet)
     held = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=TOKENS)
     absent = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=[t + 1 for t in TOKENS])
     assert (await fleet.cp(a_key).LookupPrefix(held)).holders[0].leading_blocks == 8
@@ -63,12 +69,7 @@ async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix(fleet):
 
 
 async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix_over_a_lookup_stream(fleet):
-    await fleet.tenant("tenant-a")
-    await fleet.tenant("tenant-b")
-    cp_a, reg, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes())
-    assert (await cp_a.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
-    _, a_key = await fleet.key("scheduler", tenant_id="tenant-a")
-    _, b_key = await fleet.key("scheduler", tenant_id="tenant-b")
+    a_key, b_key = await a_prefix_of_tenant_a(fleet)
     held = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=TOKENS)
     absent = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=[t + 1 for t in TOKENS])
     own = pb.LookupPrefixRequest(namespace=ns_pb("tenant-b"), token_ids=TOKENS)
