@@ -26,7 +26,6 @@ last line with ``--json`` is ``{"policies": {NAME: {"sim_ttft_p50_ms",
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -46,17 +45,20 @@ from engine_connector.config import KV_LAYOUT
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.engine_host import BLOCK_SIZE, EngineProcess
 from kvmesh_apps.fleet import Fleet
+from kvmesh_apps.replay.args import Parser, UsageError, fail, non_negative_int, positive_float, positive_int, subset
 from kvmesh_apps.replay.backends import InProcessBackend
 from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import pct
 from kvmesh_apps.replay.sim import Simulation, variants
-from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, BlockHashes, TraceRequest, load_window
+from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, BlockHashes, TraceError, TraceRequest, load_window, scan, \
+    select_windows
 from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
 from tenancy.api_keys import new_key
 
 POLICIES = ("cost-aware+p2p", "load-aware+p2p", "affinity-nop2p")
 NODES = {"e1": "dp1", "e2": "dp2"}
+PROG = "kvmesh bench sim-to-real"
 CALIBRATION_LENGTHS = (64, 256, 512, 1024, 1536, 2048)
 
 
@@ -182,21 +184,27 @@ def _default_trace() -> Path:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench sim-to-real", description=__doc__.split("\n")[0])
+    known = [v.name for v in variants()]
+    parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=str(_default_trace()), help="Mooncake-format JSONL trace")
-    parser.add_argument("--start", type=int, default=0)
-    parser.add_argument("--requests", type=int, default=36)
-    parser.add_argument("--block-tokens", type=int, default=2 * BLOCK_SIZE, help="tokens per 512-token trace block")
-    parser.add_argument("--max-prompt", type=int, default=2048)
-    parser.add_argument("--max-tokens", type=int, default=1, help="output tokens per request")
-    parser.add_argument("--load", type=float, default=0.7, help="arrival rate over the two engines' capacity")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--start", type=non_negative_int, default=0, help="the window's first request (from 0)")
+    parser.add_argument("--requests", type=positive_int, default=36)
+    parser.add_argument("--block-tokens", type=positive_int, default=2 * BLOCK_SIZE,
+                        help="tokens per 512-token trace block")
+    parser.add_argument("--max-prompt", type=positive_int, default=2048)
+    parser.add_argument("--max-tokens", type=positive_int, default=1, help="output tokens per request")
+    parser.add_argument("--load", type=positive_float, default=0.7, help="arrival rate over the two engines' capacity")
+    parser.add_argument("--policies", type=subset(known), default=list(POLICIES))
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    try:   # all input, the whole trace included, checked before a model, a fleet or an engine starts
+        args = parser.parse_args(argv)
+        plan = select_windows(scan(Path(args.trace)), args.start, 1, args.requests)
+    except (UsageError, TraceError) as exc:
+        return fail(PROG, exc)
     started = time.monotonic()
-    window = scaled_window(Path(args.trace), args.start, args.requests, args.block_tokens, args.max_prompt,
+    window = scaled_window(Path(args.trace), plan.starts[0], plan.requests, args.block_tokens, args.max_prompt,
                            args.max_tokens)
-    policies = [p for p in args.policies.split(",") if p]
+    policies = args.policies
     _, admin_key, _ = new_key()
     with tempfile.TemporaryDirectory(prefix="kvmesh-sim-to-real-") as tmp:
         work = Path(tmp)
@@ -246,10 +254,13 @@ def main(argv: list[str]) -> int:
                     "contention": round(measured["contention"], 3),
                     "calibration": [[n, round(ms, 2)] for n, ms in measured["samples"]],
                     "kv_bytes_per_token": kv_bytes},
-        "window": {"start": args.start, "requests": len(window), "block_tokens": args.block_tokens,
+        "window": {"start": args.start, "requests": len(window), "requests_requested": args.requests,
+                   "trace_requests": plan.trace_requests, "note": plan.note, "block_tokens": args.block_tokens,
                    "load": args.load, "arrival_span_s": round(window[-1].arrival_ms / 1000.0, 2)},
         "wall_s": round(time.monotonic() - started, 1),
     }
+    if plan.note:
+        print(f"note: {plan.note}")
     print(f"{'policy':<18}{'sim p50 ms':>12}{'real p50 ms':>13}{'error':>8}{'sim p90':>10}{'real p90':>10}")
     for p, r in rows.items():
         print(f"{p:<18}{r['sim_ttft_p50_ms']:>12.1f}{r['real_ttft_p50_ms']:>13.1f}{100 * r['p50_error']:>7.0f}%"

@@ -1,17 +1,18 @@
 """``kvmesh bench replay --trace PATH [--engines 8] [--json] [--no-sweep]``: policies compared on a real trace.
 
 The default point: every variant on ``--windows`` disjoint windows of ``--requests``
-requests (means with 95 % confidence intervals), routed by the control plane's
+requests (means with 95 % confidence intervals; fewer or shorter windows, said in
+the report and in ``trace``, when the trace cannot hold them), routed by the control plane's
 router in process (``--control-plane real`` adds the same replay of the first
 window through a real control-plane process and Redis). Then the sweep
 (:mod:`kvmesh_apps.replay.sweep`) on ``--sweep-requests``-request windows.
 Writes ``replay.json`` and ``replay.png`` to ``--out``; the last line printed is
-the JSON: ``{"policies", "profile", "sweep", ...}``.
+the JSON: ``{"policies", "profile", "trace", "sweep", ...}``. Bad input (the trace
+checked line by line first) exits 2 with one line on stderr.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -28,15 +29,15 @@ from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import control_plane_pb2_grpc as pb_grpc, tenant_admin_pb2, tenant_admin_pb2_grpc
 from kvmesh_apps.procs import ServiceProcess
 from kvmesh_apps.redis_server import RedisServer
+from kvmesh_apps.replay.args import Parser, UsageError, fail, non_negative_float, non_negative_int, positive_float, \
+    positive_int, subset
 from kvmesh_apps.replay.backends import ControlPlaneBackend
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import RunSpec, combine, run_many, summarize
 from kvmesh_apps.replay.sim import Simulation, variants
 from kvmesh_apps.replay.sweep import LOAD_CURVE, PARAMS, VARIANTS, sweep, winners
-from kvmesh_apps.replay.trace import BlockHashes, load_window
+from kvmesh_apps.replay.trace import BlockHashes, TraceError, load_window, scan, select_windows
 from tenancy.api_keys import new_key
-
-TRACE_LINES_PER_WINDOW = 4000
 
 
 async def _through_control_plane(base: RunSpec, names: list[str], cp_address: str, key: str) -> dict:
@@ -83,82 +84,109 @@ def control_plane_check(base: RunSpec, names: list[str], ttft_slo_ms: float, spe
     return {n: summarize(t, ttft_slo_ms) for n, t in totals.items()}
 
 
-def _windows(trace: Path, start: int, count: int, requests: int) -> list[int]:
-    lines = sum(1 for _ in open(trace))
-    return [min(start + k * TRACE_LINES_PER_WINDOW, max(0, lines - requests)) for k in range(count)]
+PROG = "kvmesh bench replay"
+
+
+def _parser() -> Parser:
+    d = Profile()
+    all_names = [v.name for v in variants()]
+    parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--engines", type=positive_int, default=8)
+    parser.add_argument("--start", type=non_negative_int, default=0,
+                        help="first request of the first window (from 0; blank lines do not count)")
+    parser.add_argument("--requests", type=positive_int, default=4000, help="requests per window at the default point")
+    parser.add_argument("--windows", type=positive_int, default=3,
+                        help="disjoint windows (4,000 requests apart, closer on a short trace) at the default point")
+    parser.add_argument("--time-scale", type=positive_float, default=1.0, help="divide arrival times by this")
+    parser.add_argument("--event-delay-ms", type=non_negative_float, default=50.0,
+                        help="virtual delay before a tier change reaches the index")
+    parser.add_argument("--ttft-slo-ms", type=non_negative_float, default=2000.0,
+                        help="goodput's SLO: TTFT within this of the prompt's prefill time alone")
+    parser.add_argument("--variants", type=subset(all_names), default=all_names,
+                        help="comma-separated subset (default: all nine)")
+    parser.add_argument("--speed", type=positive_float, default=d.speed, help="step times divided by this")
+    parser.add_argument("--inter-rack-gbytes-per-s", type=positive_float, default=d.inter_rack_bytes_per_s / 1e9)
+    parser.add_argument("--cpu-tier-blocks", type=positive_int, default=d.cpu_tier_blocks)
+    parser.add_argument("--gpu-kv-blocks", type=positive_int, default=d.gpu_kv_blocks)
+    parser.add_argument("--no-sweep", action="store_true", help="the default point only")
+    parser.add_argument("--sweep-requests", type=positive_int, default=1000, help="requests per window in the sweep")
+    parser.add_argument("--sweep-windows", type=positive_int, default=2,
+                        help="disjoint windows (4,000 requests apart, closer on a short trace) per sweep point")
+    parser.add_argument("--sweep-variants", type=subset(all_names), default=VARIANTS)
+    parser.add_argument("--sweep-params", type=subset(list(PARAMS)), default=list(PARAMS),
+                        help="comma-separated subset of the swept parameters (the load is always swept)")
+    parser.add_argument("--sweep-loads", type=_loads, default=LOAD_CURVE,
+                        help="comma-separated time scales of the load curve")
+    parser.add_argument("--control-plane", choices=("in-process", "real"), default="in-process",
+                        help="real: also replay the first window through a control-plane process")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
+    parser.add_argument("--out", default="replay-out", help="directory for replay.json and replay.png")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line (always printed last)")
+    return parser
+
+
+def _loads(text: str) -> list[float]:
+    return [positive_float(x) for x in text.split(",")]
+
+
+def _ci(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def main(argv: list[str]) -> int:
-    d = Profile()
-    parser = argparse.ArgumentParser(prog="kvmesh bench replay", description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--engines", type=int, default=8)
-    parser.add_argument("--start", type=int, default=0, help="first request of the first window (line number)")
-    parser.add_argument("--requests", type=int, default=4000, help="requests per window at the default point")
-    parser.add_argument("--windows", type=int, default=3, help="windows (4,000 lines apart) at the default point")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="divide arrival times by this")
-    parser.add_argument("--event-delay-ms", type=float, default=50.0,
-                        help="virtual delay before a tier change reaches the index")
-    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="goodput's SLO: TTFT within this of the prompt's prefill time alone")
-    parser.add_argument("--variants", default="", help="comma-separated subset (default: all nine)")
-    parser.add_argument("--speed", type=float, default=d.speed, help="step times divided by this")
-    parser.add_argument("--inter-rack-gbytes-per-s", type=float, default=d.inter_rack_bytes_per_s / 1e9)
-    parser.add_argument("--cpu-tier-blocks", type=int, default=d.cpu_tier_blocks)
-    parser.add_argument("--gpu-kv-blocks", type=int, default=d.gpu_kv_blocks)
-    parser.add_argument("--no-sweep", action="store_true", help="the default point only")
-    parser.add_argument("--sweep-requests", type=int, default=1000, help="requests per window in the sweep")
-    parser.add_argument("--sweep-windows", type=int, default=2, help="windows (4,000 lines apart) per sweep point")
-    parser.add_argument("--sweep-variants", default=",".join(VARIANTS))
-    parser.add_argument("--sweep-params", default=",".join(PARAMS),
-                        help="comma-separated subset of the swept parameters (the load is always swept)")
-    parser.add_argument("--sweep-loads", default="", help="comma-separated time scales of the load curve")
-    parser.add_argument("--control-plane", choices=("in-process", "real"), default="in-process",
-                        help="real: also replay the first window through a control-plane process")
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
-    parser.add_argument("--out", default="replay-out", help="directory for replay.json and replay.png")
-    parser.add_argument("--json", action="store_true", help="end with one JSON line (always printed last)")
-    args = parser.parse_args(argv)
+    try:   # every input checked (the whole trace too) before any run starts
+        args = _parser().parse_args(argv)
+        info = scan(Path(args.trace))
+        plan = select_windows(info, args.start, args.windows, args.requests)
+        sweep_plan = None if args.no_sweep else select_windows(info, args.start, args.sweep_windows,
+                                                               args.sweep_requests)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return fail(PROG, f"--out {args.out}: {exc.strerror or exc}")
+    except (UsageError, TraceError) as exc:
+        return fail(PROG, exc)
     started = time.monotonic()
+    d = Profile()
     profile = dataclasses.replace(d, speed=args.speed, inter_rack_bytes_per_s=args.inter_rack_gbytes_per_s * 1e9,
                                   cpu_tier_blocks=args.cpu_tier_blocks, gpu_kv_blocks=args.gpu_kv_blocks)
-    names = [v.name for v in variants() if not args.variants or v.name in args.variants.split(",")]
+    names = args.variants
     trace = Path(args.trace)
-    base = RunSpec(str(trace), "", profile, args.engines, args.start, args.requests, args.time_scale,
+    base = RunSpec(str(trace), "", profile, args.engines, args.start, plan.requests, args.time_scale,
                    args.event_delay_ms)
-    windows = _windows(trace, args.start, args.windows, args.requests)
+    windows = list(plan.starts)
     specs = [dataclasses.replace(base, variant=n, start=s, seed=w) for n in names for w, s in enumerate(windows)]
     rows = run_many(specs, args.ttft_slo_ms, args.jobs)
     policies = {n: combine(rows[i * len(windows):(i + 1) * len(windows)]) for i, n in enumerate(names)}
     result: dict = {
         "policies": policies,
         "profile": {**profile.as_dict(), "engines": args.engines},
-        "trace": {"path": str(trace), "windows": windows, "requests": args.requests, "time_scale": args.time_scale,
+        "trace": {"path": str(trace), **plan.as_dict(), "time_scale": args.time_scale,
                   "event_delay_ms": args.event_delay_ms, "ttft_slo_ms": args.ttft_slo_ms,
                   "block_hashes": "sha256(parent || hash_id as 8 bytes), full 512-token blocks only"},
     }
     if args.control_plane == "real":
         result["control_plane"] = control_plane_check(dataclasses.replace(base, start=windows[0]), names,
                                                       args.ttft_slo_ms, speculative_ttl_ms=200)
-    if not args.no_sweep:
-        sweep_names = [n for n in args.sweep_variants.split(",") if n]
-        sweep_base = dataclasses.replace(base, requests=args.sweep_requests)
-        result["sweep"] = sweep(sweep_base, sweep_names, _windows(trace, args.start, args.sweep_windows,
-                                                                  args.sweep_requests),
-                                args.ttft_slo_ms, args.jobs,
-                                {k: v for k, v in PARAMS.items() if k in args.sweep_params.split(",")},
-                                [float(x) for x in args.sweep_loads.split(",")] if args.sweep_loads else LOAD_CURVE)
+    if sweep_plan is not None:
+        result["trace"]["sweep"] = sweep_plan.as_dict()
+        sweep_base = dataclasses.replace(base, requests=sweep_plan.requests)
+        result["sweep"] = sweep(sweep_base, args.sweep_variants, list(sweep_plan.starts), args.ttft_slo_ms, args.jobs,
+                                {k: v for k, v in PARAMS.items() if k in args.sweep_params}, args.sweep_loads)
         result["sweep_winners"] = winners(result["sweep"])
     result["wall_s"] = round(time.monotonic() - started, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(json.dumps(result, indent=2) + "\n")
     from kvmesh_apps.replay.plot import write_plot
     plot_note = write_plot(result, out / "replay.png")
-    print(f"profile: {profile.name}; {args.engines} engines; windows {windows} of {args.requests} requests")
+    print(f"profile: {profile.name}; {args.engines} engines; windows {windows} of {plan.requests} requests")
+    for what, p in (("", plan), ("sweep: ", sweep_plan)):
+        if p is not None and p.note:
+            print(f"note: {what}{p.note}")
     print(f"{'policy':<20}{'good/s':>8}{'±95%':>7}{'SLO %':>7}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
           f"{'wait p90':>10}{'saved Mtok':>11}{'slow pulls':>11}{'stale':>7}")
     for name, r in policies.items():
-        print(f"{name:<20}{r['goodput_rps']:>8.2f}{r['goodput_rps_ci95']:>7.2f}{100 * r['slo_attainment']:>7.1f}"
+        print(f"{name:<20}{r['goodput_rps']:>8.2f}{_ci(r['goodput_rps_ci95']):>7}{100 * r['slo_attainment']:>7.1f}"
               f"{r['ttft_p50_ms']:>9.0f}{r['ttft_p90_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}{r['wait_p90_ms']:>10.0f}"
               f"{r['prefill_tokens_saved'] / 1e6:>11.2f}{r['pulls_slower_than_recompute']:>11}"
               f"{r['stale_route_rate']:>7.3f}")

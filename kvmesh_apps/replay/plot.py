@@ -22,7 +22,8 @@ def write_plot(result: dict, path: Path) -> str:
         for name in load[0]["policies"]:
             xs = [p["point"]["arrival_rate_rps"] for p in load]
             ax.errorbar(xs, [p["policies"][name]["goodput_rps"] for p in load],
-                        yerr=[p["policies"][name]["goodput_rps_ci95"] for p in load], marker="o", ms=3, label=name)
+                        yerr=[p["policies"][name]["goodput_rps_ci95"] or 0.0 for p in load],   # None: one window
+                        marker="o", ms=3, label=name)
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_ylabel(f"goodput (req/s, TTFT <= prefill alone + {result['trace']['ttft_slo_ms'] / 1000:g} s)")
         ax.set_title("goodput against load", fontsize=9)
@@ -60,7 +61,7 @@ def write_plot(result: dict, path: Path) -> str:
         names = list(result["policies"])
         rows = [result["policies"][n] for n in names]
         x = range(len(names))
-        ax.bar(list(x), [r["goodput_rps"] for r in rows], yerr=[r["goodput_rps_ci95"] for r in rows])
+        ax.bar(list(x), [r["goodput_rps"] for r in rows], yerr=[r["goodput_rps_ci95"] or 0.0 for r in rows])
         ax.set_xticks(list(x))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("goodput (req/s)")

@@ -103,16 +103,22 @@ def run_many(specs: list[RunSpec], ttft_slo_ms: float, jobs: int) -> list[dict]:
         return pool.map(_summarized, items, chunksize=1)
 
 
-def mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % confidence interval (Student t; 0 for a single value)."""
+# Student t, two-sided 95 %, by degrees of freedom (1-30); beyond, the normal 1.96
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float | None]:
+    """Mean and the half-width of its 95 % confidence interval (Student t; None for a single value: no interval)."""
     if len(values) < 2:
-        return (values[0] if values else 0.0), 0.0
-    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}.get(len(values), 2.0)
+        return (values[0] if values else 0.0), None
+    t95 = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
     return statistics.fmean(values), t95 * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def combine(rows: list[dict]) -> dict:
-    """Per-window summaries -> their means, with ``*_ci95`` half-widths for the headline figures."""
+    """Per-window summaries (of distinct windows) -> their means, with ``*_ci95`` half-widths for the headline
+    figures (None from a single window)."""
     out: dict = {}
     for key, value in rows[0].items():
         if isinstance(value, dict):
@@ -121,7 +127,7 @@ def combine(rows: list[dict]) -> dict:
             mean, ci = mean_ci([r[key] for r in rows])
             out[key] = round(mean, 3) if isinstance(value, float) else round(mean)
             if key in ("goodput_rps", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "slo_attainment"):
-                out[f"{key}_ci95"] = round(ci, 3)
+                out[f"{key}_ci95"] = None if ci is None else round(ci, 3)
     out["windows"] = len(rows)
     return out
 

@@ -1,0 +1,206 @@
+"""Trace input of `kvmesh bench replay` and `kvmesh bench sim-to-real`: every row checked, a bad one named by file,
+line and field; windows never duplicated; bad input exits 2 with one line, before anything runs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh_apps.bench import sim_to_real
+from kvmesh_apps.replay import bench
+from kvmesh_apps.replay.trace import TraceError, TraceInfo, load_window, parse_row, scan, select_windows
+
+GOOD = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+BAD_ROWS = [   # (the line, what the message must name)
+    ("not json", "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "output_length"}), "output_length: missing"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "timestamp"}), "timestamp: missing"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "hash_ids"}), "hash_ids: missing"),
+    (json.dumps({**GOOD, "timestamp": "x"}), "timestamp: must be a number"),
+    (json.dumps({**GOOD, "timestamp": True}), "timestamp: must be a number"),
+    (json.dumps({**GOOD, "timestamp": -5}), "timestamp: must be a finite number >= 0"),
+    ('{"timestamp": NaN, "input_length": 600, "output_length": 5, "hash_ids": []}', "timestamp: must be a finite"),
+    (json.dumps({**GOOD, "input_length": "600"}), "input_length: must be an integer"),
+    (json.dumps({**GOOD, "input_length": 600.5}), "input_length: must be an integer"),
+    (json.dumps({**GOOD, "input_length": -1}), "input_length: must be >= 0"),
+    (json.dumps({**GOOD, "output_length": None}), "output_length: must be an integer"),
+    (json.dumps({**GOOD, "output_length": -3}), "output_length: must be >= 0"),
+    (json.dumps({**GOOD, "hash_ids": "1,2"}), "hash_ids: must be a list"),
+    (json.dumps({**GOOD, "hash_ids": [1, "2"]}), "hash_ids[1]: must be an integer"),
+    (json.dumps({**GOOD, "hash_ids": [1, -2]}), "hash_ids[1]: must be an integer in [0, 2**64)"),
+    (json.dumps({**GOOD, "hash_ids": [2**64]}), "hash_ids[0]: must be an integer in [0, 2**64)"),
+]
+TINY = ["--engines", "4", "--jobs", "1", "--variants", "cost-aware+p2p,no-sharing", "--no-sweep"]
+
+
+def write(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def trace_of(path: Path, n: int) -> Path:
+    """``n`` rows, 1 s apart, sharing a first block (so the replay has prefixes to reuse)."""
+    return write(path, [{"timestamp": 1000 * i, "input_length": 2048, "output_length": 20, "hash_ids": [0, i, i + 1, 7]}
+                        for i in range(n)])
+
+
+def one_line_error(main, argv: list[str], capsys, prog: str = "kvmesh bench replay") -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: ") and "Traceback" not in err, err
+    return err
+
+
+def test_a_good_row_parses_and_every_bad_one_names_its_field():
+    assert parse_row(json.dumps(GOOD)).hash_ids == (1, 2)   # positive control
+    assert parse_row(json.dumps({**GOOD, "timestamp": 12.5, "extra": 1})).arrival_ms == 12.5
+    for line, reason in BAD_ROWS:
+        with pytest.raises(ValueError) as caught:
+            parse_row(line)
+        assert reason in str(caught.value), line
+
+
+@pytest.mark.parametrize("line, reason", BAD_ROWS)
+def test_a_malformed_line_exits_2_naming_file_line_and_field(tmp_path, capsys, line, reason):
+    trace = write(tmp_path / "t.jsonl", [GOOD, "", line, GOOD])   # blank line 2: skipped, still counted as a line
+    err = one_line_error(bench.main, ["--trace", str(trace), *TINY, "--out", str(tmp_path / "o")], capsys)
+    assert f"{trace}, line 3: {reason}" in err
+
+
+def test_bad_files_and_arguments_exit_2_with_one_line(tmp_path, capsys):
+    trace = trace_of(tmp_path / "t.jsonl", 30)
+    (tmp_path / "bin").write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
+    cases = [
+        (["--trace", str(tmp_path / "missing.jsonl")], "cannot read the trace (No such file or directory)"),
+        (["--trace", str(tmp_path)], "cannot read the trace"),
+        (["--trace", str(tmp_path / "bin")], "line 2: not UTF-8 text"),
+        (["--trace", str(write(tmp_path / "empty.jsonl", ["", "  "]))], "no requests"),
+        (["--trace", str(trace), "--start", "30"], f"--start 30 is past the end of {trace}: it has 30 requests"),
+        (["--trace", str(trace), "--start", "-1"], "argument --start: must be an integer >= 0"),
+        (["--trace", str(trace), "--requests", "0"], "argument --requests: must be a positive integer"),
+        (["--trace", str(trace), "--windows", "-2"], "argument --windows: must be a positive integer"),
+        (["--trace", str(trace), "--time-scale", "0"], "argument --time-scale: must be a positive number"),
+        (["--trace", str(trace), "--time-scale", "nan"], "argument --time-scale: must be a positive number"),
+        (["--trace", str(trace), "--engines", "0"], "argument --engines: must be a positive integer"),
+        (["--trace", str(trace), "--sweep-windows", "0"], "argument --sweep-windows: must be a positive integer"),
+        (["--trace", str(trace), "--variants", "best"], "argument --variants: unknown 'best'"),
+        (["--trace", str(trace), "--sweep-loads", "1,x"], "argument --sweep-loads: must be a positive number"),
+        (["--trace", str(trace), "--out", str(trace)], f"--out {trace}:"),
+        ([], "the following arguments are required: --trace"),
+    ]
+    for argv, reason in cases:
+        assert reason in one_line_error(bench.main, argv, capsys), argv
+
+
+def test_the_command_line_gives_no_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "bench", "replay", "--trace",
+                          str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("kvmesh bench replay: ") and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_blank_lines_are_skipped_and_a_window_is_replayed_in_arrival_order(tmp_path):
+    rows = [{**GOOD, "timestamp": t, "hash_ids": [t]} for t in (5000, 3000, 4000, 3000, 9000)]
+    trace = write(tmp_path / "t.jsonl", ["", rows[0], rows[1], "", rows[2], rows[3], rows[4], ""])
+    assert scan(trace) == TraceInfo(trace, requests=5, lines=7)
+    window = load_window(trace, start=0, count=4, time_scale=2.0)
+    assert [r.arrival_ms for r in window] == [0, 0, 500, 1000]      # sorted, shifted to the earliest, scaled
+    assert [r.hash_ids for r in window] == [(3000,), (3000,), (4000,), (5000,)]   # ties keep file order
+    with pytest.raises(TraceError, match="does not fit: the trace has 5 requests"):
+        load_window(trace, start=3, count=3)
+
+
+def test_windows_are_disjoint_for_every_trace_length():
+    """Regression: the starts were clamped to ``lines - requests``, so a short trace replayed one window several
+    times ([0, 1000, 1000] on 5,000 lines) and its confidence interval counted the copies as independent."""
+    for n, start, windows, requests in itertools.product((1, 7, 50, 5000, 12031), (0, 3, 4990), (1, 2, 3, 5),
+                                                         (1, 4, 1000, 4000)):
+        if start >= n:
+            with pytest.raises(TraceError, match=f"has {n} requests"):
+                select_windows(TraceInfo(Path("t"), n, n), start, windows, requests)
+            continue
+        plan = select_windows(TraceInfo(Path("t"), n, n), start, windows, requests)
+        s = plan.starts
+        assert s[0] == start and plan.requests == min(requests, n - start) and 1 <= len(s) <= windows
+        assert all(b - a >= plan.requests for a, b in zip(s, s[1:]))             # disjoint, hence distinct
+        assert s[-1] + plan.requests <= n                                          # inside the trace
+        fits = 1 + (n - start - plan.requests) // plan.requests                   # adjacent windows that fit
+        assert len(s) == min(windows, fits)                                        # none dropped that fits
+        assert bool(plan.note) == (len(s) < windows or plan.requests < requests)
+    plan = select_windows(TraceInfo(Path("t"), 12031, 12031), 0, 3, 4000)
+    assert plan.starts == (0, 4000, 8000) and not plan.note                      # the long trace: as before
+    assert select_windows(TraceInfo(Path("t"), 5000, 5000), 0, 3, 1000).starts == (0, 2000, 4000)
+
+
+def test_a_valid_short_trace_runs_on_the_windows_that_fit_and_says_so(tmp_path, capsys):
+    trace = trace_of(tmp_path / "t.jsonl", 120)
+    assert bench.main(["--trace", str(trace), *TINY, "--requests", "50", "--windows", "3", "--out",
+                       str(tmp_path / "o"), "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    result = json.loads(out[-1])
+    assert result["trace"]["windows"] == [0, 50] and result["trace"]["windows_requested"] == 3
+    assert result["trace"]["requests"] == 50 and result["trace"]["trace_requests"] == 120
+    assert "2 disjoint windows, not 3" in result["trace"]["note"]
+    assert f"note: {result['trace']['note']}" in out
+    for r in result["policies"].values():
+        assert r["windows"] == 2 and r["requests"] == 50 and r["goodput_rps_ci95"] is not None
+
+
+def test_one_window_has_no_confidence_interval_and_the_sweep_gets_distinct_windows(tmp_path, capsys):
+    trace = trace_of(tmp_path / "t.jsonl", 60)
+    argv = ["--trace", str(trace), "--engines", "4", "--jobs", "1", "--variants", "cost-aware+p2p",
+            "--requests", "100", "--windows", "3", "--sweep-requests", "20", "--sweep-windows", "5",
+            "--sweep-variants", "cost-aware+p2p", "--sweep-params", "speed", "--sweep-loads", "1",
+            "--out", str(tmp_path / "o"), "--json"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    result = json.loads(out[-1])
+    assert result["trace"]["windows"] == [0] and result["trace"]["requests"] == 60
+    assert "windows of 60 requests, not 100" in result["trace"]["note"] and "no confidence interval" in out[1]
+    assert out[2] == "note: sweep: 3 disjoint windows, not 5: the trace has 60 requests from request 0 on"
+    policy = result["policies"]["cost-aware+p2p"]
+    assert policy["windows"] == 1 and policy["goodput_rps_ci95"] is None
+    assert " n/a " in next(line for line in out if line.startswith("cost-aware+p2p"))
+    assert result["trace"]["sweep"]["windows"] == [0, 20, 40] and result["trace"]["sweep"]["windows_requested"] == 5
+    assert all(p["policies"]["cost-aware+p2p"]["goodput_rps_ci95"] is not None for p in result["sweep"])
+
+
+def test_sim_to_real_checks_its_input_before_starting_anything(tmp_path, capsys, monkeypatch):
+    class Started(Exception):
+        pass
+
+    def build_tiny_llama(*_):
+        raise Started
+    monkeypatch.setattr(sim_to_real, "build_tiny_llama", build_tiny_llama)
+    trace = trace_of(tmp_path / "t.jsonl", 10)
+    bad = write(tmp_path / "bad.jsonl", [GOOD, {**GOOD, "hash_ids": [1, -2]}])
+    prog = "kvmesh bench sim-to-real"
+    for argv, reason in [
+        (["--trace", str(bad)], f"{bad}, line 2: hash_ids[1]"),
+        (["--trace", str(tmp_path / "missing.jsonl")], "cannot read the trace"),
+        (["--trace", str(trace), "--start", "10"], "--start 10 is past the end"),
+        (["--trace", str(trace), "--requests", "0"], "argument --requests: must be a positive integer"),
+        (["--trace", str(trace), "--load", "-1"], "argument --load: must be a positive number"),
+        (["--trace", str(trace), "--policies", "fastest"], "argument --policies: unknown 'fastest'"),
+    ]:
+        assert reason in one_line_error(sim_to_real.main, argv, capsys, prog), argv
+    with pytest.raises(Started):   # positive control: valid input goes on to build the model
+        sim_to_real.main(["--trace", str(trace), "--requests", "36"])
+
+
+def test_an_interval_needs_two_windows_and_widens_with_fewer():
+    from kvmesh_apps.replay.runs import mean_ci
+
+    assert mean_ci([3.0]) == (3.0, None)
+    _, two = mean_ci([1.0, 3.0])
+    assert two == pytest.approx(12.706)      # Student t, 1 degree of freedom: stdev sqrt(2) over sqrt(2) values
+    _, nine = mean_ci([1.0, 3.0] * 4 + [2.0])
+    _, forty = mean_ci([1.0, 3.0] * 20)
+    sd9, sd40 = (sum((x - 2.0) ** 2 for x in [1.0, 3.0] * 4) / 8) ** 0.5, (40 / 39) ** 0.5
+    assert nine == pytest.approx(2.306 * sd9 / 3) and forty == pytest.approx(1.96 * sd40 / 40 ** 0.5)
