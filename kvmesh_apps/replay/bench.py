@@ -141,6 +141,11 @@ def main(argv: list[str]) -> int:
         plan = select_windows(info, args.start, args.windows, args.requests)
         sweep_plan = None if args.no_sweep else select_windows(info, args.start, args.sweep_windows,
                                                                args.sweep_requests)
+        for s in sweep_plan.starts if sweep_plan else ():   # the load curve is in multiples of each one's rate
+            if load_window(Path(args.trace), s, sweep_plan.requests)[-1].arrival_ms == 0:
+                raise TraceError(f"{args.trace}: requests {s} to {s + sweep_plan.requests - 1} all arrive at one "
+                                 f"time, so the sweep's arrival rates are undefined (--no-sweep: the default point "
+                                 f"only; or more --sweep-requests)")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

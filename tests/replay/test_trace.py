@@ -93,6 +93,7 @@ def test_bad_files_and_arguments_exit_2_with_one_line(tmp_path, capsys):
         (["--trace", str(trace), "--sweep-loads", "1,x"], "argument --sweep-loads: must be a positive number"),
         (["--trace", str(trace), "--out", str(trace)], f"--out {trace}:"),
         ([], "the following arguments are required: --trace"),
+        (["--trace", str(trace), "--sweep-requests", "1"], "requests 0 to 0 all arrive at one time"),
     ]
     for argv, reason in cases:
         assert reason in one_line_error(bench.main, argv, capsys), argv
