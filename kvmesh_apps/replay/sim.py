@@ -313,7 +313,7 @@ class Simulation:
         self._push(now_ms + steps * per, _STEP, (e, e.step_version))
 
     def _end_step(self, e: Engine, now_ms: float) -> None:
-        p, t = self.p, self.totals
+        t = self.totals
         _, per, steps, decodes, chunks = self._macro.pop(e.index)
         finished = []
         for s in decodes:

@@ -212,7 +212,7 @@ async def test_concurrent_pulls_of_one_prefix_move_its_bytes_once(nodes, ns):
 async def test_a_block_arriving_by_pull_answers_a_peer_after_the_pull(nodes, ns, grant):
     """While b is pulling blocks from a (a frozen mid-pull), c's Lookup of them on b waits (HIT_PENDING)
     and answers HIT once they arrive, rather than MISS at once."""
-    a, b, c = await nodes("a"), await nodes("b", max_pending_wait_ms=30_000), await nodes("c")
+    a, b = await nodes("a"), await nodes("b", max_pending_wait_ms=30_000)
     hashes, absent = make_hashes(4), make_hashes(1)
     data = await a.store(ns, hashes, seed=11)
     identity = NodeIdentity()  # this process plays peer c
