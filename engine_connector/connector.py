@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvmesh import tracing
 
+from engine_connector.block_shape import EngineBlocks, engine_block_nbytes
 from engine_connector.config import ConnectorConfig
 from engine_connector.metadata import KvmeshConnectorMetadata
 from engine_connector.node_link import NodeLink
@@ -61,16 +62,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def engine_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
-    """Bytes of one block across all layers: the data plane's slot size must equal it."""
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(
-            f"KvmeshConnector supports one KV cache group, the model has {len(kv_cache_config.kv_cache_groups)}"
-        )
-    (group,) = kv_cache_config.kv_cache_groups
-    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-
-
 class KvmeshConnector(KVConnectorBase_V1):
     """Loads prompt prefixes from this node's tier or a peer's, and saves full blocks to the node's tier."""
 
@@ -85,9 +76,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         try:
             slot_bytes = self._link.describe_tier().block_bytes
-            if kv_cache_config is not None and slot_bytes != engine_block_nbytes(kv_cache_config):
-                raise ValueError(f"the data plane at {config.data_plane_address} has {slot_bytes}-byte slots; this "
-                                 f"engine's KV blocks are {engine_block_nbytes(kv_cache_config)} bytes")
+            blocks = EngineBlocks.of(vllm_config)
+            if kv_cache_config is not None:
+                blocks.check(config.data_plane_address, slot_bytes, engine_block_nbytes(kv_cache_config))
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = SchedulerSide(
                     self._link, ns, config, vllm_config.cache_config.block_size,
@@ -95,7 +86,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                     can_save=self._kv_transfer_config.is_kv_producer,
                 )
             else:
-                self._worker = WorkerSide(self._link, ns, misplace_one_block=config.misplace_one_block)
+                self._worker = WorkerSide(self._link, ns, blocks, misplace_one_block=config.misplace_one_block)
         except BaseException:
             self._link.close()
             raise

@@ -49,6 +49,7 @@ class NodeLink:
     def __init__(self, data_plane_address: str, key: str, control_plane_address: str = "",
                  rpc_timeout_s: float = 5.0, tls: ClientTLS | None = None) -> None:
         """``tls``: how to reach the data plane and the control plane (None: plaintext)."""
+        self.data_plane_address = data_plane_address
         self._timeout = rpc_timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-connector-rpc", daemon=True)

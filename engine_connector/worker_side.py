@@ -37,6 +37,7 @@ import torch
 from kvmesh.namespace import Namespace
 
 from data_plane.client import SharedTier
+from engine_connector.block_shape import EngineBlocks, SlotSizeMismatch
 from engine_connector.kv_layout import PagedKVLayout, pin_host_memory
 from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata, SaveRun
 from engine_connector.node_link import NodeLink
@@ -55,9 +56,11 @@ class _InFlight:
 
 
 class WorkerSide:
-    def __init__(self, link: NodeLink, ns: Namespace, *, misplace_one_block: bool = False) -> None:
+    def __init__(self, link: NodeLink, ns: Namespace, blocks: EngineBlocks, *,
+                 misplace_one_block: bool = False) -> None:
         self._link = link
         self._ns = ns
+        self._blocks = blocks
         self._misplace = misplace_one_block
         self._tier: SharedTier | None = None
         self._layout: PagedKVLayout | None = None
@@ -68,10 +71,11 @@ class WorkerSide:
         """Adopt vLLM's per-layer caches and map the node's tier; their block sizes must agree."""
         layout = PagedKVLayout(kv_caches)
         tier = SharedTier.open(self._link.describe_tier())
-        if layout.block_nbytes != tier.block_bytes:
+        try:
+            self._blocks.check(self._link.data_plane_address, tier.block_bytes, layout.block_nbytes)
+        except SlotSizeMismatch:
             tier.close()
-            raise ValueError(f"engine KV blocks are {layout.block_nbytes} bytes, the data plane's slots "
-                             f"{tier.block_bytes}: start the data plane with --block-bytes {layout.block_nbytes}")
+            raise
         if layout.on_gpu and not pin_host_memory(tier.slot(0).ctypes.data, tier.num_slots * tier.block_bytes):
             logger.warning("could not page-lock the CPU tier for the GPU: host<->device copies are synchronous")
         self._layout, self._tier = layout, tier

@@ -38,8 +38,10 @@ from typing import Any
 import numpy as np
 
 from kvmesh.channels import channel
+from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import LOGPROB_TOLERANCE, same_computation
+from kvmesh_apps.kv_shape import KVShape
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.tiny_model import DEMO_PRESET, TEST_INIT_STD, TinyLlamaSpec, build_tiny_llama
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
@@ -305,12 +307,13 @@ def main(argv: list[str]) -> int:
 
     model = build_tiny_llama(Path(args.model_dir) / args.model, **MODELS[args.model])
     spec = TinyLlamaSpec.from_checkpoint(model)
-    block_bytes = spec.kv_bytes_per_token() * BLOCK_SIZE
+    shape = KVShape.from_checkpoint(model, dtype=DTYPE)
+    block_bytes = shape.block_bytes(BLOCK_SIZE)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         say(f"kvmesh demo: model {args.model} ({spec.num_layers} layers, hidden {spec.hidden}, "
-            f"{spec.kv_bytes_per_token() // 1024} KiB of KV per token, {block_bytes // 1024} KiB per "
+            f"{shape.bytes_per_token() // 1024} KiB of KV per token, {block_bytes // 1024} KiB per "
             f"{BLOCK_SIZE}-token block); {args.sessions} sessions x {args.turns} turns on a "
             f"{args.prefix_tokens:,}-token system prompt; logs in {workdir}")
         fleet = Fleet(workdir, 2, new_key()[1], tenant=TENANT, block_bytes=block_bytes, block_tokens=BLOCK_SIZE,

@@ -5,7 +5,9 @@ JSON request per stdin line with one stdout line prefixed ``kvmesh-engine ``. vL
 the same stdout; :class:`EngineProcess` keeps the prefixed lines and writes the rest to the log.
 
 Spec: ``{"model": DIR, "connector": EXTRA_CONFIG | null, "enable_prefix_caching": bool,
-"max_model_len": N, "block_size": 32, "max_num_seqs": 4}``. Requests (one JSON object per line):
+"max_model_len": N, "block_size": 32, "dtype": "float32", "max_num_seqs": 4}`` (``dtype`` is vLLM's
+``--dtype``: ``auto`` serves a float32 checkpoint in bfloat16 on CPU, kvmesh_apps.kv_shape).
+Requests (one JSON object per line):
 
 * ``{"op": "generate", "prompt": [ids], "max_tokens": N, "kv_transfer_params": {...}, "logprobs": K,
   "reset_prefix_cache": bool}`` -> ``{"token_ids", "logprobs", "num_cached_tokens",
@@ -37,6 +39,8 @@ from typing import Any
 
 PREFIX = "kvmesh-engine "
 BLOCK_SIZE = 32
+# float32 keeps greedy outputs and logprobs identical across batch shapes (docs/engine_connector.md).
+DTYPE = "float32"
 
 
 def _build_llm(spec: dict[str, Any]) -> Any:
@@ -57,7 +61,7 @@ def _build_llm(spec: dict[str, Any]) -> Any:
         model=spec["model"],
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="float32",
+        dtype=spec.get("dtype", DTYPE),
         block_size=spec.get("block_size", BLOCK_SIZE),
         max_model_len=spec.get("max_model_len", 4096),
         max_num_seqs=spec.get("max_num_seqs", 4),

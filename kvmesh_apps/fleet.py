@@ -195,6 +195,8 @@ class Fleet:
             "data_planes": {node: p.address for node, p in self.data_planes.items()},
             "node_key_files": {node: str(self.node_key_file(node)) for node in self.node_keys},
             "tenant": self.tenant,
+            "block_bytes": self.block_bytes,
+            "block_tokens": self.block_tokens,
             "admin_key_file": str(self.admin_key_file),
             "redis_user": self.redis_users["control_plane"].name,
             "redis_password_file": str(self.redis_users["control_plane"].password_file),

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmesh_apps.kv_shape import CPU_HEAD_SIZES
+
 _STAMP = "kvmesh_tiny_model.json"
 
 
@@ -61,18 +63,12 @@ class TinyLlamaSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
-
     def validate(self) -> None:
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
-        # vLLM's CPU attention kernels only support these head sizes.
-        if self.head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256):
+        if self.head_dim not in CPU_HEAD_SIZES:
             raise ValueError(f"head_dim {self.head_dim} is not supported by vLLM's CPU backend")
 
 

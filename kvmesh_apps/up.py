@@ -4,8 +4,14 @@ Starts a :class:`kvmesh_apps.fleet.Fleet`: Redis (AOF on, in ``--workdir``, pass
 generated, no password-less user), the control plane, a tenant and ``--data-planes``
 data-plane nodes with their node keys, on free loopback ports; prints their addresses and
 the files holding the keys (never a secret itself), and stops everything on Ctrl-C.
-Engines are not started (they need a model): the printed ``vllm serve`` line attaches
-one to a data plane. ``--json`` prints the addresses as one JSON line.
+Engines are not started: the printed ``vllm serve`` line attaches one to a data plane.
+``--json`` prints the addresses and the slot size as one JSON line.
+
+A data-plane slot holds exactly one engine KV block (all layers), and the connector refuses
+a data plane whose slots differ. ``--model DIR`` derives the block's bytes from the
+checkpoint's config.json under vLLM's CPU rules (:mod:`kvmesh_apps.kv_shape`; ``--dtype`` and
+``--kv-cache-dtype`` as given to ``vllm serve``); ``--block-bytes`` sets them explicitly.
+Bad input ends with one ``kvmesh up: error: ...`` line and exit status 2, before anything starts.
 """
 
 from __future__ import annotations
@@ -16,43 +22,136 @@ import os
 import signal
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh_apps.fleet import Fleet
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from kvmesh_apps.fleet import DEFAULT_BLOCK_BYTES, Fleet
+from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
 from tenancy.api_keys import new_key
 
+DEFAULT_BLOCK_TOKENS = 32
+DEFAULT_CAPACITY = "256MiB"
+EXIT_BAD_INPUT = 2
+
 ENGINE_HINT = (
-    "vllm serve MODEL --block-size 32 --kv-transfer-config "
+    "vllm serve {model}{dtype} --block-size {block_tokens} --kv-transfer-config "
     "'{{\"kv_connector\":\"KvmeshConnector\",\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"recompute\","
     "\"kv_connector_extra_config\":{{\"data_plane_address\":\"{address}\",\"api_key_file\":\"{key_file}\","
     "\"control_plane_address\":\"{cp}\",\"tenant\":\"{tenant}\",\"auto_source\":true}}}}'"
 )
 
 
-def main(argv: list[str]) -> int:
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """The data planes' slot size and capacity, and the model they were derived from (if any)."""
+
+    block_bytes: int
+    block_tokens: int
+    capacity_bytes: int
+    model: Path | None = None
+    shape: KVShape | None = None
+
+    def engine_flags(self) -> str:
+        """``vllm serve`` flags after the model that give the engine these blocks (dtype flags with ``--model``)."""
+        if self.shape is None:
+            return ""
+        kv = f" --kv-cache-dtype {self.shape.kv_cache_dtype}" if self.shape.kv_cache_dtype != "auto" else ""
+        return f" --dtype {self.shape.dtype}{kv}"
+
+    def describe(self) -> str:
+        where = "set by --block-bytes; attach only an engine whose KV block is exactly this (--model DIR derives it)"
+        if self.shape is not None:
+            s = self.shape
+            where = (f"{self.model}: {s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x "
+                     f"{s.element_bytes} bytes ({s.dtype}{', kv ' + s.kv_cache_dtype if s.kv_cache_dtype != 'auto' else ''})"
+                     f" x 2 (K, V)")
+        return f"{self.block_bytes} bytes per {self.block_tokens}-token block ({where})"
+
+
+def resolve_slots(args: argparse.Namespace) -> Slots:
+    """The slots ``args`` ask for; ``ValueError`` (one line) for bad or contradictory input."""
+    if args.data_planes < 0:
+        raise ValueError(f"--data-planes must be 0 or more, not {args.data_planes}")
+    block_tokens = check_block_tokens(args.block_tokens)
+    if args.block_bytes is not None and args.block_bytes <= 0:
+        raise ValueError(f"--block-bytes must be a positive number of bytes, not {args.block_bytes}")
+    model = shape = None
+    if args.model:
+        model = Path(args.model).resolve()
+        try:
+            shape = KVShape.from_checkpoint(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+        except KVShapeError as exc:
+            raise ValueError(f"--model: {exc} (for a model this cannot read, give --block-bytes instead)") from None
+        derived = shape.block_bytes(block_tokens)
+        if args.block_bytes is not None and args.block_bytes != derived:
+            raise ValueError(f"--block-bytes {args.block_bytes} contradicts --model: its {block_tokens}-token "
+                             f"blocks are {derived} bytes ({shape.dtype}); drop one of the two")
+        block_bytes = derived
+    elif args.dtype != "auto" or args.kv_cache_dtype != "auto":
+        raise ValueError("--dtype and --kv-cache-dtype describe the --model checkpoint: give --model too")
+    else:
+        block_bytes = args.block_bytes if args.block_bytes is not None else DEFAULT_BLOCK_BYTES
+    try:
+        capacity = int(TypeAdapter(ByteSize).validate_python(args.capacity))
+    except ValidationError:
+        raise ValueError(f"--capacity {args.capacity!r} is not a size (e.g. 256MiB, 8GiB or bytes)") from None
+    if capacity < block_bytes:
+        raise ValueError(f"--capacity {args.capacity} holds no {block_bytes}-byte block: give at least {block_bytes}")
+    return Slots(block_bytes, block_tokens, capacity, model, shape)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh up", description=__doc__.split("\n")[0])
     parser.add_argument("--data-planes", type=int, default=2)
     parser.add_argument("--workdir", default="", help="Redis data and service logs (default: a new temp dir)")
-    parser.add_argument("--json", action="store_true", help="print the addresses as one JSON line")
+    parser.add_argument("--json", action="store_true", help="print the addresses and slot size as one JSON line")
+    parser.add_argument("--model", default="", help="local Hugging Face checkpoint directory the engines will "
+                        "serve: the slot size is derived from its config.json")
+    parser.add_argument("--dtype", default="auto", help="vLLM's --dtype for --model (auto: a float32 checkpoint is "
+                        "served in bfloat16 on CPU)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype for --model")
+    parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
+                        help="tokens per KV block, the engines' --block-size (a multiple of 32 on CPU)")
+    parser.add_argument("--block-bytes", type=int, default=None,
+                        help=f"bytes of one block across all layers (default: derived from --model, else "
+                             f"{DEFAULT_BLOCK_BYTES})")
+    parser.add_argument("--capacity", default=DEFAULT_CAPACITY, help="CPU tier of each data plane, e.g. 1GiB")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        slots = resolve_slots(args)
+    except ValueError as exc:
+        parser.exit(EXIT_BAD_INPUT, f"kvmesh up: error: {exc}\n")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     admin_key = os.environ.get("KVMESH_ADMIN_KEY") or new_key()[1]  # written to <workdir>/secrets/admin.key
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    fleet = Fleet(workdir, args.data_planes, admin_key).start()
+    fleet = Fleet(workdir, args.data_planes, admin_key, block_bytes=slots.block_bytes,
+                  block_tokens=slots.block_tokens, capacity=str(slots.capacity_bytes)).start()
     try:
-        info = fleet.addresses()
+        info = {**fleet.addresses(), "capacity_bytes": slots.capacity_bytes}
+        if slots.shape is not None:
+            info.update(model=str(slots.model), dtype=slots.shape.dtype, kv_cache_dtype=slots.shape.kv_cache_dtype)
         if args.json:
             print(json.dumps(info), flush=True)
         else:
             print(f"redis          {info['redis']}")
             print(f"control plane  {info['control_plane']}")
+            print(f"slots          {slots.describe()}; {slots.capacity_bytes // slots.block_bytes} per data plane")
             for node, address in info["data_planes"].items():
                 print(f"data plane     {node} {address}")
-                hint = ENGINE_HINT.format(address=address, key_file=info["node_key_files"][node],
-                                          cp=info["control_plane"], tenant=info["tenant"])
+                hint = ENGINE_HINT.format(model=slots.model or "MODEL", dtype=slots.engine_flags(),
+                                          block_tokens=slots.block_tokens, address=address,
+                                          key_file=info["node_key_files"][node], cp=info["control_plane"],
+                                          tenant=info["tenant"])
                 print(f"  engine:      {hint}")
             print(f"admin key      in {info['admin_key_file']}")
             print(f"redis user     {info['redis_user']}, password in {info['redis_password_file']}")

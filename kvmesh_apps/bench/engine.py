@@ -38,8 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import same_computation
+from kvmesh_apps.kv_shape import KVShape
 from kvmesh_apps.tiny_model import TEST_INIT_STD, TinyLlamaSpec, build_tiny_llama
 from tenancy.api_keys import new_key
 
@@ -92,7 +94,7 @@ def _report(result: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace, say) -> dict[str, Any]:
     model = build_tiny_llama(Path(args.model_dir) / "tiny-sharp", init_std=TEST_INIT_STD)
     spec = TinyLlamaSpec.from_checkpoint(model)
-    block_bytes = spec.kv_bytes_per_token() * BLOCK_SIZE
+    block_bytes = KVShape.from_checkpoint(model, dtype=DTYPE).block_bytes(BLOCK_SIZE)
     rng = np.random.default_rng(args.seed)
     draw = lambda n: rng.integers(2, spec.vocab, n).tolist()  # noqa: E731
     prefixes = {name: draw(args.prefix_tokens) for name in

@@ -43,8 +43,9 @@ from control_plane.routing.types import Candidate, EngineSample, LinkSample
 from control_plane.scheduler_client import SchedulerClient
 from engine_connector.config import KV_LAYOUT
 from kvmesh.namespace import CacheConfig, Namespace
-from kvmesh_apps.engine_host import BLOCK_SIZE, EngineProcess
+from kvmesh_apps.engine_host import BLOCK_SIZE, DTYPE, EngineProcess
 from kvmesh_apps.fleet import Fleet
+from kvmesh_apps.kv_shape import KVShape
 from kvmesh_apps.replay.args import Parser, UsageError, fail, non_negative_int, positive_float, positive_int, subset
 from kvmesh_apps.replay.backends import InProcessBackend
 from kvmesh_apps.replay.costs import FittedCosts
@@ -210,7 +211,8 @@ def main(argv: list[str]) -> int:
         work = Path(tmp)
         model = build_tiny_llama(work / "model")
         spec = TinyLlamaSpec.from_checkpoint(model)
-        kv_bytes = spec.kv_bytes_per_token()
+        shape = KVShape.from_checkpoint(model, dtype=DTYPE)
+        kv_bytes = shape.bytes_per_token()
         block_bytes = kv_bytes * BLOCK_SIZE
         with Fleet(work / "fleet", 2, admin_key, tenant="simreal", block_bytes=block_bytes, block_tokens=BLOCK_SIZE,
                    capacity=f"{4096 * block_bytes}") as fleet:
@@ -226,7 +228,7 @@ def main(argv: list[str]) -> int:
             window = [replace(r, arrival_ms=r.arrival_ms / scale) for r in window]
             measured["prefill_tokens_per_s"] = 2048 / (costs.prefill_alone_ms(2048, 0, 8192) / 1000.0)
             ns = Namespace("simreal", str(model), "random-init", CacheConfig(  # as the connector names its blocks
-                block_size=BLOCK_SIZE, kv_dtype=spec.dtype, kv_layout=KV_LAYOUT, parallel_layout="tp1-pp1",
+                block_size=BLOCK_SIZE, kv_dtype=shape.dtype, kv_layout=KV_LAYOUT, parallel_layout="tp1-pp1",
                 hash_seed=os.environ.get("PYTHONHASHSEED", ""))).validate()
             # a discarded pass first, so that no measured policy runs on cold engines
             asyncio.run(replay_real(fleet, engines, ns, window, Prompts(spec.vocab, args.block_tokens, 0),

@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import LOGPROB_TOLERANCE, max_logprob_diff, same_computation
+from kvmesh_apps.kv_shape import KVShape
 from kvmesh_apps.tiny_model import TinyLlamaSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(1500)]
@@ -62,7 +64,7 @@ def _source(fleet: Fleet, node: str, kind: str = "remote_kv_source") -> dict[str
 def run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, start_fleet):
     spec = TinyLlamaSpec.from_checkpoint(tiny_model)
     trace_dir = tmp_path_factory.mktemp("traces")
-    fleet = start_fleet(spec.kv_bytes_per_token() * BLOCK_SIZE, trace_dir=trace_dir)
+    fleet = start_fleet(KVShape.from_checkpoint(tiny_model, dtype=DTYPE).block_bytes(BLOCK_SIZE), trace_dir=trace_dir)
     dp1 = fleet.data_planes["dp1"].proc
     try:
         rng = np.random.default_rng(7)

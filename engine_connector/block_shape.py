@@ -1,0 +1,64 @@
+"""One engine KV block in bytes, and the startup error when the node's data-plane slots differ.
+
+A data-plane slot holds exactly one engine block (all layers, kv_layout.py), so the sizes must
+be equal; the connector checks it when the engine starts (both roles) and again when the
+worker adopts the KV cache. The error names the engine's block bytes and block size and how to
+start a fleet that matches (``kvmesh up --block-bytes N --block-tokens M``, or ``kvmesh up
+--model PATH --dtype D --block-tokens M``, which derives the same number from the checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class SlotSizeMismatch(ValueError):
+    """The node's data plane has slots of another size than this engine's KV blocks."""
+
+
+def engine_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of one block across all layers: the data plane's slot size must equal it."""
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError(
+            f"KvmeshConnector supports one KV cache group, the model has {len(kv_cache_config.kv_cache_groups)}"
+        )
+    (group,) = kv_cache_config.kv_cache_groups
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBlocks:
+    """What the remedy of a mismatch needs to say about this engine."""
+
+    block_tokens: int
+    model: str = ""
+    dtype: str = ""  # the model dtype vLLM serves in, e.g. bfloat16
+    kv_cache_dtype: str = "auto"
+
+    @classmethod
+    def of(cls, vllm_config: "VllmConfig") -> "EngineBlocks":
+        model = vllm_config.model_config
+        return cls(vllm_config.cache_config.block_size, str(model.model), str(model.dtype).removeprefix("torch."),
+                   str(vllm_config.cache_config.cache_dtype))
+
+    def check(self, address: str, slot_bytes: int, engine_bytes: int) -> None:
+        """Raise :class:`SlotSizeMismatch` (a one-line remedy) unless the slots hold exactly one block."""
+        if slot_bytes == engine_bytes:
+            return
+        exact = f"--block-bytes {engine_bytes} --block-tokens {self.block_tokens}"
+        derived = ""
+        if self.model:
+            kv = f" --kv-cache-dtype {self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""
+            dtype = f" --dtype {self.dtype}" if self.dtype else ""
+            derived = f", or `kvmesh up --model {self.model}{dtype}{kv} --block-tokens {self.block_tokens}`"
+        raise SlotSizeMismatch(
+            f"KvmeshConnector: the data plane at {address} has {slot_bytes}-byte slots but this engine's KV blocks "
+            f"are {engine_bytes} bytes ({self.block_tokens} tokens"
+            f"{', ' + self.dtype if self.dtype else ''}); a slot must hold exactly one block. Start a matching "
+            f"fleet: `kvmesh up {exact}`{derived}; or start each data plane with {exact} "
+            f"(KVMESH_DP_BLOCK_BYTES={engine_bytes} KVMESH_DP_BLOCK_TOKENS={self.block_tokens})")

@@ -1,0 +1,179 @@
+"""kvmesh_apps.kv_shape: one KV block's bytes from a checkpoint's config.json, under vLLM 0.32's CPU rules.
+
+The arithmetic is checked on hand-computed configs; the rules (served dtype, head size, KV heads) against vLLM's
+own ModelConfig and FullAttentionSpec on the same config.json files (no engine started). The end-to-end oracle,
+the connector's size check in a real engine, is tests/engine_connector/test_vllm_other_shape.py.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
+
+LLAMA3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+             "intermediate_size": 14336, "vocab_size": 128256, "torch_dtype": "bfloat16"}
+
+
+def _config(**overrides) -> dict:
+    return {k: v for k, v in {**LLAMA3_8B, **overrides}.items() if v is not None}
+
+
+def _checkpoint(tmp_path: Path, config: dict | str, name: str = "model") -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return path
+
+
+def _safetensors(path: Path, dtypes: list[str]) -> None:
+    """A header-only-sized safetensors file whose tensors have ``dtypes`` (2 elements each)."""
+    width = {"F32": 4, "BF16": 2, "F16": 2}
+    header, offset = {}, 0
+    for i, dtype in enumerate(dtypes):
+        header[f"w{i}"] = {"dtype": dtype, "shape": [2], "data_offsets": [offset, offset + 2 * width[dtype]]}
+        offset += 2 * width[dtype]
+    raw = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def test_gqa_llama_bf16_is_128_kib_per_token() -> None:
+    shape = KVShape.from_config(_config())
+    assert (shape.num_layers, shape.kv_heads, shape.head_dim, shape.dtype) == (32, 8, 128, "bfloat16")
+    assert shape.bytes_per_token() == 2 * 32 * 8 * 128 * 2 == 131072
+    assert shape.block_bytes(32) == 4 * 1024 * 1024 and shape.block_bytes(64) == 8 * 1024 * 1024
+
+
+def test_explicit_head_dim_wins_over_hidden_over_heads() -> None:
+    # Qwen3-style: hidden 2048 / 16 heads would be 128; the config says 64.
+    shape = KVShape.from_config(_config(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                                        head_dim=64, num_hidden_layers=28))
+    assert (shape.kv_heads, shape.head_dim) == (4, 64)
+    assert shape.bytes_per_token() == 2 * 28 * 4 * 64 * 2
+
+
+def test_kv_heads_default_to_the_attention_heads() -> None:
+    shape = KVShape.from_config(_config(num_key_value_heads=None, hidden_size=1024, num_attention_heads=16))
+    assert (shape.kv_heads, shape.head_dim) == (16, 64)
+
+
+def test_float32_checkpoint_is_served_in_bfloat16_on_cpu_unless_asked() -> None:
+    fp32 = _config(torch_dtype="float32")
+    assert KVShape.from_config(fp32).dtype == "bfloat16"
+    assert KVShape.from_config(fp32, dtype="float32").bytes_per_token() == 2 * KVShape.from_config(fp32).bytes_per_token()
+    assert KVShape.from_config(fp32, dtype="float").dtype == "float32"
+
+
+def test_float16_checkpoint_stays_float16_except_where_vllm_refuses_it() -> None:
+    assert KVShape.from_config(_config(torch_dtype="float16")).dtype == "float16"
+    assert KVShape.from_config(_config(torch_dtype="float16"), dtype="half").dtype == "float16"
+    gemma = _config(model_type="gemma2", torch_dtype="float16", head_dim=128)
+    assert KVShape.from_config(gemma).dtype == "bfloat16"
+    with pytest.raises(KVShapeError, match="float16 for gemma2"):
+        KVShape.from_config(gemma, dtype="float16")
+
+
+def test_dtype_key_text_config_and_torch_prefix() -> None:
+    assert KVShape.from_config(_config(torch_dtype=None, dtype="torch.float16")).dtype == "float16"
+    nested = {"model_type": "llava", "text_config": _config(torch_dtype=None, num_hidden_layers=4),
+              "torch_dtype": "bfloat16"}
+    shape = KVShape.from_config(nested)
+    assert (shape.num_layers, shape.dtype) == (4, "bfloat16")
+
+
+def test_fp8_kv_cache_is_one_byte_per_element() -> None:
+    shape = KVShape.from_config(_config(), kv_cache_dtype="fp8")
+    assert shape.bytes_per_token() == 2 * 32 * 8 * 128
+    with pytest.raises(KVShapeError, match="multiple of 32"):
+        KVShape.from_config(_config(hidden_size=2560, num_attention_heads=32), kv_cache_dtype="fp8_e4m3")  # 80
+    with pytest.raises(KVShapeError, match="not supported by vLLM's CPU"):
+        KVShape.from_config(_config(), kv_cache_dtype="int8_per_token_head")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"hidden_size": 3072, "num_attention_heads": 64}, "head size 48"),
+    ({"num_hidden_layers": None}, "num_hidden_layers must be a positive integer"),
+    ({"num_hidden_layers": "32"}, "num_hidden_layers must be a positive integer"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+    ({"torch_dtype": "int8"}, "torch_dtype 'int8'"),
+    ({"kv_lora_rank": 512}, "latent attention"),
+])
+def test_bad_configs_are_refused_with_the_reason(overrides: dict, message: str) -> None:
+    with pytest.raises(KVShapeError, match=message):
+        KVShape.from_config(_config(**overrides))
+
+
+def test_block_tokens_must_be_a_positive_multiple_of_32() -> None:
+    assert check_block_tokens(64) == 64
+    for bad in (0, -32, 16, 48):
+        with pytest.raises(KVShapeError, match="multiple of 32"):
+            check_block_tokens(bad)
+    with pytest.raises(KVShapeError):
+        KVShape.from_config(_config()).block_bytes(16)
+
+
+def test_checkpoint_errors(tmp_path: Path) -> None:
+    with pytest.raises(KVShapeError, match="not a directory"):
+        KVShape.from_checkpoint(tmp_path / "missing")
+    (tmp_path / "no-config").mkdir()
+    with pytest.raises(KVShapeError, match="cannot read .*config.json"):
+        KVShape.from_checkpoint(tmp_path / "no-config")
+    with pytest.raises(KVShapeError, match="not valid JSON"):
+        KVShape.from_checkpoint(_checkpoint(tmp_path, "{not json", "broken"))
+    with pytest.raises(KVShapeError, match="JSON object"):
+        KVShape.from_checkpoint(_checkpoint(tmp_path, "[1, 2]", "list"))
+
+
+def test_weights_dtype_when_the_config_names_none(tmp_path: Path) -> None:
+    bf16 = _checkpoint(tmp_path, _config(torch_dtype=None), "bf16")
+    _safetensors(bf16, ["BF16", "BF16"])
+    assert KVShape.from_checkpoint(bf16, dtype="auto").dtype == "bfloat16"
+    fp16 = _checkpoint(tmp_path, _config(torch_dtype=None), "fp16")
+    _safetensors(fp16, ["F16"])
+    assert KVShape.from_checkpoint(fp16).dtype == "float16"
+    mixed = _checkpoint(tmp_path, _config(torch_dtype=None), "mixed")
+    _safetensors(mixed, ["F16", "F32"])
+    assert KVShape.from_checkpoint(mixed, dtype="float32").dtype == "float32"  # explicit: weights irrelevant
+    assert KVShape.from_checkpoint(mixed).dtype == "bfloat16"  # float32 weights: bfloat16 on CPU
+    none = _checkpoint(tmp_path, _config(torch_dtype=None), "none")
+    assert KVShape.from_checkpoint(none).dtype == "bfloat16"  # no dtype anywhere: float32 -> bfloat16
+
+
+# ---- the same config.json files through vLLM's own ModelConfig and FullAttentionSpec ----
+
+VLLM_CASES = {
+    "llama-gqa-bf16": _config(),
+    "llama-fp32-auto": _config(torch_dtype="float32", num_hidden_layers=3),
+    "llama-fp16": _config(torch_dtype="float16", num_hidden_layers=2),
+    "qwen3-head-dim": _config(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2048,
+                              num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_hidden_layers=4),
+    "mha-no-kv-heads": _config(num_key_value_heads=None, hidden_size=1024, num_attention_heads=16,
+                               torch_dtype="float32"),
+    "no-dtype": _config(torch_dtype=None, num_hidden_layers=2),
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("dtype", ["auto", "float32", "float16"])
+def test_the_derivation_agrees_with_vllms_model_config(tmp_path: Path, dtype: str) -> None:
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    for name, config in VLLM_CASES.items():
+        path = _checkpoint(tmp_path, {**config, "max_position_embeddings": 4096}, name)
+        vllm = ModelConfig(model=str(path), dtype=dtype, skip_tokenizer_init=True)
+        ours = KVShape.from_checkpoint(path, dtype=dtype)
+        assert ours.dtype == str(vllm.dtype).removeprefix("torch."), name
+        assert (ours.num_layers, ours.kv_heads, ours.head_dim) == (
+            vllm.get_num_layers(ParallelConfig()), vllm.get_total_num_kv_heads(), vllm.get_head_size()), name
+        for block_tokens in (32, 64):
+            spec = FullAttentionSpec(block_size=block_tokens, num_kv_heads=vllm.get_total_num_kv_heads(),
+                                     head_size=vllm.get_head_size(),
+                                     dtype=kv_cache_dtype_str_to_dtype("auto", vllm))
+            assert ours.block_bytes(block_tokens) == spec.page_size_bytes * ours.num_layers, name
