@@ -61,13 +61,16 @@ class Slots:
         return f" --dtype {self.shape.dtype}{kv}"
 
     def describe(self) -> str:
-        where = "set by --block-bytes; attach only an engine whose KV block is exactly this (--model DIR derives it)"
         if self.shape is not None:
             s = self.shape
-            where = (f"{self.model}: {s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x "
-                     f"{s.element_bytes} bytes ({s.dtype}{', kv ' + s.kv_cache_dtype if s.kv_cache_dtype != 'auto' else ''})"
-                     f" x 2 (K, V)")
-        return f"{self.block_bytes} bytes per {self.block_tokens}-token block ({where})"
+            kv = f", kv cache {s.kv_cache_dtype}" if s.kv_cache_dtype != "auto" else ""
+            why = (f"{self.model}: K and V x {s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x "
+                   f"{s.element_bytes} bytes, {s.dtype}{kv}")
+        elif self.block_bytes == DEFAULT_BLOCK_BYTES:
+            why = "the default: only an engine whose KV block is exactly this attaches; --model DIR sizes them for a model"
+        else:
+            why = "--block-bytes"
+        return f"{self.block_bytes} bytes per {self.block_tokens}-token block ({why})"
 
 
 def resolve_slots(args: argparse.Namespace) -> Slots:

@@ -1,5 +1,5 @@
 """WorkerSide against a real data plane: slot -> paged-cache copies of waiting requests, their completion
-report, failed copies, and the misplace_one_block negative-control hook."""
+report, failed copies, the misplace_one_block negative-control hook, and a cache whose blocks do not fit the slots."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.fleet import Fleet
 
 from data_plane.client import DataPlaneClient, SharedTier
+from engine_connector.block_shape import EngineBlocks, SlotSizeMismatch
 from engine_connector.config import KV_LAYOUT
 from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata
 from engine_connector.node_link import NodeLink
@@ -48,12 +49,12 @@ def _pinned_slots(fleet: Fleet, n: int, base: int) -> tuple[list[int], str]:
 def worker(small_fleet: Fleet):
     made = []
 
-    def make(**kwargs) -> tuple[WorkerSide, torch.Tensor]:
+    def make(shape: tuple[int, ...] = SHAPE, **kwargs) -> tuple[WorkerSide, torch.Tensor]:
         link = NodeLink(small_fleet.data_planes["dp2"].address, small_fleet.node_keys["dp2"])
-        side = WorkerSide(link, _ns(small_fleet), **kwargs)
-        cache = torch.zeros(SHAPE)
-        side.register_kv_caches({"layer0": cache})
+        side = WorkerSide(link, _ns(small_fleet), EngineBlocks(shape[2], "/models/tiny", "float32"), **kwargs)
         made.append((side, link))
+        cache = torch.zeros(shape)
+        side.register_kv_caches({"layer0": cache})
         return side, cache
 
     yield make
@@ -95,3 +96,15 @@ def test_misplace_one_block_writes_the_middle_block_from_the_wrong_slot(small_fl
     bad.load(KvmeshConnectorMetadata(loads=loads, leases=[lease]))
     assert [_block_byte(good_cache, b) for b in range(4)] == [30, 31, 32, 33]  # positive control
     assert [_block_byte(bad_cache, b) for b in range(4)] == [30, 31, 31, 33]
+
+
+def test_a_cache_whose_blocks_are_not_the_slot_size_is_refused_with_the_remedy(small_fleet: Fleet, worker) -> None:
+    with pytest.raises(SlotSizeMismatch) as refused:
+        worker((16, 1, 8, 64))  # 2 KiB blocks of 8 tokens against 1 KiB slots
+    message = str(refused.value)
+    address = small_fleet.data_planes["dp2"].address
+    assert f"the data plane at {address} has 1024-byte slots but this engine's KV blocks are 2048 bytes" in message
+    assert "`kvmesh up --block-bytes 2048 --block-tokens 8`" in message
+    assert "`kvmesh up --model /models/tiny --dtype float32 --block-tokens 8`" in message
+    assert "\n" not in message
+    worker()  # positive control: the slot-sized cache of the same fleet is adopted
