@@ -67,7 +67,7 @@ class Slots:
             why = (f"{self.model}: K and V x {s.num_layers} layers x {s.kv_heads} KV heads x {s.head_dim} x "
                    f"{s.element_bytes} bytes, {s.dtype}{kv}")
         elif self.block_bytes == DEFAULT_BLOCK_BYTES:
-            why = "the default: only an engine whose KV block is exactly this attaches; --model DIR sizes them for a model"
+            why = "the default: only an engine whose KV block is exactly this attaches; --model DIR sizes them"
         else:
             why = "--block-bytes"
         return f"{self.block_bytes} bytes per {self.block_tokens}-token block ({why})"

@@ -65,7 +65,8 @@ def test_kv_heads_default_to_the_attention_heads() -> None:
 def test_float32_checkpoint_is_served_in_bfloat16_on_cpu_unless_asked() -> None:
     fp32 = _config(torch_dtype="float32")
     assert KVShape.from_config(fp32).dtype == "bfloat16"
-    assert KVShape.from_config(fp32, dtype="float32").bytes_per_token() == 2 * KVShape.from_config(fp32).bytes_per_token()
+    served = KVShape.from_config(fp32).bytes_per_token()
+    assert KVShape.from_config(fp32, dtype="float32").bytes_per_token() == 2 * served
     assert KVShape.from_config(fp32, dtype="float").dtype == "float32"
 
 

@@ -23,11 +23,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def start_fleet(tmp_path_factory: pytest.TempPathFactory, admin_key: str) -> Callable[..., Fleet]:
-    """Starts Redis + control plane + two data planes (dp1, dp2) of ``block_bytes`` slots; the caller stops it."""
+    """Starts Redis + control plane + two data planes (dp1, dp2) of ``block_bytes`` slots for blocks of
+    ``block_tokens``; the caller stops it."""
 
-    def start(block_bytes: int, **kwargs) -> Fleet:
+    def start(block_bytes: int, block_tokens: int = 32, **kwargs) -> Fleet:
         return Fleet(tmp_path_factory.mktemp("fleet"), 2, admin_key, tenant="acme", block_bytes=block_bytes,
-                     block_tokens=32, capacity=f"{256 * block_bytes}", **kwargs).start()
+                     block_tokens=block_tokens, capacity=f"{256 * block_bytes}", **kwargs).start()
 
     return start
 
