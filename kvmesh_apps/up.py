@@ -11,7 +11,7 @@ A data-plane slot holds exactly one engine KV block (all layers), and the connec
 a data plane whose slots differ. ``--model DIR`` derives the block's bytes from the
 checkpoint's config.json under vLLM's CPU rules (:mod:`kvmesh_apps.kv_shape`; ``--dtype`` and
 ``--kv-cache-dtype`` as given to ``vllm serve``); ``--block-bytes`` sets them explicitly.
-Bad input ends with one ``kvmesh up: error: ...`` line and exit status 2, before anything starts.
+Bad input ends with one ``kvmesh up: ...`` line and exit status 2, before anything starts.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from kvmesh_apps.fleet import DEFAULT_BLOCK_BYTES, Fleet
 from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
+from kvmesh_apps.replay.args import Parser, fail
 from tenancy.api_keys import new_key
 
 DEFAULT_BLOCK_TOKENS = 32
 DEFAULT_CAPACITY = "256MiB"
-EXIT_BAD_INPUT = 2
 
 ENGINE_HINT = (
     "vllm serve {model}{dtype} --block-size {block_tokens} --kv-transfer-config "
@@ -105,8 +105,8 @@ def resolve_slots(args: argparse.Namespace) -> Slots:
     return Slots(block_bytes, block_tokens, capacity, model, shape)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh up", description=__doc__.split("\n")[0])
+def _parser() -> Parser:
+    parser = Parser(prog="kvmesh up", description=__doc__.split("\n")[0])
     parser.add_argument("--data-planes", type=int, default=2)
     parser.add_argument("--workdir", default="", help="Redis data and service logs (default: a new temp dir)")
     parser.add_argument("--json", action="store_true", help="print the addresses and slot size as one JSON line")
@@ -125,12 +125,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
         slots = resolve_slots(args)
-    except ValueError as exc:
-        parser.exit(EXIT_BAD_INPUT, f"kvmesh up: error: {exc}\n")
+    except ValueError as exc:  # UsageError and KVShapeError included
+        return fail("kvmesh up", exc)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     admin_key = os.environ.get("KVMESH_ADMIN_KEY") or new_key()[1]  # written to <workdir>/secrets/admin.key
