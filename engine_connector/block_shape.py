@@ -1,8 +1,8 @@
 """One engine KV block in bytes, and the startup error when the node's data-plane slots differ.
 
 A data-plane slot holds exactly one engine block (all layers, kv_layout.py), so the sizes must
-be equal; the connector checks it when the engine starts (both roles) and again when the
-worker adopts the KV cache. The error names the engine's block bytes and block size and how to
+be equal (and the block sizes, when the data plane fixes one); the connector checks it when the
+engine starts (both roles) and again when the worker adopts the KV cache. The error names the engine's block bytes and block size and how to
 start a fleet that matches (``kvmesh up --block-bytes N --block-tokens M``, or ``kvmesh up
 --model PATH --dtype D --block-tokens M``, which derives the same number from the checkpoint).
 """
@@ -46,9 +46,13 @@ class EngineBlocks:
         return cls(vllm_config.cache_config.block_size, str(model.model), str(model.dtype).removeprefix("torch."),
                    str(vllm_config.cache_config.cache_dtype))
 
-    def check(self, address: str, slot_bytes: int, engine_bytes: int) -> None:
-        """Raise :class:`SlotSizeMismatch` (a one-line remedy) unless the slots hold exactly one block."""
-        if slot_bytes == engine_bytes:
+    def check(self, address: str, slot_bytes: int, engine_bytes: int, slot_tokens: int = 0) -> None:
+        """Raise :class:`SlotSizeMismatch` (a one-line remedy) unless the slots hold exactly one block.
+
+        ``slot_tokens``: the tokens per block the data plane stores (0: any); with another number every
+        request would be refused (INVALID_ARGUMENT), so that too fails at start.
+        """
+        if slot_bytes == engine_bytes and slot_tokens in (0, self.block_tokens):
             return
         exact = f"--block-bytes {engine_bytes} --block-tokens {self.block_tokens}"
         derived = ""
@@ -56,9 +60,10 @@ class EngineBlocks:
             kv = f" --kv-cache-dtype {self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""
             dtype = f" --dtype {self.dtype}" if self.dtype else ""
             derived = f", or `kvmesh up --model {self.model}{dtype}{kv} --block-tokens {self.block_tokens}`"
+        tokens = f" of {slot_tokens}-token blocks" if slot_tokens else ""
         raise SlotSizeMismatch(
-            f"KvmeshConnector: the data plane at {address} has {slot_bytes}-byte slots but this engine's KV blocks "
-            f"are {engine_bytes} bytes ({self.block_tokens} tokens"
+            f"KvmeshConnector: the data plane at {address} has {slot_bytes}-byte slots{tokens} but this engine's KV "
+            f"blocks are {engine_bytes} bytes ({self.block_tokens} tokens"
             f"{', ' + self.dtype if self.dtype else ''}); a slot must hold exactly one block. Start a matching "
             f"fleet: `kvmesh up {exact}`{derived}; or start each data plane with {exact} "
             f"(KVMESH_DP_BLOCK_BYTES={engine_bytes} KVMESH_DP_BLOCK_TOKENS={self.block_tokens})")

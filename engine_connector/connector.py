@@ -75,10 +75,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         try:
-            slot_bytes = self._link.describe_tier().block_bytes
+            tier = self._link.describe_tier()
             blocks = EngineBlocks.of(vllm_config)
             if kv_cache_config is not None:
-                blocks.check(config.data_plane_address, slot_bytes, engine_block_nbytes(kv_cache_config))
+                blocks.check(config.data_plane_address, tier.block_bytes, engine_block_nbytes(kv_cache_config),
+                             tier.block_tokens)
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = SchedulerSide(
                     self._link, ns, config, vllm_config.cache_config.block_size,

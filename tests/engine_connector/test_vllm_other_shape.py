@@ -97,7 +97,8 @@ def test_the_derived_slot_is_vllms_block_and_a_mismatch_is_refused_with_the_reme
     # The positive side of the oracle: both engines on the derived slots started and saved/loaded blocks.
     assert _report(run.pulled)["outcome"] == "pulled"
     # The negative side: float32 blocks are twice the slot; the connector's message reaches the engine's output.
-    assert "has 24576-byte slots but this engine's KV blocks are 49152 bytes" in run.refused, run.refused
+    assert "has 24576-byte slots of 64-token blocks but this engine's KV blocks are 49152 bytes" in run.refused, \
+        run.refused
     assert "`kvmesh up --block-bytes 49152 --block-tokens 64`" in run.refused
     assert "--dtype float32 --block-tokens 64`" in run.refused
 
