@@ -2,9 +2,10 @@
 
 A data-plane slot holds exactly one engine block (all layers, kv_layout.py), so the sizes must
 be equal (and the block sizes, when the data plane fixes one); the connector checks it when the
-engine starts (both roles) and again when the worker adopts the KV cache. The error names the engine's block bytes and block size and how to
-start a fleet that matches (``kvmesh up --block-bytes N --block-tokens M``, or ``kvmesh up
---model PATH --dtype D --block-tokens M``, which derives the same number from the checkpoint).
+engine starts (both roles) and again when the worker adopts the KV cache. The error names the
+engine's block bytes and block size and how to start a fleet that matches (``kvmesh up
+--block-bytes N --block-tokens M``, or ``kvmesh up --model PATH --dtype D --block-tokens M``,
+which derives the same number from the checkpoint).
 """
 
 from __future__ import annotations
