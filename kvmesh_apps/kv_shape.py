@@ -141,7 +141,8 @@ class KVShape:
             raise KVShapeError(f"cannot read {root / 'config.json'}: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise KVShapeError(f"{root / 'config.json'} is not valid JSON: {exc}") from None
-        weights = None if isinstance(config, dict) and _config_dtype(config) else _safetensors_dtype(root)
+        named = not isinstance(config, dict) or _config_dtype(config) is not None
+        weights = None if named or dtype.lower() != "auto" else _safetensors_dtype(root)
         return cls.from_config(config, dtype=dtype, kv_cache_dtype=kv_cache_dtype, weights_dtype=weights)
 
 

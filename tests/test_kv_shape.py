@@ -139,8 +139,12 @@ def test_weights_dtype_when_the_config_names_none(tmp_path: Path) -> None:
     assert KVShape.from_checkpoint(fp16).dtype == "float16"
     mixed = _checkpoint(tmp_path, _config(torch_dtype=None), "mixed")
     _safetensors(mixed, ["F16", "F32"])
-    assert KVShape.from_checkpoint(mixed, dtype="float32").dtype == "float32"  # explicit: weights irrelevant
     assert KVShape.from_checkpoint(mixed).dtype == "bfloat16"  # float32 weights: bfloat16 on CPU
+    halves = _checkpoint(tmp_path, _config(torch_dtype=None), "halves")
+    _safetensors(halves, ["F16", "BF16"])
+    with pytest.raises(KVShapeError, match="mix bfloat16 and float16"):
+        KVShape.from_checkpoint(halves)
+    assert KVShape.from_checkpoint(halves, dtype="float16").dtype == "float16"  # explicit: weights not read
     none = _checkpoint(tmp_path, _config(torch_dtype=None), "none")
     assert KVShape.from_checkpoint(none).dtype == "bfloat16"  # no dtype anywhere: float32 -> bfloat16
 
