@@ -29,7 +29,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from kvmesh_apps.fleet import DEFAULT_BLOCK_BYTES, Fleet
 from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
-from kvmesh_apps.replay.args import Parser, fail
+from kvmesh_apps.cli_args import Parser, fail
 from tenancy.api_keys import new_key
 
 DEFAULT_BLOCK_TOKENS = 32

@@ -46,7 +46,7 @@ from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.engine_host import BLOCK_SIZE, DTYPE, EngineProcess
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_shape import KVShape
-from kvmesh_apps.replay.args import Parser, UsageError, fail, non_negative_int, positive_float, positive_int, subset
+from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_int, positive_float, positive_int, subset
 from kvmesh_apps.replay.backends import InProcessBackend
 from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile

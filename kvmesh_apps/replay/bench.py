@@ -29,7 +29,7 @@ from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import control_plane_pb2_grpc as pb_grpc, tenant_admin_pb2, tenant_admin_pb2_grpc
 from kvmesh_apps.procs import ServiceProcess
 from kvmesh_apps.redis_server import RedisServer
-from kvmesh_apps.replay.args import Parser, UsageError, fail, non_negative_float, non_negative_int, positive_float, \
+from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_float, non_negative_int, positive_float, \
     positive_int, subset
 from kvmesh_apps.replay.backends import ControlPlaneBackend
 from kvmesh_apps.replay.profile import Profile

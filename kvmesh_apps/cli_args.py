@@ -1,4 +1,4 @@
-"""Command-line input of the trace benchmarks (``bench replay``, ``bench sim-to-real``): bad input is one line
+"""Command-line input of the apps (``kvmesh up``, ``bench replay``, ``bench sim-to-real``): bad input is one line
 ``PROG: reason`` on stderr and exit status 2, never a traceback.
 
 :class:`Parser` raises :class:`UsageError` instead of printing usage and exiting, so that a command's ``main``
