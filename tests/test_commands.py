@@ -16,13 +16,25 @@ def run_kvmesh(*args: str, timeout: float = 300) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_bench_control_plane_ends_with_its_json():
-    result = run_kvmesh("bench", "control-plane", "--json", "--blocks", "2000", "--rounds", "20")
-    for key in ("noop_rpc_p50_ms", "lookup_p50_ms", "lookup_p99_ms", "ingest_blocks_per_s", "redis_bytes_per_block",
-                "versions"):
+def test_bench_control_plane_ends_with_its_json(monkeypatch):
+    # A 1 s node lease (the default is 10 s) makes the run outlive several leases: its nodes must heartbeat
+    # (before they did, this run ended in IndexError).
+    monkeypatch.setenv("KVMESH_CP_LEASE_MS", "1000")
+    result = run_kvmesh("bench", "control-plane", "--json", "--blocks", "2000", "--rounds", "400")
+    for key in ("noop_rpc_p50_ms", "lookup_p50_ms", "lookup_p99_ms", "lookup_p50_over_noop_p50",
+                "ingest_blocks_per_s", "redis_bytes_per_block", "control_plane_cpu_ms_per_noop",
+                "control_plane_cpu_ms_per_lookup", "redis_ms_per_lookup", "versions"):
         assert key in result
+    for key in ("bare_grpc_noop_p50_ms", "bare_grpc_cpu_ms_per_noop", "health_check_p50_ms",
+                "control_plane_cpu_ms_per_health_check", "lookup_1_block_p50_ms",
+                "control_plane_cpu_ms_per_1_block_lookup", "redis_ms_per_1_block_lookup"):
+        assert result[key] > 0, key
+    assert result["auth_cost_p50_ms"] == pytest.approx(result["noop_rpc_p50_ms"] - result["health_check_p50_ms"],
+                                                       abs=0.002)
+    assert result["lookup_1_block_over_noop_p50"] > 0
     assert result["lookup_blocks"] == 1024 and result["lookup_holders"] == 8
     assert result["ingest_blocks_per_s"] > 0 and result["redis_bytes_per_block"] > 0
+    assert result["node_lease_ms"] == 1000 and result["node_heartbeat_rounds"] >= 3
 
 
 def test_usage_and_unknown_commands():

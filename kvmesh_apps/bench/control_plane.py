@@ -1,10 +1,18 @@
-"""``kvmesh bench control-plane``: lookup latency, ingest rate and Redis bytes per block.
+"""``kvmesh bench control-plane``: lookup latency, where it goes, ingest rate and Redis bytes per block.
 
-A real redis-server and a real control-plane process; this process is the
-client. The no-op RPC and the lookup are measured interleaved, with the same
-scheduler key (so both pay for authentication), so their ratio compares like
-with like. Then, one call at a time again, where a call's cost goes: the control
-plane's CPU per no-op and per lookup, and Redis' own time per lookup (the script).
+A real redis-server and a real control-plane process; this process is the client. Five calls are measured
+interleaved, one at a time, over the same kind of client channel (the scheduler key as call metadata), so load
+drift hits all alike and their differences compare like with like:
+
+- a no-op ``Ping`` to a *bare* grpc.aio server in a process of its own (the same server options, no kvmesh
+  interceptor or code): what gRPC in Python costs on this machine with zero application work;
+- the control plane's unauthenticated gRPC health ``Check`` (auth-exempt; the metrics and tracing interceptors
+  still run) and its authenticated ``Ping``: their difference is what authentication costs a call;
+- ``LookupPrefix`` of the full prompt (1,024 blocks by default) and of its first block, each held by every node.
+
+Then, one call at a time again, where a call's cost goes: the server's CPU per call of each kind and Redis' own
+time per lookup (the script). The registered nodes heartbeat every third of their lease while the bench runs, as a
+real node's publisher does, so they stay holders however long it runs.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import multiprocessing
 import platform
 import statistics
 import sys
@@ -21,9 +30,12 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import grpc
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.channels import channel
+from kvmesh.grpc_server import server_options
 from kvmesh_apps.procs import ServiceProcess, cpu_seconds
 from kvmesh_apps.redis_server import RedisServer
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
@@ -44,16 +56,68 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _register(stub, nodes: int) -> list[tuple[str, int]]:
-    out = []
-    for i in range(nodes):
-        reply = await stub.RegisterNode(pb.RegisterNodeRequest(
-            node=pb.NodeInfo(node_id=f"bench-node-{i}", data_plane_address=f"127.0.0.1:{20000 + i}")))
-        out.append((f"bench-node-{i}", reply.incarnation))
-    return out
+class LiveNodes:
+    """The bench's simulated nodes: registered, then heartbeated every third of the lease the control plane
+    grants (as ``control_plane.publisher.EventPublisher`` does) until the bench ends, so their entries stay
+    live however long it runs. A failed heartbeat is kept and named by :meth:`check`."""
+
+    def __init__(self, stub: pb_grpc.ControlPlaneStub) -> None:
+        self._stub = stub
+        self._lock = asyncio.Lock()  # a registration and a round of heartbeats never interleave
+        self.nodes: list[tuple[str, int]] = []
+        self.lease_ms = 0
+        self.heartbeats = 0  # rounds, one heartbeat per node each
+        self.error: str | None = None
+        self._task: asyncio.Task | None = None
+
+    async def register(self, count: int) -> list[tuple[str, int]]:
+        """(Re-)registers ``count`` nodes (new incarnations); returns (node_id, incarnation) pairs."""
+        async with self._lock:
+            nodes = []
+            for i in range(count):
+                reply = await self._stub.RegisterNode(pb.RegisterNodeRequest(
+                    node=pb.NodeInfo(node_id=f"bench-node-{i}", data_plane_address=f"127.0.0.1:{20000 + i}")))
+                nodes.append((f"bench-node-{i}", reply.incarnation))
+                self.lease_ms = reply.lease_ms
+            self.nodes = nodes
+        if self._task is None:
+            self._task = asyncio.create_task(self._beat(), name="bench-heartbeats")
+        return nodes
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            async with self._lock:
+                try:
+                    await asyncio.gather(*(self._stub.Heartbeat(
+                        pb.HeartbeatRequest(node_id=node_id, incarnation=inc), timeout=self.lease_ms / 1000)
+                        for node_id, inc in self.nodes))
+                except grpc.aio.AioRpcError as exc:
+                    self.error = f"{exc.code().name}: {exc.details()}"
+                    return
+                self.heartbeats += 1
+
+    def check(self) -> None:
+        if self.error:
+            raise RuntimeError(f"a bench node's heartbeat failed ({self.error}); lease {self.lease_ms} ms")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def _ingest(stub, nodes: list[tuple[str, int]], hashes: list[bytes], batch_blocks: int) -> float:
+def check_lookup(reply: pb.LookupPrefixResponse, blocks: int, nodes: LiveNodes) -> None:
+    """Every node holds every block looked up; anything else is a clear error, not an IndexError."""
+    found = sorted(h.leading_blocks for h in reply.holders)
+    if found != [blocks] * len(nodes.nodes):
+        nodes.check()
+        raise RuntimeError(f"a lookup of {blocks} blocks expected {len(nodes.nodes)} holders of all of them, found "
+                           f"{len(found)} holding {found or 'nothing'} (node lease {nodes.lease_ms} ms, "
+                           f"{nodes.heartbeats} heartbeat rounds so far)")
+
+
+async def ingest(stub, nodes: list[tuple[str, int]], hashes: list[bytes], batch_blocks: int) -> float:
     """Every node streams BlockStored for all ``hashes``; returns block events per second."""
 
     async def one(node_id: str, inc: int, first_seq: int) -> int:
@@ -77,39 +141,86 @@ async def _ingest(stub, nodes: list[tuple[str, int]], hashes: list[bytes], batch
     return sum(counts) / (time.perf_counter() - start)
 
 
-async def _latencies(stub, hashes: list[bytes], rounds: int) -> tuple[list[float], list[float]]:
-    ping, lookup = [], []
-    request = pb.LookupPrefixRequest(namespace=NS, block_hashes=hashes)
+class _BareServicer(pb_grpc.ControlPlaneServicer):
+    async def Ping(self, request, context):
+        return common_pb2.PingResponse()
+
+
+def _serve_bare(ports: multiprocessing.Queue) -> None:
+    """A grpc.aio server with kvmesh's server options and nothing else: no interceptor, no health or reflection
+    service, a servicer whose ``Ping`` answers at once. Puts its port on ``ports``, serves until killed."""
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=server_options())
+        pb_grpc.add_ControlPlaneServicer_to_server(_BareServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+class _Calls:
+    """The five calls the bench compares: ``calls[kind]()`` makes one, ``check(kind, reply)`` checks its answer."""
+
+    def __init__(self, bare: grpc.aio.Channel, sched: grpc.aio.Channel, prompt: list[bytes], nodes: LiveNodes):
+        bare_stub, stub = pb_grpc.ControlPlaneStub(bare), pb_grpc.ControlPlaneStub(sched)
+        health = health_pb2_grpc.HealthStub(sched)
+        ping, probe = common_pb2.PingRequest(), health_pb2.HealthCheckRequest()
+        self.lookups = {"lookup": pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt),
+                        "lookup_1": pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt[:1])}
+        self.calls = {"bare": lambda: bare_stub.Ping(ping), "health": lambda: health.Check(probe),
+                      "ping": lambda: stub.Ping(ping),
+                      **{kind: (lambda r=request: stub.LookupPrefix(r)) for kind, request in self.lookups.items()}}
+        self.nodes = nodes
+
+    def check(self, kind: str, reply) -> None:
+        if kind in self.lookups:
+            check_lookup(reply, len(self.lookups[kind].block_hashes), self.nodes)
+        elif kind == "health" and reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"the control plane's health check answered {reply.status}")
+
+
+async def _latencies(calls: _Calls, rounds: int) -> dict[str, list[float]]:
+    """Each round makes every kind of call once, in an order rotated every round (so what precedes a call is
+    the same for all kinds over the run); the first tenth warms up. Latencies in ms, by kind; every answer is
+    checked after its clock stops."""
+    kinds = list(calls.calls)
+    out: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(rounds + rounds // 10):
-        t0 = time.perf_counter()
-        await stub.Ping(common_pb2.PingRequest())
-        t1 = time.perf_counter()
-        reply = await stub.LookupPrefix(request)
-        t2 = time.perf_counter()
-        if i >= rounds // 10:  # the first tenth warms up
-            ping.append((t1 - t0) * 1e3)
-            lookup.append((t2 - t1) * 1e3)
-    if reply.holders[0].leading_blocks != len(hashes):
-        raise RuntimeError(f"lookup found {reply.holders[0].leading_blocks} of {len(hashes)} blocks")
-    return ping, lookup
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            t0 = time.perf_counter()
+            reply = await calls.calls[kind]()
+            t1 = time.perf_counter()
+            calls.check(kind, reply)
+            if i >= rounds // 10:
+                out[kind].append((t1 - t0) * 1e3)
+    return out
 
 
-async def _cost_per_call(stub, hashes: list[bytes], rounds: int, pid: int, r: redis.Redis) -> dict:
-    """What one call costs where, one call at a time: the control plane's CPU (/proc, its whole process) per
-    no-op and per lookup, and Redis' own time per lookup (INFO commandstats: the script's run time)."""
-    ping, lookup = common_pb2.PingRequest(), pb.LookupPrefixRequest(namespace=NS, block_hashes=hashes)
-    cpu0 = cpu_seconds(pid)
-    for _ in range(rounds):
-        await stub.Ping(ping)
-    cpu1 = cpu_seconds(pid)
-    r.config_resetstat()
-    for _ in range(rounds):
-        await stub.LookupPrefix(lookup)
-    cpu2 = cpu_seconds(pid)
-    scripts = [v for k, v in r.info("commandstats").items() if k.startswith("cmdstat_evalsha")]
-    return {"control_plane_cpu_ms_per_noop": round((cpu1 - cpu0) * 1000 / rounds, 3),
-            "control_plane_cpu_ms_per_lookup": round((cpu2 - cpu1) * 1000 / rounds, 3),
-            "redis_ms_per_lookup": round(sum(v["usec"] for v in scripts) / 1000 / rounds, 3)}
+async def _cost_per_call(calls: _Calls, rounds: int, pids: dict[str, int], r: redis.Redis) -> dict:
+    """What one call costs where, one kind at a time, one call at a time: the serving process's CPU (/proc, the
+    whole process: the bare server's for "bare", the control plane's for the others) per call, and Redis' own
+    time per lookup (INFO commandstats: the script's run time)."""
+    cpu, redis_ms = {}, {}
+    for kind, call in calls.calls.items():
+        pid = pids["bare" if kind == "bare" else "control_plane"]
+        r.config_resetstat()
+        cpu0 = cpu_seconds(pid)
+        for _ in range(rounds):
+            reply = await call()
+        cpu[kind] = (cpu_seconds(pid) - cpu0) * 1000 / rounds
+        calls.check(kind, reply)
+        scripts = [v for k, v in r.info("commandstats").items() if k.startswith("cmdstat_evalsha")]
+        redis_ms[kind] = sum(v["usec"] for v in scripts) / 1000 / rounds
+    return {"control_plane_cpu_ms_per_noop": round(cpu["ping"], 3),
+            "control_plane_cpu_ms_per_lookup": round(cpu["lookup"], 3),
+            "redis_ms_per_lookup": round(redis_ms["lookup"], 3),
+            "bare_grpc_cpu_ms_per_noop": round(cpu["bare"], 3),
+            "control_plane_cpu_ms_per_health_check": round(cpu["health"], 3),
+            "control_plane_cpu_ms_per_1_block_lookup": round(cpu["lookup_1"], 3),
+            "redis_ms_per_1_block_lookup": round(redis_ms["lookup_1"], 3)}
 
 
 def _versions(r: redis.Redis) -> dict[str, str]:
@@ -123,7 +234,7 @@ def _versions(r: redis.Redis) -> dict[str, str]:
     return out
 
 
-async def _scheduler_key(address: str, admin_key: str) -> str:
+async def scheduler_key(address: str, admin_key: str) -> str:
     """Creates the bench tenant; returns a scheduler key for it (lookups authenticate like a real scheduler)."""
     async with channel(address, admin_key) as ch:
         admin = tenant_admin_pb2_grpc.TenantAdminStub(ch)
@@ -133,64 +244,88 @@ async def _scheduler_key(address: str, admin_key: str) -> str:
         return reply.secret
 
 
-async def _bench(args, address: str, r: redis.Redis, admin_key: str, pid: int) -> dict:
-    scheduler_key = await _scheduler_key(address, admin_key)
-    async with channel(address, admin_key) as admin_channel, channel(address, scheduler_key) as sched_channel:
+async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_key: str,
+                 pids: dict[str, int]) -> dict:
+    sched_key = await scheduler_key(address, admin_key)
+    # The bare server gets the same channel and metadata as the control plane (it ignores the key).
+    async with channel(address, admin_key) as admin_channel, channel(address, sched_key) as sched_channel, \
+            channel(bare_address, sched_key) as bare_channel:
         stub = pb_grpc.ControlPlaneStub(admin_channel)
-        nodes = await _register(stub, args.nodes)
-        prompt = _hashes(args.prompt_tokens // BLOCK_SIZE, "prompt")
-        await _ingest(stub, nodes, prompt, args.batch_blocks)
-        ping, lookup = await _latencies(pb_grpc.ControlPlaneStub(sched_channel), prompt, args.rounds)
-        costs = await _cost_per_call(pb_grpc.ControlPlaneStub(sched_channel), prompt, args.rounds, pid, r)
+        nodes = LiveNodes(stub)
+        try:
+            prompt = _hashes(args.prompt_tokens // BLOCK_SIZE, "prompt")
+            await ingest(stub, await nodes.register(args.nodes), prompt, args.batch_blocks)
+            calls = _Calls(bare_channel, sched_channel, prompt, nodes)
+            latency = await _latencies(calls, args.rounds)
+            costs = await _cost_per_call(calls, args.rounds, pids, r)
 
-        nodes = await _register(stub, args.nodes)  # fresh incarnations: seq restarts, the prompt's entries fence
-        await asyncio.sleep(0)
-        mem_before = r.info("memory")["used_memory"]
-        bulk = _hashes(args.blocks, "bulk")
-        rate = await _ingest(stub, nodes, bulk, args.batch_blocks)
-        mem_after = r.info("memory")["used_memory"]
+            fresh = await nodes.register(args.nodes)  # new incarnations: seq restarts, the prompt's entries fence
+            mem_before = r.info("memory")["used_memory"]
+            bulk = _hashes(args.blocks, "bulk")
+            rate = await ingest(stub, fresh, bulk, args.batch_blocks)
+            mem_after = r.info("memory")["used_memory"]
+            nodes.check()
+        finally:
+            await nodes.close()
+    p50 = {kind: statistics.median(values) for kind, values in latency.items()}
     return {
-        "noop_rpc_p50_ms": round(statistics.median(ping), 3),
-        "lookup_p50_ms": round(statistics.median(lookup), 3),
-        "lookup_p99_ms": round(_pct(lookup, 0.99), 3),
-        "lookup_p50_over_noop_p50": round(statistics.median(lookup) / statistics.median(ping), 2),
+        "noop_rpc_p50_ms": round(p50["ping"], 3),
+        "lookup_p50_ms": round(p50["lookup"], 3),
+        "lookup_p99_ms": round(_pct(latency["lookup"], 0.99), 3),
+        "lookup_p50_over_noop_p50": round(p50["lookup"] / p50["ping"], 2),
         "lookup_blocks": len(prompt),
         "lookup_holders": args.nodes,
+        "bare_grpc_noop_p50_ms": round(p50["bare"], 3),
+        "health_check_p50_ms": round(p50["health"], 3),
+        "auth_cost_p50_ms": round(p50["ping"] - p50["health"], 3),
+        "lookup_1_block_p50_ms": round(p50["lookup_1"], 3),
+        "lookup_1_block_over_noop_p50": round(p50["lookup_1"] / p50["ping"], 2),
         **costs,
         "ingest_blocks_per_s": round(rate),
         "ingest_batch_blocks": args.batch_blocks,
         "redis_bytes_per_block": round((mem_after - mem_before) / args.blocks, 1),
         "indexed_blocks": args.blocks,
         "holders_per_block": args.nodes,
+        "rounds": args.rounds,
+        "node_lease_ms": nodes.lease_ms,
+        "node_heartbeat_rounds": nodes.heartbeats,
         "versions": _versions(r),
     }
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench control-plane", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvmesh bench control-plane", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32_768)
-    parser.add_argument("--rounds", type=int, default=500, help="measured lookup/no-op pairs")
+    parser.add_argument("--rounds", type=int, default=500, help="measured rounds (each makes every kind of call once)")
     parser.add_argument("--blocks", type=int, default=100_000, help="distinct blocks ingested per node")
     parser.add_argument("--batch-blocks", type=int, default=1024)
     args = parser.parse_args(argv)
 
+    ports = multiprocessing.get_context("spawn").Queue()
+    bare = multiprocessing.get_context("spawn").Process(target=_serve_bare, args=(ports,), daemon=True)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         server = RedisServer(Path(tmp) / "redis", extra_args=["--appendonly", "no"]).start()
         admin_key = new_key()[1]
         cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", server.url],
                             env={"KVMESH_CP_ADMIN_KEY": admin_key})
         try:
+            bare.start()
+            bare_address = f"127.0.0.1:{ports.get(timeout=60)}"
             cp.start()
             r = redis.Redis.from_url(server.url)
-            result = asyncio.run(_bench(args, cp.address, r, admin_key, cp.proc.pid))
+            result = asyncio.run(_bench(args, cp.address, bare_address, r, admin_key,
+                                        {"control_plane": cp.proc.pid, "bare": bare.pid}))
         finally:
             cp.stop()
             server.stop()
+            if bare.is_alive():
+                bare.kill()
+            bare.join()
     if not args.json:
         for key, value in result.items():
-            print(f"{key:>28}: {value}")
+            print(f"{key:>40}: {value}")
     print(json.dumps(result))
     return 0
 
