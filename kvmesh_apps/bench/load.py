@@ -406,27 +406,41 @@ def soak(workdir: Path, pool, args) -> dict:
         job = pool.apply_async(_churn_process, (address, backend.admin_key, seconds, args.soak_nodes,
                                                 args.churn_rate))
         lookups = pool.apply_async(_lookup_worker, (address, key, seconds, 2, 99, args.soak_lookup_rate))
+        # Sampled on a fixed schedule, every 10 s (or a twelfth of a short soak, so even the CI's has a dozen).
         rss, fds, mem = [], [], []
         t0 = time.monotonic()
-        interval = max(1.0, min(10.0, seconds / 30))
+        interval = min(10.0, seconds / 12)
         while not job.ready():
             t = time.monotonic() - t0
             r, f = _proc_stats(pid)
             rss.append((t, r))
             fds.append((t, f))
             mem.append((t, backend.redis_memory() / (1 << 20)))
-            job.wait(interval)
+            job.wait(max(0.0, t0 + len(rss) * interval - time.monotonic()))
         counts = job.get()
         lookups.get(seconds + 120)
-        # Leave out the first tenth: caches, pools and the first registrations warm up there.
-        warm = [s for s in rss if s[0] >= seconds * 0.1]
+        # The slopes leave out the first tenth: caches, pools and the first registrations warm up there. They
+        # are least-squares fits over every later sample; first/last/max of those samples say whether a slope is
+        # a trend or one step (a pool opening one more connection reads as a slope over a short window).
+        warmup = seconds * 0.1
+        series = {"rss_mib": rss, "redis_mib": mem, "fds": fds}
+        warm = {name: [s for s in samples if s[0] >= warmup] for name, samples in series.items()}
+
+        def summary(samples: list[tuple[float, float]], digits: int) -> dict:
+            values = [round(v, digits) for _, v in samples]
+            return {"first": values[0], "last": values[-1], "max": max(values)} if values else {}
+
         return {"minutes": args.soak_minutes,
-                "rss_slope_mib_per_h": round(slope_per_hour(warm), 2),
-                "redis_slope_mib_per_h": round(slope_per_hour([s for s in mem if s[0] >= seconds * 0.1]), 2),
-                "fd_slope_per_h": round(slope_per_hour([s for s in fds if s[0] >= seconds * 0.1]), 2),
+                "rss_slope_mib_per_h": round(slope_per_hour(warm["rss_mib"]), 2),
+                "redis_slope_mib_per_h": round(slope_per_hour(warm["redis_mib"]), 2),
+                "fd_slope_per_h": round(slope_per_hour(warm["fds"]), 2),
                 "rss_mib": [round(rss[0][1], 1), round(rss[-1][1], 1)],
                 "redis_mib": [round(mem[0][1], 2), round(mem[-1][1], 2)],
-                "fds": [fds[0][1], fds[-1][1]], "samples": len(rss), "churn": counts}
+                "fds": [fds[0][1], fds[-1][1]], "samples": len(rss),
+                "after_warmup": {"warmup_s": round(warmup, 1), "interval_s": round(interval, 2),
+                                 "samples": len(warm["fds"]), "rss_mib": summary(warm["rss_mib"], 1),
+                                 "redis_mib": summary(warm["redis_mib"], 2), "fds": summary(warm["fds"], 0)},
+                "churn": counts}
     finally:
         backend.stop()
 

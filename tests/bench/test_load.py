@@ -30,7 +30,11 @@ def test_load_and_short_soak():
     assert result["lookup_p99_ms_at_saturation"] > 0
     assert result["stream_lookups_per_s"] > 0 and result["stream_lookup_p99_ms_at_saturation"] > 0
     soak = result["soak"]
-    assert soak["minutes"] == 0.25 and soak["samples"] >= 3
+    assert soak["minutes"] == 0.25 and soak["samples"] >= 6
+    warm = soak["after_warmup"]  # the slopes are fitted over these samples (every 1.25 s here)
+    assert warm["samples"] >= 6 and warm["interval_s"] == 1.25
+    for series in ("rss_mib", "redis_mib", "fds"):
+        assert warm[series]["max"] >= max(warm[series]["first"], warm[series]["last"]) > 0
     assert {"rss_slope_mib_per_h", "redis_slope_mib_per_h", "fd_slope_per_h"} <= set(soak)
     churn = soak["churn"]
     assert churn["join"] and churn["evict"] and churn["restart"] and churn["leave"]
