@@ -25,7 +25,8 @@ def test_bench_control_plane_ends_with_its_json(monkeypatch):
                 "ingest_blocks_per_s", "redis_bytes_per_block", "control_plane_cpu_ms_per_noop",
                 "control_plane_cpu_ms_per_lookup", "redis_ms_per_lookup", "versions"):
         assert key in result
-    for key in ("bare_grpc_noop_p50_ms", "bare_grpc_cpu_ms_per_noop", "health_check_p50_ms",
+    for key in ("bare_grpc_noop_p50_ms", "bare_grpc_cpu_ms_per_noop", "bare_grpc_redis_call_p50_ms",
+                "bare_grpc_cpu_ms_per_redis_call", "health_check_p50_ms",
                 "control_plane_cpu_ms_per_health_check", "lookup_1_block_p50_ms",
                 "control_plane_cpu_ms_per_1_block_lookup", "redis_ms_per_1_block_lookup"):
         assert result[key] > 0, key

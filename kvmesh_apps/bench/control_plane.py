@@ -1,13 +1,14 @@
 """``kvmesh bench control-plane``: lookup latency, where it goes, ingest rate and Redis bytes per block.
 
-A real redis-server and a real control-plane process; this process is the client. Five calls are measured
+A real redis-server and a real control-plane process; this process is the client. Six calls are measured
 interleaved, one at a time, over the same kind of client channel (the scheduler key as call metadata), so load
 drift hits all alike and their differences compare like with like:
 
-- a no-op ``Ping`` to a *bare* grpc.aio server in a process of its own (the same server options, no kvmesh
-  interceptor or code): what gRPC in Python costs on this machine with zero application work;
-- the control plane's unauthenticated gRPC health ``Check`` (auth-exempt; the metrics and tracing interceptors
-  still run) and its authenticated ``Ping``: their difference is what authentication costs a call;
+- to a *bare* grpc.aio server in a process of its own (kvmesh's server options, no kvmesh interceptor or code):
+  a no-op ``Ping``, what gRPC in Python costs on this machine with zero application work; and a call whose
+  handler awaits one Redis round trip (redis-py's asyncio client), what any handler that reads Redis pays;
+- the control plane's unauthenticated gRPC health ``Check`` (auth-exempt; the metrics interceptor still runs)
+  and its authenticated ``Ping``: their difference is what authentication costs a call;
 - ``LookupPrefix`` of the full prompt (1,024 blocks by default) and of its first block, each held by every node.
 
 Then, one call at a time again, where a call's cost goes: the server's CPU per call of each kind and Redis' own
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import grpc
 import redis
+import redis.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.channels import channel
@@ -142,17 +144,27 @@ async def ingest(stub, nodes: list[tuple[str, int]], hashes: list[bytes], batch_
 
 
 class _BareServicer(pb_grpc.ControlPlaneServicer):
+    """``Ping`` answers at once; ``LookupPrefix`` makes one Redis round trip (a PING, redis-py's asyncio client)
+    and answers an empty match: what a handler that awaits Redis once costs, with no kvmesh code."""
+
+    def __init__(self, redis_url: str) -> None:
+        self._redis = redis.asyncio.Redis.from_url(redis_url)
+
     async def Ping(self, request, context):
         return common_pb2.PingResponse()
 
+    async def LookupPrefix(self, request, context):
+        await self._redis.ping()
+        return pb.LookupPrefixResponse()
 
-def _serve_bare(ports: multiprocessing.Queue) -> None:
+
+def _serve_bare(ports: multiprocessing.Queue, redis_url: str) -> None:
     """A grpc.aio server with kvmesh's server options and nothing else: no interceptor, no health or reflection
-    service, a servicer whose ``Ping`` answers at once. Puts its port on ``ports``, serves until killed."""
+    service, the :class:`_BareServicer`. Puts its port on ``ports``, serves until killed."""
 
     async def serve() -> None:
         server = grpc.aio.server(options=server_options())
-        pb_grpc.add_ControlPlaneServicer_to_server(_BareServicer(), server)
+        pb_grpc.add_ControlPlaneServicer_to_server(_BareServicer(redis_url), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         ports.put(port)
@@ -162,7 +174,7 @@ def _serve_bare(ports: multiprocessing.Queue) -> None:
 
 
 class _Calls:
-    """The five calls the bench compares: ``calls[kind]()`` makes one, ``check(kind, reply)`` checks its answer."""
+    """The six calls the bench compares: ``calls[kind]()`` makes one, ``check(kind, reply)`` checks its answer."""
 
     def __init__(self, bare: grpc.aio.Channel, sched: grpc.aio.Channel, prompt: list[bytes], nodes: LiveNodes):
         bare_stub, stub = pb_grpc.ControlPlaneStub(bare), pb_grpc.ControlPlaneStub(sched)
@@ -170,7 +182,9 @@ class _Calls:
         ping, probe = common_pb2.PingRequest(), health_pb2.HealthCheckRequest()
         self.lookups = {"lookup": pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt),
                         "lookup_1": pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt[:1])}
-        self.calls = {"bare": lambda: bare_stub.Ping(ping), "health": lambda: health.Check(probe),
+        self.calls = {"bare": lambda: bare_stub.Ping(ping),
+                      "bare_redis": lambda: bare_stub.LookupPrefix(self.lookups["lookup_1"]),
+                      "health": lambda: health.Check(probe),
                       "ping": lambda: stub.Ping(ping),
                       **{kind: (lambda r=request: stub.LookupPrefix(r)) for kind, request in self.lookups.items()}}
         self.nodes = nodes
@@ -205,7 +219,7 @@ async def _cost_per_call(calls: _Calls, rounds: int, pids: dict[str, int], r: re
     time per lookup (INFO commandstats: the script's run time)."""
     cpu, redis_ms = {}, {}
     for kind, call in calls.calls.items():
-        pid = pids["bare" if kind == "bare" else "control_plane"]
+        pid = pids["bare" if kind.startswith("bare") else "control_plane"]
         r.config_resetstat()
         cpu0 = cpu_seconds(pid)
         for _ in range(rounds):
@@ -218,6 +232,7 @@ async def _cost_per_call(calls: _Calls, rounds: int, pids: dict[str, int], r: re
             "control_plane_cpu_ms_per_lookup": round(cpu["lookup"], 3),
             "redis_ms_per_lookup": round(redis_ms["lookup"], 3),
             "bare_grpc_cpu_ms_per_noop": round(cpu["bare"], 3),
+            "bare_grpc_cpu_ms_per_redis_call": round(cpu["bare_redis"], 3),
             "control_plane_cpu_ms_per_health_check": round(cpu["health"], 3),
             "control_plane_cpu_ms_per_1_block_lookup": round(cpu["lookup_1"], 3),
             "redis_ms_per_1_block_lookup": round(redis_ms["lookup_1"], 3)}
@@ -276,6 +291,7 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
         "lookup_blocks": len(prompt),
         "lookup_holders": args.nodes,
         "bare_grpc_noop_p50_ms": round(p50["bare"], 3),
+        "bare_grpc_redis_call_p50_ms": round(p50["bare_redis"], 3),
         "health_check_p50_ms": round(p50["health"], 3),
         "auth_cost_p50_ms": round(p50["ping"] - p50["health"], 3),
         "lookup_1_block_p50_ms": round(p50["lookup_1"], 3),
@@ -304,9 +320,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     ports = multiprocessing.get_context("spawn").Queue()
-    bare = multiprocessing.get_context("spawn").Process(target=_serve_bare, args=(ports,), daemon=True)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         server = RedisServer(Path(tmp) / "redis", extra_args=["--appendonly", "no"]).start()
+        bare = multiprocessing.get_context("spawn").Process(target=_serve_bare, args=(ports, server.url), daemon=True)
         admin_key = new_key()[1]
         cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", server.url],
                             env={"KVMESH_CP_ADMIN_KEY": admin_key})
