@@ -7,8 +7,9 @@ drift hits all alike and their differences compare like with like:
 - to a *bare* grpc.aio server in a process of its own (kvmesh's server options, no kvmesh interceptor or code):
   a no-op ``Ping``, what gRPC in Python costs on this machine with zero application work; and a call whose
   handler awaits one Redis round trip (redis-py's asyncio client), what any handler that reads Redis pays;
-- the control plane's unauthenticated gRPC health ``Check`` (auth-exempt; the metrics interceptor still runs)
-  and its authenticated ``Ping``: their difference is what authentication costs a call;
+- the control plane's gRPC health ``Check`` (auth-exempt: kvmesh's interceptors, authentication, metrics and
+  the decode guard, all pass ``/grpc.*`` methods through) and its authenticated ``Ping``: their difference bounds
+  what authentication costs a call (the other interceptors included);
 - ``LookupPrefix`` of the full prompt (1,024 blocks by default) and of its first block, each held by every node.
 
 Then, one call at a time again, where a call's cost goes: the server's CPU per call of each kind and Redis' own
