@@ -18,7 +18,7 @@ proto: setup
 	$(PY) -m kvmesh.protogen
 
 demo: setup
-	$(VENV)/bin/kvmesh demo
+	$(VENV)/bin/kvmesh demo $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q -ra

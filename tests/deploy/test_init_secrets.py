@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import runpy
-import shutil
 import socket
 import stat
 import subprocess
@@ -30,6 +29,7 @@ from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_g
 from kvmesh.v1 import data_plane_pb2 as dp_pb, data_plane_pb2_grpc as dp_grpc
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 
+from kvmesh_apps.redis_server import find_redis_server
 from tests.pki import certificate, write_pem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,12 +92,10 @@ def test_a_second_run_keeps_what_exists(secrets_root):
 @pytest.fixture
 def acl_redis(secrets_root, tmp_path):
     """A real redis-server on the rendered ACL file."""
-    if not shutil.which("redis-server"):
-        pytest.skip("no redis-server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--dir", str(tmp_path), "--aclfile", str(secrets_root / "redis/users.acl")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
