@@ -109,18 +109,18 @@ def _last_log_line(log: Path) -> str:
     return lines[-1].split(" * ")[-1].split(" # ")[-1].strip() if lines else "no log written"
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, log: Path) -> None:
+def _wait_listening(port: int, proc: subprocess.Popen, log: Path, log_offset: int = 0) -> None:
+    """Waits for this process's own "Ready to accept connections" in its log past ``log_offset`` (a connect
+    alone could reach another server that holds the port while this one is failing to bind it)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise Unavailable(f"redis server exited at start: {_last_log_line(log)} (full log: {log})")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
+        if log.exists() and b"Ready to accept connections" in log.read_bytes()[log_offset:]:
+            return
+        time.sleep(0.02)
     proc.kill()
-    raise Unavailable(f"redis-server did not listen on port {port} within {START_TIMEOUT_S}s")
+    raise Unavailable(f"redis server did not get ready on port {port} within {START_TIMEOUT_S:.0f} s (log: {log})")
 
 
 @dataclass(frozen=True)
@@ -183,13 +183,14 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         log = self.workdir / "redis.log"
+        log_offset = log.stat().st_size if log.exists() else 0  # a restart appends to the same log
         args = [
             find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port),
             "--dir", str(self.workdir), "--appendonly", "yes", "--save", "",
             "--logfile", str(log), "--protected-mode", "yes", *self._acl_args(), *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        _wait_listening(self.port, self.proc, log)
+        _wait_listening(self.port, self.proc, log, log_offset)
         return self
 
     def _acl_args(self) -> list[str]:
