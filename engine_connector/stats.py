@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 if TYPE_CHECKING:
-    from engine_connector.scheduler_side import LoadReport
+    from engine_connector.load_report import LoadReport
 
 # Summed counters (tokens, bytes, counts, milliseconds); ``failures`` is a {reason: count} map.
 COUNTERS = ("lookups", "pulls", "local_tokens", "peer_tokens", "bytes_pulled", "pull_ms", "failed_blocks")
