@@ -1,4 +1,4 @@
-"""Runs the control-plane service: ``kvmesh control-plane [--flags]``.
+"""Runs the control-plane service: ``kvmesh control-plane [--flags]`` (or ``python -m control_plane.server``).
 
 The server factory is the one place the service is composed: the block map
 over Redis (each tenant through its own Redis ACL user), the tenant registry,
@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from kvmesh.grpc_server import RunningServer, ServiceBinding, wait_for_signal, server_tls, start_server
+from kvmesh.grpc_server import RunningServer, ServiceBinding, check_can_bind, server_tls, start_server, \
+    wait_for_signal
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
 from kvmesh.redis_client import redacted
+from kvmesh.command_line import run_command
 from kvmesh.settings_cli import service_main
 from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
 from tenancy.auth import AuthInterceptor, Authenticator
@@ -58,6 +61,7 @@ class RunningControlPlane:
 
 async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     """Starts the service in this event loop; returns once it is serving."""
+    check_can_bind(config.listen)  # before Redis is touched: a port in use fails at once
     admin_key = config.bootstrap_admin_key()
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     redis_auth = dict(username=config.redis_username, password=config.redis_secret())
@@ -116,3 +120,7 @@ async def _run(config: ControlPlaneConfig) -> None:
 
 def main(argv: list[str]) -> int:
     return service_main(ControlPlaneConfig, argv, "kvmesh control-plane", _run, check=ControlPlaneConfig.bootstrap_admin_key)
+
+
+if __name__ == "__main__":
+    sys.exit(run_command("kvmesh control-plane", main, sys.argv[1:]))

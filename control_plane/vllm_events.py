@@ -19,7 +19,6 @@ resync after a control-plane fence starts empty for the same reason.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -29,6 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvmesh.command_line import Parser, host_port, positive_int
 from kvmesh.hashing import HashAlgo
 from kvmesh.namespace import CacheConfig, Namespace
 
@@ -144,16 +144,16 @@ class VllmEventAdapter:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh vllm-events", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvmesh vllm-events", description=__doc__.split("\n\n")[0])
     parser.add_argument("--zmq", required=True, help="vLLM's KV event endpoint, e.g. tcp://127.0.0.1:5557")
     parser.add_argument("--topic", default="")
-    parser.add_argument("--control-plane", required=True, help="host:port of the control plane")
+    parser.add_argument("--control-plane", type=host_port, required=True, help="host:port of the control plane")
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--data-plane-address", required=True, help="host:port peers pull this node's blocks from")
     parser.add_argument("--tenant", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--weight-version", default="")
-    parser.add_argument("--block-size", type=int, required=True)
+    parser.add_argument("--block-size", type=positive_int, required=True)
     parser.add_argument("--kv-dtype", default="bfloat16")
     parser.add_argument("--parallel-layout", default="tp1-pp1")
     parser.add_argument("--hash-algo", default="sha256_cbor", choices=[a.value for a in HashAlgo])

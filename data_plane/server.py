@@ -13,8 +13,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.grpc_server import RunningServer, ServiceBinding, server_tls, wait_for_signal, start_server
+from kvmesh.grpc_server import RunningServer, ServiceBinding, check_can_bind, server_tls, start_server, \
+    wait_for_signal
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
+from kvmesh.command_line import run_command
 from kvmesh.settings_cli import service_main
 from kvmesh.v1 import data_plane_pb2_grpc
 
@@ -83,6 +85,7 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
     """Starts the node in this event loop; returns once it is serving."""
+    check_can_bind(config.listen)  # before the region and the NIXL agent: a port in use fails at once, alone
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address,
                     timeout_s=config.control_plane_timeout_ms / 1000,
@@ -133,4 +136,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh data-plane", main, sys.argv[1:]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import tracing
+from kvmesh import errors, tracing
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -212,6 +213,30 @@ def server_options() -> list[tuple[str, int]]:
     ]
 
 
+def check_can_bind(address: str) -> None:
+    """Raises a domain error naming ``address`` when it cannot be bound (gRPC's own failure is a RuntimeError
+    and a log line of its core on stderr)."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise errors.InvalidArgument(f"listen address {address!r} is not host:port; give e.g. 127.0.0.1:50051")
+    if int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise errors.InvalidArgument(f"cannot listen on {address}: {exc.strerror}; give a local host name or "
+                                     "address") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                raise errors.Unavailable(f"cannot listen on {address}: {exc.strerror}; pick another port (the "
+                                         "listen setting) or stop the process that holds it") from None
+
+
 async def start_server(
     address: str,
     services: Sequence[ServiceBinding],
@@ -233,12 +258,14 @@ async def start_server(
         binding.add_to_server(binding.servicer, server)
         names.append(binding.full_name)
     reflection.enable_server_reflection(names, server)
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, tls.credentials())
+    check_can_bind(address)
+    try:
+        port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
+    except RuntimeError:  # "Failed to bind": taken between the check and here
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind gRPC server to {address}")
+        raise errors.Unavailable(f"cannot listen on {address}: address in use or not local; pick another port "
+                                 "(the listen setting) or stop the process that holds it")
     await server.start()
     for binding in services:
         await health.set(binding.full_name, health_pb2.HealthCheckResponse.SERVING)

@@ -54,8 +54,8 @@ def connect(url: str, username: str | None = None, password: str | None = None):
             return _cluster(url.replace("+cluster", "", 1), kwargs)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return aioredis.Redis.from_url(url, **kwargs)
-    raise InvalidArgument(f"redis url {redacted(url)!r} must start with redis://, rediss://, unix:// or "
-                          "redis+cluster://")
+    raise InvalidArgument(f"redis url {redacted(url)!r} is not a Redis URL; give redis://host:port/db (or "
+                          "rediss://, unix://, redis+cluster://host:port[,host:port...])")
 
 
 class Coalescer:

@@ -2,7 +2,8 @@
 
 Each field of a pydantic-settings class becomes ``--field-name`` with the
 field's description as help; flags override ``<PREFIX>_FIELD`` environment
-variables, which override defaults. Invalid values exit with a clear message.
+variables, which override defaults. Invalid values stop the service with one
+line (:mod:`kvmesh.command_line`), naming the fields but never their values.
 """
 
 from __future__ import annotations
@@ -10,20 +11,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 from typing import Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
+from kvmesh.command_line import Parser, UsageError
+
 S = TypeVar("S", bound=BaseSettings)
 
 
+def _default(field) -> str:
+    """The default as help shows it (a factory's, e.g. the host name, computed now)."""
+    value = field.get_default(call_default_factory=True)
+    return "none" if value is None else repr(value)
+
+
 def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
-    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
+    """The settings from flags, environment and defaults; :class:`UsageError` when a value is invalid."""
+    parser = Parser(prog=prog, description=(cls.__doc__ or "").strip())
     for name, field in cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_ = f"{field.description or ''} (default: {field.default!r})"
+        help_ = f"{field.description or ''} (default: {_default(field)})"
         if field.annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
@@ -32,23 +41,25 @@ def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
     try:
         return cls(**args)
     except ValidationError as exc:  # field and reason only: an input value may be a secret
-        reasons = "\n".join(f"  {'.'.join(map(str, e['loc'])) or '(settings)'}: {e['msg']}"
-                            for e in exc.errors(include_input=False, include_url=False))
-        print(f"{prog}: invalid configuration:\n{reasons}", file=sys.stderr)
-        raise SystemExit(2) from None
+        prefix = cls.model_config.get("env_prefix", "")
+        reasons = ", ".join(_reason(e, prefix) for e in exc.errors(include_input=False, include_url=False))
+        raise UsageError(f"invalid configuration: {reasons}; fix the flag or environment variable named") from None
+
+
+def _reason(error: dict, prefix: str) -> str:
+    field = ".".join(map(str, error["loc"]))
+    where = f"{field} (--{field.replace('_', '-')} / {prefix}{field.upper()})" if field else "settings"
+    return f"{where}: {error['msg']}"
 
 
 def service_main(cls: type[S], argv: list[str], prog: str, run: Callable[[S], Awaitable[None]],
                  check: Callable[[S], object] | None = None) -> int:
-    """A service's ``main``: logging, settings from flags and env, a start-up ``check`` whose
-    ValueError/OSError exits 2 with its message, then ``run`` until it returns."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """A service's ``main``: settings from flags and env, a start-up ``check`` (its errors, as every other
+    that stops the service, become one line in :func:`kvmesh.command_line.run_command`), logging, then ``run``
+    until it returns."""
     config = parse_settings(cls, argv, prog)
     if check is not None:
-        try:
-            check(config)
-        except (ValueError, OSError) as exc:
-            print(f"{prog}: {exc}", file=sys.stderr)
-            return 2
+        check(config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(run(config))
     return 0

@@ -2,12 +2,16 @@
 
 Each subcommand lives in its own module and is imported only when run, so
 ``kvmesh control-plane`` never imports vLLM and ``kvmesh demo`` starts fast.
+Every subcommand runs through :func:`kvmesh.command_line.run_command`: whatever
+stops it is one line ``kvmesh <subcommand>: error: <what>; <how to fix>``.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from kvmesh.command_line import run_command
 
 # name -> (module, function, help). The function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -38,17 +42,17 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _run(table: dict[str, tuple[str, str, str]], name: str, argv: list[str]) -> int:
+def _run(table: dict[str, tuple[str, str, str]], prog: str, name: str, argv: list[str]) -> int:
     if name not in table:
-        print(f"kvmesh: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"kvmesh: error: unknown command {name!r}; `kvmesh --help` lists them", file=sys.stderr)
         return 2
     module, func, _ = table[name]
     try:
         entry = getattr(importlib.import_module(module), func)
     except ImportError as exc:
-        print(f"kvmesh {name}: not available in this install ({exc})", file=sys.stderr)
+        print(f"{prog}: error: not available in this install ({exc}); run `make setup`", file=sys.stderr)
         return 2
-    return int(entry(argv) or 0)
+    return run_command(prog, entry, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "bench":
         if len(argv) < 2:
-            print(_usage(), file=sys.stderr)
+            print("kvmesh bench: error: no benchmark named; `kvmesh --help` lists them", file=sys.stderr)
             return 2
-        return _run(BENCHMARKS, argv[1], argv[2:])
-    return _run(COMMANDS, argv[0], argv[1:])
+        return _run(BENCHMARKS, f"kvmesh bench {argv[1]}", argv[1], argv[2:])
+    return _run(COMMANDS, f"kvmesh {argv[0]}", argv[0], argv[1:])
 
 
 if __name__ == "__main__":

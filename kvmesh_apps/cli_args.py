@@ -1,44 +1,17 @@
 """Command-line input of the apps (``kvmesh up``, ``bench replay``, ``bench sim-to-real``): bad input is one line
-``PROG: reason`` on stderr and exit status 2, never a traceback.
+``PROG: error: reason`` on stderr and exit status 2, never a traceback.
 
-:class:`Parser` raises :class:`UsageError` instead of printing usage and exiting, so that a command's ``main``
-reports it exactly as it reports a :class:`~kvmesh_apps.replay.trace.TraceError` (:func:`fail`).
+The parser, the checked value types and the one-line report are :mod:`kvmesh.command_line`'s (every command
+shares them); :func:`fail` reports an error a command caught itself, exactly as an uncaught one is reported.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 from collections.abc import Callable
-from typing import NoReturn
 
-
-class UsageError(ValueError):
-    """A bad command-line argument."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:   # argparse's own prints the usage and exits
-        raise UsageError(message)
-
-
-def _checked(cast: type, ok: Callable[[float], bool], words: str) -> Callable[[str], float]:
-    def check(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
-        return value
-    return check
-
-
-positive_int = _checked(int, lambda v: v > 0, "a positive integer")
-non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
-non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+from kvmesh.command_line import (Parser, UsageError, non_negative_float, non_negative_int, positive_float,  # noqa: F401
+                                 positive_int, report)
 
 
 def subset(known: list[str]) -> Callable[[str], list[str]]:
@@ -55,5 +28,4 @@ def subset(known: list[str]) -> Callable[[str], list[str]]:
 
 
 def fail(prog: str, exc: Exception | str) -> int:
-    print(f"{prog}: {exc}", file=sys.stderr)
-    return 2
+    return report(prog, UsageError(exc) if isinstance(exc, str) else exc)

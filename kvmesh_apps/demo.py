@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.command_line import Parser, positive_int
 from kvmesh.channels import channel
 from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
@@ -287,16 +288,16 @@ def _print_summary(result: dict[str, Any], say) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh demo", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvmesh demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object (progress goes to stderr)")
     parser.add_argument("--model", choices=sorted(MODELS), default="demo",
                         help="demo: 12 layers, ~150M parameters (a pull pays off); tiny: 2 layers (a quick check)")
     parser.add_argument("--model-dir", default=".kvmesh/models", help="where built models are kept (reused)")
-    parser.add_argument("--sessions", type=int, default=3)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--prefix-tokens", type=int, default=2000, help="length of the shared system prompt")
-    parser.add_argument("--user-tokens", type=int, default=48, help="tokens of each user message")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
+    parser.add_argument("--sessions", type=positive_int, default=3)
+    parser.add_argument("--turns", type=positive_int, default=3)
+    parser.add_argument("--prefix-tokens", type=positive_int, default=2000, help="length of the shared system prompt")
+    parser.add_argument("--user-tokens", type=positive_int, default=48, help="tokens of each user message")
+    parser.add_argument("--max-tokens", type=positive_int, default=16, help="tokens generated per turn")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--check", action="store_true",
                         help="also run the negative control (one misplaced block must fail the comparison)")

@@ -189,7 +189,9 @@ class RedisServer:
             "--dir", str(self.workdir), "--appendonly", "yes", "--save", "",
             "--logfile", str(log), "--protected-mode", "yes", *self._acl_args(), *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        # umask 077: every file the server writes (the ACL file ACL SAVE rewrites, with tenant users' password
+        # hashes; the AOF) is its owner's only, as write_secret makes the first ACL file
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, umask=0o077)
         _wait_listening(self.port, self.proc, log, log_offset)
         return self
 

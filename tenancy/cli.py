@@ -1,21 +1,4 @@
-"""``kvmesh admin``: tenant administration from the command line.
-
-    kvmesh admin new-key                        print a fresh bootstrap admin key
-    kvmesh admin [--control-plane H:P] [--key K | --key-file F] COMMAND ...
-      tenants create ID [--name N] [policy flags] | list | get ID | delete ID | policy ID [policy flags]
-      keys issue --role admin|scheduler|node [--tenant T] [--node N] [--pool P] [--description D]
-                 [--secret-out FILE]
-      keys list [--tenant T] | rotate KEY_ID | revoke KEY_ID
-      redis rotate ID
-      audit [--limit N]
-Policy flags: --allowed-node N (repeat), --allowed-pool P, --shared-with T ("*" = everyone),
---max-index-entries N, --max-cpu-tier-bytes-per-node N.
-The key comes from --key, --key-file or $KVMESH_ADMIN_KEY. Output is JSON.
-TLS: --tls-ca-file (the CA of the control plane's certificate; unset: plaintext), --tls-cert-file and
---tls-key-file (this client's certificate, for a control plane that requires mutual TLS), --tls-server-name (the
-name to check instead of the host in --control-plane); each defaults to $KVMESH_ADMIN_TLS_CA_FILE,
-$KVMESH_ADMIN_TLS_CERT_FILE, $KVMESH_ADMIN_TLS_KEY_FILE, $KVMESH_ADMIN_TLS_SERVER_NAME.
-"""
+"""``kvmesh admin``: tenant administration from the command line (its usage is :data:`USAGE`)."""
 
 from __future__ import annotations
 
@@ -23,16 +6,36 @@ import argparse
 import asyncio
 import json
 import os
-import sys
+import tempfile
 from pathlib import Path
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kvmesh.channels import ClientTLS, channel
+from kvmesh.command_line import Parser, UsageError, host_port, non_negative_int
 from kvmesh.v1 import tenant_admin_pb2 as pb, tenant_admin_pb2_grpc as pb_grpc
 
 from tenancy import api_keys
+
+USAGE = """\
+commands:
+  kvmesh admin new-key                        print a fresh bootstrap admin key
+  kvmesh admin [--control-plane HOST:PORT] [--key K | --key-file F] COMMAND ...
+    tenants create ID [--name N] [policy flags] | list | get ID | delete ID | policy ID [policy flags]
+    keys issue --role admin|scheduler|node [--tenant T] [--node N] [--pool P] [--description D]
+               [--secret-out FILE]
+    keys list [--tenant T] | rotate KEY_ID | revoke KEY_ID
+    redis rotate ID
+    audit [--limit N]
+Policy flags: --allowed-node N (repeat), --allowed-pool P, --shared-with T ("*" = everyone),
+--max-index-entries N, --max-cpu-tier-bytes-per-node N.
+The control plane is HOST:PORT (default $KVMESH_CONTROL_PLANE, else 127.0.0.1:50051, the control plane's default).
+The key comes from --key, --key-file or $KVMESH_ADMIN_KEY. Output is JSON. Errors are one line on stderr.
+TLS: --tls-ca-file (the CA of the control plane's certificate; unset: plaintext), --tls-cert-file and
+--tls-key-file (this client's certificate, for a control plane that requires mutual TLS), --tls-server-name (the
+name to check instead of the host in --control-plane); each defaults to $KVMESH_ADMIN_TLS_CA_FILE,
+$KVMESH_ADMIN_TLS_CERT_FILE, $KVMESH_ADMIN_TLS_KEY_FILE, $KVMESH_ADMIN_TLS_SERVER_NAME.
+"""
 
 ROLES = {"admin": pb.ROLE_ADMIN, "scheduler": pb.ROLE_SCHEDULER, "node": pb.ROLE_NODE}
 
@@ -41,8 +44,8 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-node", action="append", default=[])
     p.add_argument("--allowed-pool", action="append", default=[])
     p.add_argument("--shared-with", action="append", default=[])
-    p.add_argument("--max-index-entries", type=int, default=0)
-    p.add_argument("--max-cpu-tier-bytes-per-node", type=int, default=0)
+    p.add_argument("--max-index-entries", type=non_negative_int, default=0)
+    p.add_argument("--max-cpu-tier-bytes-per-node", type=non_negative_int, default=0)
 
 
 def _policy(a) -> pb.TenantPolicy:
@@ -52,15 +55,17 @@ def _policy(a) -> pb.TenantPolicy:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh admin", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--control-plane", default=os.environ.get("KVMESH_CONTROL_PLANE", "127.0.0.1:50051"))
+    parser = Parser(prog="kvmesh admin", description="tenant administration: tenants, keys, policies, audit",
+                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
+    parser.add_argument("--control-plane", type=host_port,
+                        default=host_port(os.environ.get("KVMESH_CONTROL_PLANE") or "127.0.0.1:50051"),
+                        help="HOST:PORT of the control plane (default: $KVMESH_CONTROL_PLANE, else 127.0.0.1:50051)")
     parser.add_argument("--key")
     parser.add_argument("--key-file")
     for name in ("ca-file", "cert-file", "key-file", "server-name"):
         env = "KVMESH_ADMIN_TLS_" + name.upper().replace("-", "_")
         parser.add_argument(f"--tls-{name}", default=os.environ.get(env) or None, help=f"default: ${env}")
-    groups = parser.add_subparsers(dest="group", required=True)
+    groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
     groups.add_parser("new-key", help="print a fresh bootstrap admin key")
     tenants = groups.add_parser("tenants").add_subparsers(dest="command", required=True)
     create = tenants.add_parser("create")
@@ -86,14 +91,14 @@ def _parser() -> argparse.ArgumentParser:
         keys.add_parser(name).add_argument("key_id")
     redis = groups.add_parser("redis").add_subparsers(dest="command", required=True)
     redis.add_parser("rotate").add_argument("tenant_id")
-    groups.add_parser("audit").add_argument("--limit", type=int, default=100)
+    groups.add_parser("audit").add_argument("--limit", type=non_negative_int, default=100, help="0: 100")
     return parser
 
 
 def _tls(a) -> ClientTLS | None:
     if not a.tls_ca_file:
         if a.tls_cert_file or a.tls_key_file or a.tls_server_name:
-            raise SystemExit("kvmesh admin: TLS settings without --tls-ca-file")
+            raise UsageError("TLS settings without --tls-ca-file; give the CA of the control plane's certificate")
         return None
     return ClientTLS(a.tls_ca_file, a.tls_cert_file, a.tls_key_file, a.tls_server_name)
 
@@ -130,6 +135,19 @@ async def _call(a, key: str):
     raise AssertionError(f"unhandled command {a.group} {a.command}")
 
 
+def _secret_out(path: str) -> tuple[int, str]:
+    """A new file (mode 0600) beside ``--secret-out``, made before a key is issued, so that a path that cannot be
+    written fails the command before a key exists whose secret nobody saw; renamed over the path once written."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--secret-out {path} is a directory; name a file")
+    try:
+        return tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as exc:
+        raise UsageError(f"--secret-out {path}: cannot write in {target.parent} ({exc.strerror}); name a file in "
+                         "a directory you may write") from None
+
+
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     if a.group == "new-key":
@@ -137,16 +155,21 @@ def main(argv: list[str]) -> int:
         return 0
     key = a.key or (Path(a.key_file).read_text().strip() if a.key_file else os.environ.get("KVMESH_ADMIN_KEY"))
     if not key:
-        print("kvmesh admin: give --key, --key-file or $KVMESH_ADMIN_KEY", file=sys.stderr)
-        return 2
+        raise UsageError("no API key; give --key-file FILE (or --key, or set $KVMESH_ADMIN_KEY)")
+    _tls(a)  # settings checked before anything is sent
+    fd, staged = _secret_out(a.secret_out) if getattr(a, "secret_out", None) else (None, "")
     try:
         reply = asyncio.run(_call(a, key))
-    except grpc.aio.AioRpcError as exc:
-        print(f"kvmesh admin: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    if getattr(a, "secret_out", None):
-        out = Path(a.secret_out)
-        out.touch(mode=0o600)
-        out.write_text(reply.secret + "\n")
+        if fd is not None:
+            with os.fdopen(fd, "w") as out:
+                fd = None
+                out.write(reply.secret + "\n")
+            os.replace(staged, a.secret_out)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        if staged:
+            Path(staged).unlink(missing_ok=True)
+        raise
     print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
     return 0

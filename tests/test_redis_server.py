@@ -81,3 +81,23 @@ def test_a_port_in_use_is_one_line(tmp_path, monkeypatch):
         assert "\n" not in str(err.value) and "redis server exited at start" in str(err.value)
     finally:
         first.stop()
+
+
+def test_the_acl_file_stays_owner_only_once_a_tenant_is_saved(tmp_path, admin_key):
+    """`ACL SAVE` (a tenant created through the control plane) rewrites users.acl, with every user's password
+    hash: it stays 0600 like the first one (it was 0644 under the usual umask 022)."""
+    from kvmesh_apps.fleet import Fleet
+
+    fleet = Fleet(tmp_path, 0, admin_key, tenant="acl-mode").start()
+    try:
+        acl_file = fleet.redis.workdir / "users.acl"
+        assert "kvm-t-" not in acl_file.read_text()
+        out = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "admin", "--control-plane",
+                              fleet.control_plane.address, "--key-file", str(fleet.admin_key_file),
+                              "tenants", "create", "second"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "kvm-t-" in acl_file.read_text()  # the positive control: the file was rewritten with tenant users
+        assert acl_file.stat().st_mode & 0o777 == 0o600
+        assert {p.stat().st_mode & 0o077 for p in fleet.redis.workdir.rglob("*") if p.is_file()} == {0}
+    finally:
+        fleet.stop()

@@ -19,7 +19,6 @@ real node's publisher does, so they stay holders however long it runs.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -37,6 +36,7 @@ import redis
 import redis.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.command_line import Parser, positive_int
 from kvmesh.channels import channel
 from kvmesh.grpc_server import server_options
 from kvmesh_apps.procs import ServiceProcess, cpu_seconds
@@ -311,13 +311,13 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench control-plane", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvmesh bench control-plane", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
-    parser.add_argument("--nodes", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=32_768)
-    parser.add_argument("--rounds", type=int, default=500, help="measured rounds (each makes every kind of call once)")
-    parser.add_argument("--blocks", type=int, default=100_000, help="distinct blocks ingested per node")
-    parser.add_argument("--batch-blocks", type=int, default=1024)
+    parser.add_argument("--nodes", type=positive_int, default=8)
+    parser.add_argument("--prompt-tokens", type=positive_int, default=32_768)
+    parser.add_argument("--rounds", type=positive_int, default=500, help="measured rounds (each makes every kind of call once)")
+    parser.add_argument("--blocks", type=positive_int, default=100_000, help="distinct blocks ingested per node")
+    parser.add_argument("--batch-blocks", type=positive_int, default=1024)
     args = parser.parse_args(argv)
 
     ports = multiprocessing.get_context("spawn").Queue()

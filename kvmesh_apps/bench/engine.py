@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.command_line import Parser, positive_int
 from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import same_computation
@@ -198,15 +199,15 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench engine", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvmesh bench engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object (progress goes to stderr)")
     parser.add_argument("--model-dir", default=".kvmesh/models", help="where built models are kept (reused)")
-    parser.add_argument("--prefix-tokens", type=int, default=2000)
-    parser.add_argument("--pullers", type=int, default=8, help="pulls during the decode window")
-    parser.add_argument("--coalesced", type=int, default=16, help="simultaneous requests on one prefix")
-    parser.add_argument("--running", type=int, default=4, help="requests already decoding")
-    parser.add_argument("--decode-tokens", type=int, default=1500, help="tokens each running request decodes (long enough to cover every window)")
-    parser.add_argument("--pull-timeout-ms", type=int, default=2000)
+    parser.add_argument("--prefix-tokens", type=positive_int, default=2000)
+    parser.add_argument("--pullers", type=positive_int, default=8, help="pulls during the decode window")
+    parser.add_argument("--coalesced", type=positive_int, default=16, help="simultaneous requests on one prefix")
+    parser.add_argument("--running", type=positive_int, default=4, help="requests already decoding")
+    parser.add_argument("--decode-tokens", type=positive_int, default=1500, help="tokens each running request decodes (long enough to cover every window)")
+    parser.add_argument("--pull-timeout-ms", type=positive_int, default=2000)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--workdir", default="", help="logs of the fleet and engines (default: a temp dir, removed)")
     args = parser.parse_args(argv)

@@ -16,7 +16,6 @@ where a node lost its blocks, no route names it past the lease.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -35,6 +34,8 @@ import numpy as np
 import redis
 
 from data_plane.client import DataPlaneClient, SharedTier
+from kvmesh.command_line import Parser
+from kvmesh.errors import PermissionDenied
 from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
@@ -572,7 +573,7 @@ async def _matrix(m: Matrix, only: set[str] | None) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench faults", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvmesh bench faults", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
@@ -580,8 +581,7 @@ def main(argv: list[str]) -> int:
                         help="one redis-server instead of a Redis Cluster with replicas (no failover case)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
-        print("kvmesh bench faults needs root (network namespaces)", file=sys.stderr)
-        return 2
+        raise PermissionDenied("needs root (it makes network namespaces); run it as root, e.g. with sudo")
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-faults-"))
     matrix = Matrix(workdir, cluster=not args.single_redis)
     try:

@@ -17,7 +17,6 @@ Every figure is measured; on a small machine the clients share the cores with th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import hashlib
@@ -35,6 +34,7 @@ from pathlib import Path
 import grpc
 import redis
 
+from kvmesh.command_line import Parser, non_negative_float, non_negative_int, positive_float, positive_int
 from kvmesh.channels import channel
 from kvmesh.grpc_server import channel_options
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
@@ -450,18 +450,18 @@ def _churn_process(address: str, admin_key: str, seconds: float, nodes: int, rat
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench load", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvmesh bench load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
-    parser.add_argument("--seconds", type=float, default=8.0, help="length of each saturation run")
-    parser.add_argument("--clients", type=int, default=3, help="lookup client processes")
-    parser.add_argument("--concurrency", type=int, default=32, help="lookups in flight per client process")
-    parser.add_argument("--streams", type=int, default=16, help="simulated nodes streaming events meanwhile")
-    parser.add_argument("--stream-rate", type=float, default=10.0, help="event batches/s per simulated node")
-    parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
-    parser.add_argument("--soak-minutes", type=float, default=10.0)
-    parser.add_argument("--soak-nodes", type=int, default=24, help="simulated nodes the churn cycles through")
-    parser.add_argument("--churn-rate", type=float, default=50.0, help="soak: churn actions per second")
-    parser.add_argument("--soak-lookup-rate", type=float, default=100.0, help="soak: lookups per second")
+    parser.add_argument("--seconds", type=positive_float, default=8.0, help="length of each saturation run")
+    parser.add_argument("--clients", type=positive_int, default=3, help="lookup client processes")
+    parser.add_argument("--concurrency", type=positive_int, default=32, help="lookups in flight per client process")
+    parser.add_argument("--streams", type=non_negative_int, default=16, help="simulated nodes streaming events meanwhile")
+    parser.add_argument("--stream-rate", type=positive_float, default=10.0, help="event batches/s per simulated node")
+    parser.add_argument("--replicas", type=lambda s: [positive_int(x) for x in s.split(",")], default=[1, 2, 4])
+    parser.add_argument("--soak-minutes", type=non_negative_float, default=10.0)
+    parser.add_argument("--soak-nodes", type=positive_int, default=24, help="simulated nodes the churn cycles through")
+    parser.add_argument("--churn-rate", type=positive_float, default=50.0, help="soak: churn actions per second")
+    parser.add_argument("--soak-lookup-rate", type=positive_float, default=100.0, help="soak: lookups per second")
     parser.add_argument("--no-cluster", action="store_true", help="skip the Redis Cluster runs")
     parser.add_argument("--soak-only", action="store_true", help="skip the saturation runs")
     args = parser.parse_args(argv)

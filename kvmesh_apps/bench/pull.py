@@ -26,7 +26,6 @@ JSON object.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import asyncio
 import json
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 from crc32c import crc32c
 
+from kvmesh.command_line import Parser, positive_float, positive_int
 from kvmesh.namespace import CacheConfig, Namespace
 from tenancy.api_keys import new_key
 from tenancy.grants import Grant, GrantSigner
@@ -224,10 +224,10 @@ async def _run(rounds: int, shm_dir: Path, log, idle_s: float) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench pull", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvmesh bench pull", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
-    parser.add_argument("--rounds", type=int, default=5, help="timed pulls per case (after one warm-up)")
-    parser.add_argument("--idle-seconds", type=float, default=10.0,
+    parser.add_argument("--rounds", type=positive_int, default=5, help="timed pulls per case (after one warm-up)")
+    parser.add_argument("--idle-seconds", type=positive_float, default=10.0,
                         help="how long to measure the idle nodes' CPU (idle_cpu_fraction)")
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")

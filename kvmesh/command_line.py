@@ -1,0 +1,149 @@
+"""What every kvmesh command shares: a parser that raises, checked value types, and the one place an error
+becomes the one line a user reads.
+
+Every command (``kvmesh <subcommand>``, ``python -m data_plane.server``, ``python -m control_plane.server``) runs
+its ``main`` through :func:`run_command`. Whatever stops it (bad input, a file it cannot read, a port in use, an
+unreachable Redis or service, a domain error from :mod:`kvmesh.errors`) is printed as one line on stderr::
+
+    kvmesh <subcommand>: error: <what>; <how to fix>
+
+and the command exits 2 for bad input (flags, settings, files named by them) or 1 for a runtime failure; never a
+traceback (``KVMESH_TRACEBACK=1`` adds one, for a bug report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+import grpc
+import redis.exceptions
+
+from kvmesh import errors
+
+BAD_INPUT = 2
+RUNTIME = 1
+INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+    """A bad command-line argument or setting."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise :class:`UsageError` (argparse's own prints the usage and exits);
+    subparsers it makes are Parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _checked(cast: type, ok: Callable[[float], bool], words: str) -> Callable[[str], float]:
+    def check(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
+        return value
+    return check
+
+
+positive_int = _checked(int, lambda v: v > 0, "a positive integer")
+non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+
+
+def host_port(text: str) -> str:
+    """``host:port`` or ``[v6]:port`` with a port in 1..65535 (a bare host would make gRPC dial port 443)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or host.count(":") and not (
+            host.startswith("[") and host.endswith("]")):
+        raise argparse.ArgumentTypeError(f"must be host:port, got {text!r}")
+    return text
+
+
+_RPC_FIX = {
+    grpc.StatusCode.UNAVAILABLE: "check that the service runs at that address and that its TLS settings match",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "check that the service runs at that address and is not overloaded",
+    grpc.StatusCode.UNAUTHENTICATED: "check the API key given (--key, --key-file or the *_API_KEY settings)",
+    grpc.StatusCode.PERMISSION_DENIED: "use a key whose role and tenant may do this",
+    grpc.StatusCode.INVALID_ARGUMENT: "fix the value named",
+    grpc.StatusCode.NOT_FOUND: "check the id (the matching list command shows what exists)",
+    grpc.StatusCode.ALREADY_EXISTS: "pick another id, or use the existing one",
+}
+_BAD_INPUT_CODES = {grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def _rpc(exc: grpc.RpcError) -> tuple[str, int]:
+    code, details = exc.code(), (exc.details() or "").replace("\n", " ")
+    fix = _RPC_FIX.get(code, "see the service's log")
+    return f"{code.name}: {details}; {fix}", BAD_INPUT if code in _BAD_INPUT_CODES else RUNTIME
+
+
+def _os(exc: OSError) -> tuple[str, int]:
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        return f"cannot listen: {reason}; pick another port (or address) or stop what holds it", RUNTIME
+    if exc.filename is not None and exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR,
+                                                  errno.ENOTDIR, errno.ELOOP, errno.EROFS):
+        return (f"cannot use {exc.filename}: {reason}; check the path, and that this user may read (or write) it",
+                BAD_INPUT)
+    return f"{reason}; check the file or address named by the flags", RUNTIME
+
+
+def describe(exc: BaseException) -> tuple[str, int]:
+    """The line (without the program name) and the exit status for an error that stopped a command."""
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return describe(exc.exceptions[0])
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", INTERRUPTED
+    if isinstance(exc, (UsageError, argparse.ArgumentError)):
+        return str(exc), BAD_INPUT
+    if isinstance(exc, errors.KvmeshError):  # domain errors name the fix themselves
+        return str(exc), BAD_INPUT if isinstance(exc, errors.InvalidArgument) else RUNTIME
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return _rpc(exc)
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return f"Redis refused the credentials ({exc}); check the Redis user and password settings", RUNTIME
+    if isinstance(exc, redis.exceptions.ResponseError) and "NOPERM" in str(exc):
+        return f"Redis denied a command ({exc}); give the Redis user the rules docs/configuration.md lists", RUNTIME
+    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return f"Redis unreachable ({exc}); start Redis, or fix the Redis URL setting", RUNTIME
+    if isinstance(exc, OSError):
+        return _os(exc)
+    if isinstance(exc, ValueError):  # start-up checks of settings and files
+        return str(exc), BAD_INPUT
+    return (f"internal error ({type(exc).__name__}: {exc}); rerun with KVMESH_TRACEBACK=1 and report the "
+            "traceback", RUNTIME)
+
+
+def report(prog: str, exc: BaseException) -> int:
+    """Prints ``exc`` as one line on stderr; returns the exit status."""
+    line, status = describe(exc)
+    if status == BAD_INPUT and "; " not in line:  # argparse's messages (and terse checks) say what, not how
+        line += f"; `{prog} --help` lists the flags and the values they take"
+    if os.environ.get("KVMESH_TRACEBACK") and not isinstance(exc, KeyboardInterrupt):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"{prog}: error: {' '.join(line.split())}", file=sys.stderr, flush=True)
+    return status
+
+
+def run_command(prog: str, main: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """Runs a command's ``main``; any error that stops it becomes one line (:func:`report`)."""
+    try:
+        return int(main(argv) or 0)
+    except SystemExit as exc:  # an explicit exit keeps its status; a message in it is reported as one line
+        if isinstance(exc.code, str):
+            return report(prog, UsageError(exc.code))
+        return int(exc.code or 0)
+    except BaseException as exc:  # noqa: BLE001 - the one place a command's failure is reported
+        return report(prog, exc)

@@ -1,0 +1,213 @@
+"""Every command fails in one line: each subcommand driven into each error a user can cause, as a subprocess, against
+real servers (the set-up's Valkey, a real control plane). Each case asserts exactly one line on stderr, of the form
+``kvmesh <subcommand>: error: <what>; <how to fix>``, no traceback, and a non-zero exit (2: bad input, 1: runtime)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.redis_server import free_port, write_secret
+from tenancy.grants import GrantSigner
+
+BAD_INPUT, RUNTIME = 2, 1
+
+
+def kvmesh(*args: str, module: str = "kvmesh_apps.cli", timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def fails_in_one_line(out: subprocess.CompletedProcess, status: int, prog: str, *words: str) -> str:
+    """The one stderr line of a failed command (asserting its form, status and the words it must name)."""
+    lines = out.stderr.splitlines()
+    assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr
+    assert out.returncode == status, (out.returncode, out.stderr)
+    line = lines[0]
+    assert line.startswith(f"{prog}: error: ") and "; " in line, line
+    for word in words:
+        assert word in line, (word, line)
+    return line
+
+
+@pytest.fixture(scope="module")
+def secrets(tmp_path_factory, admin_key) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("secrets")
+    GrantSigner.create_file(d / "grant.pem")
+    return {"admin": write_secret(d / "admin.key", admin_key), "grant": d / "grant.pem"}
+
+
+def cp_flags(secrets: dict[str, Path], redis_url: str, listen: str = "127.0.0.1:0") -> list[str]:
+    return ["--listen", listen, "--redis-url", redis_url, "--admin-key-file", str(secrets["admin"]),
+            "--grant-key-file", str(secrets["grant"]), "--key-prefix", "oneline"]
+
+
+@pytest.fixture(scope="module")
+def control_plane(redis_server, secrets):
+    proc = ServiceProcess(["control-plane", *cp_flags(secrets, redis_server.url)]).start()
+    yield proc
+    proc.stop()
+
+
+# ---- control plane ----
+
+def test_control_plane_with_redis_down(secrets):
+    out = kvmesh("control-plane", *cp_flags(secrets, f"redis://127.0.0.1:{free_port()}/0"))
+    fails_in_one_line(out, RUNTIME, "kvmesh control-plane", "Redis unreachable", "Redis URL")
+
+
+def test_control_plane_with_a_bad_redis_url(secrets):
+    out = kvmesh("control-plane", *cp_flags(secrets, "http://127.0.0.1:6379"))
+    fails_in_one_line(out, BAD_INPUT, "kvmesh control-plane", "http://127.0.0.1:6379", "redis://")
+
+
+def test_control_plane_with_its_port_taken(redis_server, secrets, control_plane):
+    out = kvmesh("control-plane", *cp_flags(secrets, redis_server.url, listen=control_plane.address))
+    fails_in_one_line(out, RUNTIME, "kvmesh control-plane", f"cannot listen on {control_plane.address}",
+                      "pick another port")
+    assert control_plane.proc.poll() is None  # the running one is untouched
+
+
+def test_control_plane_bad_settings(redis_server, secrets, tmp_path):
+    out = kvmesh("control-plane", *cp_flags(secrets, redis_server.url), "--lease-ms", "5")
+    fails_in_one_line(out, BAD_INPUT, "kvmesh control-plane", "invalid configuration", "--lease-ms",
+                      "KVMESH_CP_LEASE_MS")
+    flags = cp_flags(secrets, redis_server.url)
+    flags[flags.index("--admin-key-file") + 1] = str(tmp_path / "missing.key")
+    fails_in_one_line(kvmesh("control-plane", *flags), BAD_INPUT, "kvmesh control-plane",
+                      str(tmp_path / "missing.key"), "check the path")
+
+
+def test_python_m_control_plane_server_is_one_line_too(secrets):
+    out = kvmesh(*cp_flags(secrets, f"redis://127.0.0.1:{free_port()}/0"), module="control_plane.server")
+    fails_in_one_line(out, RUNTIME, "kvmesh control-plane", "Redis unreachable")
+
+
+# ---- data plane ----
+
+def dp_flags(key_file: Path | str, listen: str = "127.0.0.1:0") -> list[str]:
+    return ["--node-id", "oneline", "--listen", listen, "--api-key-file", str(key_file), "--no-lock-memory",
+            "--capacity-bytes", "8MiB", "--block-bytes", str(1 << 20)]
+
+
+def test_data_plane_with_a_missing_or_unreadable_key_file(tmp_path):
+    for path in (tmp_path / "absent.key", tmp_path):  # a directory is unreadable as a key file
+        out = kvmesh("data-plane", *dp_flags(path))
+        fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", str(path))
+    # as `python -m data_plane.server` (how kvmesh_apps.dp_process starts it)
+    out = kvmesh(*dp_flags(tmp_path / "absent.key"), module="data_plane.server")
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "absent.key")
+
+
+def test_data_plane_with_its_port_taken(tmp_path, admin_key):
+    key = write_secret(tmp_path / "node.key", admin_key)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        out = kvmesh(*dp_flags(key, listen=taken), module="data_plane.server")
+    fails_in_one_line(out, RUNTIME, "kvmesh data-plane", f"cannot listen on {taken}")
+
+
+def test_data_plane_bad_settings(tmp_path):
+    out = kvmesh("data-plane", *dp_flags(tmp_path / "k"), "--capacity-bytes", "lots")
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "invalid configuration", "--capacity-bytes")
+    out = kvmesh("data-plane", "--no-such-flag")
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "--no-such-flag", "--help")
+
+
+# ---- admin ----
+
+def admin(control_plane, *args: str, key: Path | None = None) -> subprocess.CompletedProcess:
+    auth = ["--key-file", str(key)] if key else []
+    return kvmesh("admin", "--control-plane", control_plane.address, *auth, *args)
+
+
+def test_admin_input_errors(control_plane, secrets, tmp_path):
+    fails_in_one_line(admin(control_plane, "tenants", "list"), BAD_INPUT, "kvmesh admin", "--key-file")
+    fails_in_one_line(admin(control_plane, "tenants", "list", key=tmp_path / "none.key"), BAD_INPUT,
+                      "kvmesh admin", "none.key")
+    out = admin(control_plane, "--tls-ca-file", str(tmp_path / "ca.pem"), "tenants", "list", key=secrets["admin"])
+    fails_in_one_line(out, BAD_INPUT, "kvmesh admin", "ca.pem")
+    fails_in_one_line(admin(control_plane, "audit", "--limit", "-5", key=secrets["admin"]), BAD_INPUT,
+                      "kvmesh admin", "--limit", "-5")
+    fails_in_one_line(kvmesh("admin", "--control-plane", "127.0.0.1", "--key-file", str(secrets["admin"]),
+                             "tenants", "list"), BAD_INPUT, "kvmesh admin", "host:port")
+    fails_in_one_line(kvmesh("admin", "--key-file", str(secrets["admin"])), BAD_INPUT, "kvmesh admin", "required")
+    # the positive control: the same command, well formed, answers
+    out = admin(control_plane, "audit", "--limit", "5", key=secrets["admin"])
+    assert out.returncode == 0 and isinstance(json.loads(out.stdout), dict), out.stderr
+
+
+def test_admin_against_an_unreachable_control_plane(secrets):
+    out = kvmesh("admin", "--control-plane", f"127.0.0.1:{free_port()}", "--key-file", str(secrets["admin"]),
+                 "tenants", "list")
+    fails_in_one_line(out, RUNTIME, "kvmesh admin", "UNAVAILABLE", "check that the service runs")
+
+
+def test_admin_with_a_wrong_key_fails_in_one_line(control_plane, tmp_path):
+    wrong = kvmesh("admin", "new-key").stdout.strip()
+    out = admin(control_plane, "tenants", "list", key=write_secret(tmp_path / "wrong.key", wrong))
+    fails_in_one_line(out, RUNTIME, "kvmesh admin", "UNAUTHENTICATED", "check the API key")
+
+
+def test_keys_issue_checks_secret_out_before_issuing(control_plane, secrets, tmp_path):
+    def key_ids() -> set[str]:
+        out = admin(control_plane, "keys", "list", key=secrets["admin"])
+        assert out.returncode == 0, out.stderr
+        return {k["key_id"] for k in json.loads(out.stdout).get("keys", [])}
+
+    before = key_ids()
+    for bad in ("/nonexistent-dir/k", str(tmp_path)):
+        out = admin(control_plane, "keys", "issue", "--role", "node", "--node", "n1", "--secret-out", bad,
+                    key=secrets["admin"])
+        fails_in_one_line(out, BAD_INPUT, "kvmesh admin", "--secret-out")
+    assert key_ids() == before  # no key was issued whose secret nobody saw
+    # the positive control: a writable path gets the secret (0600), and the key exists
+    good = tmp_path / "node.key"
+    out = admin(control_plane, "keys", "issue", "--role", "node", "--node", "n1", "--secret-out", str(good),
+                key=secrets["admin"])
+    assert out.returncode == 0, out.stderr
+    issued = json.loads(out.stdout)
+    assert good.read_text().strip() == issued["secret"] and stat.S_IMODE(good.stat().st_mode) == 0o600
+    assert key_ids() == before | {issued["key"]["key_id"]}
+    assert [p.name for p in tmp_path.iterdir()] == ["node.key"]  # no staging file left behind
+
+
+# ---- programs: bad flag values ----
+
+@pytest.mark.parametrize("prog, args, words", [
+    ("kvmesh up", ["up", "--data-planes", "two"], ["--data-planes"]),
+    ("kvmesh up", ["up", "--capacity", "ten"], ["--capacity"]),
+    ("kvmesh demo", ["demo", "--sessions", "0"], ["--sessions", "positive"]),
+    ("kvmesh demo", ["demo", "--model", "huge"], ["--model", "huge"]),
+    ("kvmesh vllm-events", ["vllm-events", "--zmq", "tcp://127.0.0.1:1"], ["required"]),
+    ("kvmesh vllm-events", ["vllm-events", "--zmq", "tcp://127.0.0.1:1", "--control-plane", "cp.example",
+                            "--node-id", "n", "--data-plane-address", "127.0.0.1:1", "--tenant", "t", "--model", "m",
+                            "--block-size", "16"], ["host:port"]),
+    ("kvmesh bench control-plane", ["bench", "control-plane", "--rounds", "0"], ["--rounds"]),
+    ("kvmesh bench load", ["bench", "load", "--seconds", "-1"], ["--seconds"]),
+    ("kvmesh bench pull", ["bench", "pull", "--rounds", "many"], ["--rounds"]),
+    ("kvmesh bench replay", ["bench", "replay", "--trace", "/nonexistent.jsonl"], ["/nonexistent.jsonl"]),
+    ("kvmesh bench engine", ["bench", "engine", "--pullers", "-3"], ["--pullers"]),
+    ("kvmesh", ["frobnicate"], ["unknown command"]),
+    ("kvmesh bench", ["bench"], ["no benchmark"]),
+])
+def test_bad_flag_values(prog, args, words):
+    fails_in_one_line(kvmesh(*args), BAD_INPUT, prog, *words)
+
+
+# ---- help ----
+
+def test_help_texts_are_clean():
+    dp = kvmesh("data-plane", "--help")
+    assert dp.returncode == 0 and "PydanticUndefined" not in dp.stdout and "--node-id" in dp.stdout
+    adm = kvmesh("admin", "--help")
+    assert adm.returncode == 0 and "``" not in adm.stdout and ":data:" not in adm.stdout
+    assert adm.stdout.count("keys issue --role") == 1 and adm.stdout.count("tenant administration") == 1
