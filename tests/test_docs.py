@@ -1,7 +1,9 @@
-"""docs/configuration.md lists every setting of every service (kept in sync by this test)."""
+"""docs/configuration.md lists every setting of every service in that service's own table, and nothing else there;
+every code block of the docs is run by a test or says why not (kept in sync by these tests)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,12 +14,22 @@ from data_plane.config import DataPlaneConfig
 DOC = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
 
 
+def _section(env_prefix: str) -> str:
+    """The section of configuration.md (up to the next heading of any level) whose heading names ``env_prefix``."""
+    (section,) = [s for s in re.split(r"^#+ ", DOC, flags=re.M) if s and env_prefix in s.splitlines()[0]]
+    return section
+
+
 @pytest.mark.parametrize("settings", [ControlPlaneConfig, DataPlaneConfig])
-def test_every_setting_is_documented(settings):
-    prefix = settings.model_config["env_prefix"]
-    assert prefix in DOC
-    missing = [name for name in settings.model_fields if f"| `{name}` |" not in DOC]
-    assert not missing, f"{settings.__name__} fields missing from docs/configuration.md: {missing}"
+def test_every_setting_is_documented_in_its_services_table(settings):
+    section = _section(settings.model_config["env_prefix"])
+    rows = re.findall(r"^\| `(\w+)` \|", section, flags=re.M)
+    missing = [name for name in settings.model_fields if name not in rows]
+    assert not missing, f"{settings.__name__} fields missing from its table in docs/configuration.md: {missing}"
+    foreign = [name for name in rows if name not in settings.model_fields]
+    assert not foreign, f"docs/configuration.md lists {foreign} under {settings.__name__}, which has no such field"
+    repeated = sorted({name for name in rows if rows.count(name) > 1})
+    assert not repeated, f"docs/configuration.md lists {repeated} twice under {settings.__name__}"
 
 
 # Docs that run: every shell or Python block of README.md and docs/ is run by a named test or says why not
