@@ -68,8 +68,8 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     tenants = RedisTenantStore(config.redis_url, key_prefix=config.key_prefix, tenant_secret=config.tenant_secret(),
                                acl_username=config.redis_acl_username, acl_password=config.redis_acl_secret(),
                                **redis_auth)
+    await tenants.drop_legacy_grant_key()  # the first Redis call: Redis down fails here, before any warning
     signer, grant_keys = config.grant_keys()
-    await tenants.drop_legacy_grant_key()
     registry = CollectorRegistry()
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
                               tenant_credentials=tenants.redis_credentials, **redis_auth)

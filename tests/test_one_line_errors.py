@@ -58,8 +58,12 @@ def control_plane(redis_server, secrets):
 # ---- control plane ----
 
 def test_control_plane_with_redis_down(secrets):
-    out = kvmesh("control-plane", *cp_flags(secrets, f"redis://127.0.0.1:{free_port()}/0"))
+    flags = cp_flags(secrets, f"redis://127.0.0.1:{free_port()}/0")
+    out = kvmesh("control-plane", *flags)
     fails_in_one_line(out, RUNTIME, "kvmesh control-plane", "Redis unreachable", "Redis URL")
+    # the same without a grant key file (a first try's settings): still that one line, no warning before it
+    out = kvmesh("control-plane", *flags[:flags.index("--grant-key-file")], *flags[flags.index("--key-prefix"):])
+    fails_in_one_line(out, RUNTIME, "kvmesh control-plane", "Redis unreachable")
 
 
 def test_control_plane_with_a_bad_redis_url(secrets):
