@@ -49,12 +49,15 @@ class ServiceProcess:
             if log:
                 log.close()
 
-        threading.Thread(target=pump, daemon=True, name=f"log-{self.args[0]}").start()
+        pumping = threading.Thread(target=pump, daemon=True, name=f"log-{self.args[0]}")
+        pumping.start()
         deadline = time.monotonic() + timeout
         while not found.wait(0.05):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise Unavailable(f"kvmesh {' '.join(self.args)} did not start:\n{''.join(lines[-40:])}")
+                pumping.join(1.0)  # the child's last lines (its error) read
+                where = f"its log: {self.log_path}" if self.log_path else "its output:\n" + "".join(lines[-40:])
+                raise Unavailable(f"kvmesh {self.args[0]} did not start: {_why(lines)}; {where}")
         return self
 
     @property
@@ -75,6 +78,13 @@ class ServiceProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def _why(lines: list[str]) -> str:
+    """The child's own one-line error (kvmesh.command_line), else its last line."""
+    errors = [line.strip() for line in lines if ": error: " in line]
+    last = [line.strip() for line in lines if line.strip()]
+    return (errors or last or ["no output"])[-1]
 
 
 def cpu_seconds(pid: int) -> float:
