@@ -61,7 +61,9 @@ class RunningControlPlane:
 
 async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     """Starts the service in this event loop; returns once it is serving."""
-    check_can_bind(config.listen)  # before Redis is touched: a port in use fails at once
+    for address in (config.listen, config.metrics_listen):  # before Redis is touched: a port in use fails at once
+        if address:
+            check_can_bind(address)
     admin_key = config.bootstrap_admin_key()
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     redis_auth = dict(username=config.redis_username, password=config.redis_secret())

@@ -85,8 +85,13 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
 
 async def serve(config: DataPlaneConfig) -> RunningDataPlane:
     """Starts the node in this event loop; returns once it is serving."""
-    check_can_bind(config.listen)  # before the region and the NIXL agent: a port in use fails at once, alone
+    # what a user can get wrong fails before the region and the NIXL agent exist: ports, then TLS files
+    for address in (config.listen, config.metrics_listen):
+        if address:
+            check_can_bind(address)
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    if config.client_tls() is not None:
+        config.client_tls().credentials()
     auth = NodeAuth(config.node_id, config.node_key(), config.grant_public_key, config.control_plane_address,
                     timeout_s=config.control_plane_timeout_ms / 1000,
                     refresh_s=config.control_plane_refresh_ms / 1000, tls=config.client_tls(),

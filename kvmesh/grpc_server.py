@@ -47,14 +47,18 @@ class ServerTLS:
 
 
 def server_tls(cert_file: str | None, key_file: str | None, client_ca_file: str | None) -> ServerTLS | None:
-    """A ServerTLS from optional settings: none, or cert and key (and optionally a client CA)."""
+    """A ServerTLS from optional settings: none, or cert and key (and optionally a client CA), whose files are
+    read now (a missing or unreadable one fails a service's start before anything runs)."""
     if not cert_file and not key_file:
         if client_ca_file:
-            raise ValueError("a client CA (mutual TLS) needs a server certificate and key too")
+            raise ValueError("a client CA (mutual TLS) needs a server certificate and key too; set tls_cert_file "
+                             "and tls_key_file, or unset tls_client_ca_file")
         return None
     if not (cert_file and key_file):
-        raise ValueError("TLS needs both a certificate file and a key file")
-    return ServerTLS(cert_file, key_file, client_ca_file)
+        raise ValueError("TLS needs both a certificate file and a key file; set tls_cert_file and tls_key_file")
+    tls = ServerTLS(cert_file, key_file, client_ca_file)
+    tls.credentials()
+    return tls
 
 
 @dataclass

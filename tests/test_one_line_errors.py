@@ -88,6 +88,16 @@ def test_control_plane_bad_settings(redis_server, secrets, tmp_path):
                       str(tmp_path / "missing.key"), "check the path")
 
 
+def test_control_plane_with_its_metrics_port_taken_or_a_tls_file_missing(redis_server, secrets, control_plane,
+                                                                         tmp_path):
+    out = kvmesh("control-plane", *cp_flags(secrets, redis_server.url), "--metrics-listen", control_plane.address)
+    fails_in_one_line(out, RUNTIME, "kvmesh control-plane", f"cannot listen on {control_plane.address}")
+    missing = str(tmp_path / "absent.pem")
+    out = kvmesh("control-plane", *cp_flags(secrets, redis_server.url), "--tls-cert-file", missing,
+                 "--tls-key-file", missing)
+    fails_in_one_line(out, BAD_INPUT, "kvmesh control-plane", missing)
+
+
 def test_python_m_control_plane_server_is_one_line_too(secrets):
     out = kvmesh(*cp_flags(secrets, f"redis://127.0.0.1:{free_port()}/0"), module="control_plane.server")
     fails_in_one_line(out, RUNTIME, "kvmesh control-plane", "Redis unreachable")
@@ -117,6 +127,21 @@ def test_data_plane_with_its_port_taken(tmp_path, admin_key):
         taken = f"127.0.0.1:{holder.getsockname()[1]}"
         out = kvmesh(*dp_flags(key, listen=taken), module="data_plane.server")
     fails_in_one_line(out, RUNTIME, "kvmesh data-plane", f"cannot listen on {taken}")
+
+
+def test_data_plane_with_its_metrics_port_taken_or_a_tls_file_missing(tmp_path, admin_key):
+    key = write_secret(tmp_path / "node.key", admin_key)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        out = kvmesh("data-plane", *dp_flags(key), "--metrics-listen", taken)
+    fails_in_one_line(out, RUNTIME, "kvmesh data-plane", f"cannot listen on {taken}")
+    missing = str(tmp_path / "absent.pem")
+    for flags in (["--tls-cert-file", missing, "--tls-key-file", missing], ["--tls-ca-file", missing,
+                                                                           "--control-plane-address", "127.0.0.1:1"]):
+        out = kvmesh("data-plane", *dp_flags(key), *flags)
+        fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", missing)
 
 
 def test_data_plane_bad_settings(tmp_path):
