@@ -58,16 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvmesh admin", description="tenant administration: tenants, keys, policies, audit",
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
     parser.add_argument("--control-plane", type=host_port,
-                        default=host_port(os.environ.get("KVMESH_CONTROL_PLANE") or "127.0.0.1:50051"),
+                        default=os.environ.get("KVMESH_CONTROL_PLANE") or "127.0.0.1:50051",
                         help="HOST:PORT of the control plane (default: $KVMESH_CONTROL_PLANE, else 127.0.0.1:50051)")
-    parser.add_argument("--key")
-    parser.add_argument("--key-file")
+    parser.add_argument("--key", help="an admin API key (prefer --key-file: nothing secret on a command line)")
+    parser.add_argument("--key-file", help="file holding the admin API key (default: $KVMESH_ADMIN_KEY)")
     for name in ("ca-file", "cert-file", "key-file", "server-name"):
         env = "KVMESH_ADMIN_TLS_" + name.upper().replace("-", "_")
         parser.add_argument(f"--tls-{name}", default=os.environ.get(env) or None, help=f"default: ${env}")
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
     groups.add_parser("new-key", help="print a fresh bootstrap admin key")
-    tenants = groups.add_parser("tenants").add_subparsers(dest="command", required=True)
+    tenants = groups.add_parser("tenants", help="create, list, get, delete a tenant; set its policy").add_subparsers(dest="command", required=True)
     create = tenants.add_parser("create")
     create.add_argument("tenant_id")
     create.add_argument("--name", default="")
@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     policy = tenants.add_parser("policy")
     policy.add_argument("tenant_id")
     _policy_flags(policy)
-    keys = groups.add_parser("keys").add_subparsers(dest="command", required=True)
+    keys = groups.add_parser("keys", help="issue, list, rotate, revoke API keys").add_subparsers(dest="command", required=True)
     issue = keys.add_parser("issue")
     issue.add_argument("--role", choices=sorted(ROLES), required=True)
     issue.add_argument("--tenant", default="")
@@ -89,9 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_parser("list").add_argument("--tenant", default="")
     for name in ("rotate", "revoke"):
         keys.add_parser(name).add_argument("key_id")
-    redis = groups.add_parser("redis").add_subparsers(dest="command", required=True)
+    redis = groups.add_parser("redis", help="rotate a tenant's Redis credentials").add_subparsers(dest="command", required=True)
     redis.add_parser("rotate").add_argument("tenant_id")
-    groups.add_parser("audit").add_argument("--limit", type=non_negative_int, default=100, help="0: 100")
+    groups.add_parser("audit", help="the newest audit entries").add_argument("--limit", type=non_negative_int, default=100, help="0: 100")
     return parser
 
 

@@ -5,6 +5,7 @@ real servers (the set-up's Valkey, a real control plane). Each case asserts exac
 from __future__ import annotations
 
 import json
+import os
 import socket
 import stat
 import subprocess
@@ -20,8 +21,10 @@ from tenancy.grants import GrantSigner
 BAD_INPUT, RUNTIME = 2, 1
 
 
-def kvmesh(*args: str, module: str = "kvmesh_apps.cli", timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+def kvmesh(*args: str, module: str = "kvmesh_apps.cli", env: dict[str, str] | None = None,
+           timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def fails_in_one_line(out: subprocess.CompletedProcess, status: int, prog: str, *words: str) -> str:
@@ -169,6 +172,8 @@ def test_admin_input_errors(control_plane, secrets, tmp_path):
     fails_in_one_line(kvmesh("admin", "--control-plane", "127.0.0.1", "--key-file", str(secrets["admin"]),
                              "tenants", "list"), BAD_INPUT, "kvmesh admin", "host:port")
     fails_in_one_line(kvmesh("admin", "--key-file", str(secrets["admin"])), BAD_INPUT, "kvmesh admin", "required")
+    fails_in_one_line(kvmesh("admin", "--key-file", str(secrets["admin"]), "tenants", "list",
+                             env={"KVMESH_CONTROL_PLANE": "control-plane"}), BAD_INPUT, "kvmesh admin", "host:port")
     # the positive control: the same command, well formed, answers
     out = admin(control_plane, "audit", "--limit", "5", key=secrets["admin"])
     assert out.returncode == 0 and isinstance(json.loads(out.stdout), dict), out.stderr
