@@ -64,9 +64,9 @@ non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a n
 
 def host_port(text: str) -> str:
     """``host:port`` or ``[v6]:port`` with a port in 1..65535 (a bare host would make gRPC dial port 443)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or host.count(":") and not (
-            host.startswith("[") and host.endswith("]")):
+    host, _, port = text.rpartition(":")
+    bare_v6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if not host or bare_v6 or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"must be host:port, got {text!r}")
     return text
 
@@ -106,7 +106,7 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return describe(exc.exceptions[0])
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", INTERRUPTED
-    if isinstance(exc, (UsageError, argparse.ArgumentError)):
+    if isinstance(exc, UsageError):
         return str(exc), BAD_INPUT
     if isinstance(exc, errors.KvmeshError):  # domain errors name the fix themselves
         return str(exc), BAD_INPUT if isinstance(exc, errors.InvalidArgument) else RUNTIME
@@ -114,7 +114,7 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return _rpc(exc)
     if isinstance(exc, redis.exceptions.AuthenticationError):
         return f"Redis refused the credentials ({exc}); check the Redis user and password settings", RUNTIME
-    if isinstance(exc, redis.exceptions.ResponseError) and "NOPERM" in str(exc):
+    if isinstance(exc, redis.exceptions.NoPermissionError):
         return f"Redis denied a command ({exc}); give the Redis user the rules docs/configuration.md lists", RUNTIME
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return f"Redis unreachable ({exc}); start Redis, or fix the Redis URL setting", RUNTIME
