@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--tls-{name}", default=os.environ.get(env) or None, help=f"default: ${env}")
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
     groups.add_parser("new-key", help="print a fresh bootstrap admin key")
-    tenants = groups.add_parser("tenants", help="create, list, get, delete a tenant; set its policy").add_subparsers(dest="command", required=True)
+    tenants = groups.add_parser("tenants", help="create, list, get, delete a tenant; set its policy")
+    tenants = tenants.add_subparsers(dest="command", required=True)
     create = tenants.add_parser("create")
     create.add_argument("tenant_id")
     create.add_argument("--name", default="")
@@ -78,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     policy = tenants.add_parser("policy")
     policy.add_argument("tenant_id")
     _policy_flags(policy)
-    keys = groups.add_parser("keys", help="issue, list, rotate, revoke API keys").add_subparsers(dest="command", required=True)
+    keys = groups.add_parser("keys", help="issue, list, rotate, revoke API keys")
+    keys = keys.add_subparsers(dest="command", required=True)
     issue = keys.add_parser("issue")
     issue.add_argument("--role", choices=sorted(ROLES), required=True)
     issue.add_argument("--tenant", default="")
@@ -89,9 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_parser("list").add_argument("--tenant", default="")
     for name in ("rotate", "revoke"):
         keys.add_parser(name).add_argument("key_id")
-    redis = groups.add_parser("redis", help="rotate a tenant's Redis credentials").add_subparsers(dest="command", required=True)
+    redis = groups.add_parser("redis", help="rotate a tenant's Redis credentials")
+    redis = redis.add_subparsers(dest="command", required=True)
     redis.add_parser("rotate").add_argument("tenant_id")
-    groups.add_parser("audit", help="the newest audit entries").add_argument("--limit", type=non_negative_int, default=100, help="0: 100")
+    audit = groups.add_parser("audit", help="the newest audit entries")
+    audit.add_argument("--limit", type=non_negative_int, default=100, help="how many (0: 100)")
     return parser
 
 

@@ -315,7 +315,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     parser.add_argument("--nodes", type=positive_int, default=8)
     parser.add_argument("--prompt-tokens", type=positive_int, default=32_768)
-    parser.add_argument("--rounds", type=positive_int, default=500, help="measured rounds (each makes every kind of call once)")
+    parser.add_argument("--rounds", type=positive_int, default=500,
+                        help="measured rounds (each makes every kind of call once)")
     parser.add_argument("--blocks", type=positive_int, default=100_000, help="distinct blocks ingested per node")
     parser.add_argument("--batch-blocks", type=positive_int, default=1024)
     args = parser.parse_args(argv)

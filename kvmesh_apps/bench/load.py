@@ -455,7 +455,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=positive_float, default=8.0, help="length of each saturation run")
     parser.add_argument("--clients", type=positive_int, default=3, help="lookup client processes")
     parser.add_argument("--concurrency", type=positive_int, default=32, help="lookups in flight per client process")
-    parser.add_argument("--streams", type=non_negative_int, default=16, help="simulated nodes streaming events meanwhile")
+    parser.add_argument("--streams", type=non_negative_int, default=16,
+                        help="simulated nodes streaming events meanwhile")
     parser.add_argument("--stream-rate", type=positive_float, default=10.0, help="event batches/s per simulated node")
     parser.add_argument("--replicas", type=lambda s: [positive_int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--soak-minutes", type=non_negative_float, default=10.0)
