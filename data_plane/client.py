@@ -52,6 +52,7 @@ class PeerHandshake:
     agent_name: str
     agent_metadata: bytes
     block_bytes: int
+    challenge_sent: bool = False  # answer with what this node's agent received from agent_name
 
 
 
@@ -140,11 +141,15 @@ class DataPlaneClient:
     # A peer call carries a pull grant (tenancy.grants) for this source; a local caller needs none.
 
     async def exchange_agent_metadata(self, node_id: str, metadata: bytes, block_bytes: int,
-                                      timeout: float | None = 10.0, grant: bytes = b"") -> PeerHandshake:
+                                      timeout: float | None = 10.0, grant: bytes = b"",
+                                      challenge_answer: bytes = b"") -> PeerHandshake:
+        """The handshake's first call (``metadata``) or, when the source answered ``challenge_sent``, its second
+        (``challenge_answer``: what this node's agent received from the source's agent)."""
         r = await self._stub.ExchangeAgentMetadata(pb.ExchangeAgentMetadataRequest(
-            node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes), timeout=timeout,
+            node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes,
+            agent_challenge_answer=challenge_answer), timeout=timeout,
             metadata=self._peer(grant, "ExchangeAgentMetadata"))
-        return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes)
+        return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes, r.agent_challenge_sent)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer_node_id: str = "",
                      pending_wait_ms: int = 0, lease_ms: int = 0, media: Iterable[Medium] | None = None,

@@ -20,9 +20,12 @@ other threads are NIXL's (inside :class:`~data_plane.transfer.Transport`).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Iterator
 
 import grpc
@@ -46,6 +49,7 @@ from data_plane.events import EventSink, NoEvents
 from data_plane.eviction import BlockInfo, EvictionPolicy
 from data_plane.leases import Clock, LeaseTable, SystemClock
 from data_plane.metrics import DataPlaneMetrics
+from data_plane.nixl_metadata import AgentMetadata
 from data_plane.peers import Peer, PeerPool, PeerProof
 from data_plane.reclaim import Quarantine, Reclaimer, Verdict
 from data_plane.shm import SharedRegion
@@ -67,6 +71,16 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 _REFUSED_BEFORE_WRITE = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
                          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+CHALLENGE_TTL_S = 30.0  # how long a handed-over agent waits for its challenge's answer
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingAgent:
+    agent: AgentMetadata
+    nonce: bytes
+    expires: float  # time.monotonic()
 
 
 def _scope(ns: Namespace, epoch: Epoch) -> str:
@@ -133,7 +147,8 @@ class DataPlaneCore:
         self.epochs = TenantEpochs()
         self.metrics = metrics or DataPlaneMetrics()
         self._peers = PeerPool(self.node_id, transport, self.block_bytes, peer_proof, peer_tls)
-        self._peer_agents: dict[str, str] = {}  # node_id -> agent name of nodes that handshaked with us
+        self._peer_agents: dict[str, AgentMetadata] = {}  # node id -> the agent of its (answered) handshake
+        self._pending: dict[str, _PendingAgent] = {}  # node id -> the agent it handed over, not answered yet
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
         # blocks an in-flight pull is bringing (claimed before its first await, so a concurrent pull or a
         # peer's Lookup waits for them instead of fetching them again); resolved when the pull settles them
@@ -321,10 +336,15 @@ class DataPlaneCore:
                 del self._writers[key]
                 self.tier.abort(block)
 
-    def acquire(self, ns: Namespace, hashes: list[bytes], media: frozenset[Medium], lease_ms: int = 0,
-                holder: str = LOCAL_HOLDER) -> tuple[list[int], str]:
-        """Pins the leading committed blocks of the tenant's current epoch (promoting from disk when allowed);
-        their slots and the lease."""
+    async def acquire(self, ns: Namespace, hashes: list[bytes], media: frozenset[Medium], lease_ms: int = 0,
+                      holder: str = LOCAL_HOLDER) -> tuple[list[int], str]:
+        """Pins the leading committed blocks of the tenant's current epoch (promoting from disk when allowed)
+        whose bytes are still the ones stored under their key; their slots and the lease.
+
+        The tier is memory peers can WRITE into (an honest source misled, a malicious one, anyone who can
+        reach this node's UCX worker), so each block's CRC-32C is checked against the one recorded when it
+        was stored before the engine gets its slot: a block that changed is dropped from the tier and ends
+        the run (MISS from there)."""
         hashes = self._check(ns, hashes)
         pinned: list[Block] = []
         epoch = self.epochs.current(ns.tenant)
@@ -335,8 +355,23 @@ class DataPlaneCore:
                     break
                 self.tier.pin(block)
                 pinned.append(block)
+        matched = await self._match(pinned, [b.checksum for b in pinned])
+        intact = next((i for i, ok in enumerate(matched) if not ok), len(pinned))
+        for block in pinned[intact:]:
+            self.tier.unpin(block)
+        if intact < len(pinned):
+            self._discard_changed(pinned[intact])
+        pinned = pinned[:intact]
         self.metrics.found("local", "miss", len(hashes) - len(pinned))
         return [b.slot for b in pinned], self._lease(holder, pinned, lease_ms)
+
+    def _discard_changed(self, block: Block) -> None:
+        """Drops a committed block whose bytes no longer match its checksum (written from outside)."""
+        log.error("block %s of tenant %s changed in memory after it was stored (a write from outside this "
+                  "node); dropped, MISS from there", block.key.block_hash.hex(), block.namespace.tenant)
+        self.metrics.found("local", "corrupt")
+        if self.tier.discard(block):
+            self.events.removed(block.namespace, [block.key.block_hash], Medium.CPU)
 
     def release(self, lease_id: str, holder: str | None = None) -> None:
         """Ends a lease; with ``holder``, only a lease that holder took (a peer releases its own leases only)."""
@@ -413,26 +448,77 @@ class DataPlaneCore:
 
     # ---- peer API ----
 
-    async def exchange_metadata(self, node_id: str, metadata: bytes, block_bytes: int,
-                                timeout_s: float = 10.0) -> tuple[str, bytes]:
-        """Loads a consumer's NIXL agent; returns this node's agent name and metadata. Waits at most
-        ``timeout_s`` for this node's own agent (Unavailable: still starting)."""
+    async def exchange_metadata(self, node_id: str, metadata: bytes, block_bytes: int, timeout_s: float = 10.0,
+                                challenge_answer: bytes = b"") -> tuple[str, bytes, bool]:
+        """One call of a consumer's handshake: this node's agent name, its metadata (serve_peer_reads only) and
+        whether the caller's agent was sent a challenge. Waits at most ``timeout_s`` for this node's own agent
+        (Unavailable: still starting).
+
+        The agent handed over is the one this node WRITEs ``node_id``'s blocks to, so it must be ``node_id``'s
+        own, which takes two calls. The first hands over its metadata: an agent of ``node_id`` (named
+        ``<node_id>-<incarnation>``; PermissionDenied otherwise) and exactly what an agent hands out
+        (InvalidArgument otherwise), both checked before NIXL is given anything; the agent is loaded and sent a
+        NIXL notification holding a random nonce. The second answers with that nonce (``challenge_answer``):
+        only then does the agent become the endpoint sends to ``node_id`` use. Metadata that names the node's
+        agent around another process's worker address cannot be answered: the nonce reaches that process.
+        Until the answer, and after any refusal, the endpoint the node had stays in place."""
         if not node_id:
             raise InvalidArgument("node_id must be set")
         if block_bytes != self.block_bytes:
             raise FailedPrecondition(
                 f"block_bytes mismatch: this node stores {self.block_bytes}-byte blocks, the caller {block_bytes}")
+        if metadata and challenge_answer:
+            raise InvalidArgument("a handshake call carries agent_metadata or agent_challenge_answer, not both")
         await self.transport.ready(timeout_s)
+        challenged = False
         if metadata:
-            # A node handshakes again after a failure: its old endpoint (the same agent, or a previous
-            # incarnation's) goes, so the next WRITE builds a fresh connection instead of reusing one
-            # that may be stalled.
-            old = self._peer_agents.pop(node_id, None)
-            if old is not None:
-                self.transport.remove_peer(old)
-            self._peer_agents[node_id] = self.transport.add_peer(metadata)
+            agent = self.transport.describe_peer(metadata)
+            if agent.node_id != node_id or agent.name == self.transport.agent_name:
+                raise PermissionDenied(f"the agent metadata describes agent {agent.name!r}, not one of node "
+                                       f"{node_id!r}: a node hands over its own agent's metadata only")
+            self._challenge(node_id, metadata, agent)
+            challenged = True
+        elif challenge_answer:
+            self._answer(node_id, challenge_answer)
         # Without serve_peer_reads the caller gets no rkey of this node: bytes leave only by send().
-        return self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b""
+        return (self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b"",
+                challenged)
+
+    def _challenge(self, node_id: str, metadata: bytes, agent: AgentMetadata) -> None:
+        """Loads ``agent`` (pending) and sends it a nonce. A node handshakes again after a failure: the same
+        agent's old endpoint goes now, so the next WRITE builds a fresh connection instead of reusing one that
+        may be stalled; another (a new incarnation's) replaces the old one only once answered."""
+        self._drop_pending(node_id)
+        active = self._peer_agents.get(node_id)
+        if active is not None and active.name == agent.name:
+            del self._peer_agents[node_id]
+            self.transport.remove_peer(active.name)
+        self.transport.add_peer(metadata)
+        nonce = secrets.token_hex(16).encode()
+        self._pending[node_id] = _PendingAgent(agent, nonce, time.monotonic() + CHALLENGE_TTL_S)
+        try:
+            self.transport.notify(agent.name, nonce)
+        except Unavailable:
+            self._drop_pending(node_id)
+            raise
+
+    def _answer(self, node_id: str, answer: bytes) -> None:
+        pending = self._pending.get(node_id)
+        if pending is None or time.monotonic() > pending.expires or not hmac.compare_digest(answer, pending.nonce):
+            self._drop_pending(node_id)
+            raise PermissionDenied(f"the agent challenge answer of node {node_id!r} is not what this node sent "
+                                   "its agent: hand over the agent's metadata again")
+        del self._pending[node_id]
+        old = self._peer_agents.get(node_id)
+        self._peer_agents[node_id] = pending.agent
+        if old is not None and old.name != pending.agent.name:
+            self.transport.remove_peer(old.name)
+
+    def _drop_pending(self, node_id: str) -> None:
+        pending = self._pending.pop(node_id, None)
+        active = self._peer_agents.get(node_id)
+        if pending is not None and (active is None or active.name != pending.agent.name):
+            self.transport.remove_peer(pending.agent.name)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
                      lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),
@@ -529,11 +615,14 @@ class DataPlaneCore:
             if agent is None:
                 raise FailedPrecondition(f"node {consumer_node_id!r} has not handshaken with this node: call "
                                          "ExchangeAgentMetadata first")
+            if not agent.holds_slots(landing_addrs, self.block_bytes):
+                raise InvalidArgument(f"landing_addrs must be whole {self.block_bytes}-byte slots of the memory "
+                                      f"node {consumer_node_id!r}'s agent registered")
             get = self.tier.get
             indexed = next((i for i, b in enumerate(blocks[:n]) if get(b.key) is not b), n)
             if indexed:
                 offset = self.region.offset
-                await self.transport.write(agent, [offset(b.slot) for b in blocks[:indexed]],
+                await self.transport.write(agent.name, [offset(b.slot) for b in blocks[:indexed]],
                                            landing_addrs[:indexed], self.block_bytes, timeout_s)
             sent = indexed
         except TransferFailed as exc:
@@ -805,9 +894,15 @@ class DataPlaneCore:
         return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms
 
     async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
-        """Checksum of every pulled block against the source's, split over worker threads (the GIL is released)."""
+        """Checksum of every pulled block against the source's (unless verify_pulls is off)."""
         if not self.config.verify_pulls:
             return [True] * len(blocks)
+        return await self._match(blocks, checksums)
+
+    async def _match(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
+        """Whether each block's slot has the checksum given, split over worker threads (the GIL is released)."""
+        if not blocks:
+            return []
         region = self.region
 
         def check(part: range) -> list[bool]:

@@ -54,7 +54,7 @@ class DataPlaneMetrics:
         return child
 
     def found(self, caller: str, result: str, n: int = 1) -> None:
-        """``caller``: local | peer; ``result``: cpu | disk | miss."""
+        """``caller``: local | peer; ``result``: cpu | disk | miss | corrupt (its bytes changed since stored)."""
         if n:
             self._child(self._blocks, caller, result).inc(n)
 

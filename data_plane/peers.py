@@ -1,7 +1,8 @@
 """Connections to source nodes: a gRPC client and a loaded NIXL agent per address.
 
 The first pull from an address exchanges NIXL agent metadata over gRPC (and
-checks both sides use the same block size); the result is cached until a
+checks both sides use the same block size; a source that WRITEs challenges the
+agent handed over, and the answer is a second call); the result is cached until a
 transfer or lookup against that peer fails, after which the next pull
 handshakes again (the peer may have restarted with a new agent).
 
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
 from kvmesh.channels import ClientTLS
-from kvmesh.errors import FailedPrecondition, PermissionDenied, Unavailable
+from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 
 from data_plane.client import DataPlaneClient
 from data_plane.transfer import Transport
@@ -60,25 +62,54 @@ class PeerPool:
             if peer is not None:
                 return peer
             client = self.client(address, node_id)
+            deadline = time.monotonic() + timeout_s
             try:
-                hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(),
-                                                          self._block_bytes, timeout=timeout_s, grant=grant)
-            except grpc.aio.AioRpcError as exc:
+                hs = await self._handshake(client, address, deadline, grant)
+            except BaseException:
                 await client.close()
-                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-                    raise PermissionDenied(f"peer {address} refused this node: {exc.details()}") from None
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise FailedPrecondition(f"peer {address} refused the handshake: {exc.details()}") from None
-                raise Unavailable(f"peer {address} unreachable: {exc.code().name} {exc.details()}") from None
+                raise
             if hs.block_bytes != self._block_bytes:
                 await client.close()
                 raise FailedPrecondition(
                     f"peer {address} uses {hs.block_bytes}-byte blocks, this node {self._block_bytes}")
             # No metadata: the source hands out no rkey and WRITEs what a grant covers (agent_name "").
-            agent = self._transport.add_peer(hs.agent_metadata) if hs.agent_metadata else ""
+            # A source that hands out metadata (serve_peer_reads) may hand out only its own agent's, checked
+            # before NIXL loads it: another node's would replace that node's endpoint here. A node other than
+            # node_id at this address (a stale route) is not loaded at all; the pull answers MISS.
+            agent = ""
+            if hs.agent_metadata and hs.node_id == node_id:
+                try:
+                    described = self._transport.describe_peer(hs.agent_metadata)
+                    if described.node_id != node_id:
+                        raise InvalidArgument(f"it describes agent {described.name!r}, not one of node {node_id!r}")
+                    agent = self._transport.add_peer(hs.agent_metadata)
+                except InvalidArgument as exc:
+                    await client.close()
+                    raise Unavailable(f"peer {address} handed out agent metadata this node refuses: {exc}") from None
             peer = Peer(address, hs.node_id, agent, client, hs.agent_name)
             self._peers[address] = peer
             return peer
+
+    async def _handshake(self, client: DataPlaneClient, address: str, deadline: float, grant: bytes):
+        """Hands this node's agent metadata over and, when the source challenges the agent (a NIXL notification
+        it sent to the agent just loaded), answers with what the agent received."""
+        try:
+            hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(), self._block_bytes,
+                                                      timeout=max(0.0, deadline - time.monotonic()), grant=grant)
+            if hs.challenge_sent:
+                nonce = await self._transport.notification(hs.agent_name, max(0.0, deadline - time.monotonic()))
+                if nonce is None:
+                    raise Unavailable(f"peer {address} loaded this node's agent but no challenge reached it in time")
+                await client.exchange_agent_metadata(self._node_id, b"", self._block_bytes,
+                                                     timeout=max(0.0, deadline - time.monotonic()), grant=grant,
+                                                     challenge_answer=nonce)
+            return hs
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                raise PermissionDenied(f"peer {address} refused this node: {exc.details()}") from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(f"peer {address} refused the handshake: {exc.details()}") from None
+            raise Unavailable(f"peer {address} unreachable: {exc.code().name} {exc.details()}") from None
 
     def client(self, address: str, node_id: str) -> DataPlaneClient:
         """A new client of node ``node_id`` at ``address`` that proves this node's peer key (the caller

@@ -40,10 +40,12 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         if grant is not None and grant.consumer_node_id != request.node_id:
             raise PermissionDenied(f"the grant was issued to node {grant.consumer_node_id!r}, "
                                    f"not {request.node_id!r}")
-        name, metadata = await self._core.exchange_metadata(request.node_id, request.agent_metadata,
-                                                            request.block_bytes, context.time_remaining() or 10.0)
+        name, metadata, challenged = await self._core.exchange_metadata(
+            request.node_id, request.agent_metadata, request.block_bytes, context.time_remaining() or 10.0,
+            request.agent_challenge_answer)
         return pb.ExchangeAgentMetadataResponse(node_id=self._core.node_id, agent_name=name,
-                                                agent_metadata=metadata, block_bytes=self._core.block_bytes)
+                                                agent_metadata=metadata, block_bytes=self._core.block_bytes,
+                                                agent_challenge_sent=challenged)
 
     @grpc_errors
     async def Lookup(self, request, context):
@@ -121,7 +123,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Acquire(self, request, context):
         self._auth.require_local("Acquire")
-        slots, lease_id = self._core.acquire(Namespace.from_proto(request.namespace), list(request.block_hashes),
+        slots, lease_id = await self._core.acquire(Namespace.from_proto(request.namespace), list(request.block_hashes),
                                              wire.media_from_pb(request.media), request.lease_ms)
         return pb.AcquireResponse(slots=slots, lease_id=lease_id)
 

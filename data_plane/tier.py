@@ -14,8 +14,9 @@ Lifecycle of a block (one slot), legal transitions only::
 * Quarantined: a slot that a transfer that could not be cancelled may still
   write into; it is not reused until :meth:`MemoryTier.reclaim` hands it back,
   once it is proven that nothing can land in it any more (data_plane.reclaim).
-* Purged: a committed block of a tenant epoch that ended (:meth:`MemoryTier.purge`)
-  leaves the index at once; its slot is free again once no reader pins it.
+* Purged: a committed block of a tenant epoch that ended (:meth:`MemoryTier.purge`), or
+  one whose bytes changed after it was stored (:meth:`MemoryTier.discard`), leaves the
+  index at once; its slot is free again once no reader pins it.
 
 Threading model: not thread-safe. The data plane's event-loop thread is the
 only caller; waiters use asyncio events of that loop.
@@ -182,14 +183,22 @@ class MemoryTier:
         gone = [b for b in self._blocks.values()
                 if b.namespace.tenant == tenant and b.committed and b.epoch != keep]
         for block in gone:
-            self._policy.remove(block.key, evicted=False)
-            del self._blocks[block.key]
-            self._per_tenant[tenant] -= 1
-            if block.pins:
-                self._purged_pinned.add(block)
-            else:
-                self._free.append(block.slot)
+            self.discard(block)
         return gone
+
+    def discard(self, block: Block) -> bool:
+        """Drops a committed block from the index (its epoch ended, or its bytes changed); its slot is free at
+        once when unpinned, else when its last reader unpins it. False when it was no longer indexed."""
+        if not block.committed or self._blocks.get(block.key) is not block:
+            return False
+        self._policy.remove(block.key, evicted=False)
+        del self._blocks[block.key]
+        self._per_tenant[block.namespace.tenant] -= 1
+        if block.pins:
+            self._purged_pinned.add(block)
+        else:
+            self._free.append(block.slot)
+        return True
 
     def pin(self, block: Block) -> None:
         self._expect(block, BlockState.COMMITTED)

@@ -19,6 +19,9 @@ Implementor contracts:
     remote addresses lie in the peer's registered region; same guarantees.
   * ``read`` never waits past its timeout; a peer that died or disconnected
     (NIXL_ERR_REMOTE_DISCONNECT) fails the read, it does not hang it.
+  * A peer's metadata is read (:meth:`Transport.describe_peer`: its agent name, hence its node, and the
+    memory it registered) before it is loaded, and refused whole if it is not exactly what an agent
+    hands out: metadata NIXL cannot load must never reach it (data_plane.nixl_metadata).
   * Peers are added from their metadata and cached by agent name. A transfer
     that fails drops its peer's endpoint: the next use needs a new handshake
     (:meth:`Transport.add_peer` again), whose endpoint opens a new connection
@@ -43,12 +46,11 @@ import concurrent.futures
 import logging
 import threading
 import time
-import uuid
-
 import numpy as np
 
 from kvmesh.errors import InvalidArgument, Unavailable
 
+from data_plane.nixl_metadata import AgentMetadata, agent_name, read_agent_metadata
 from data_plane.shm import SharedRegion
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ _POLL_SLEEP_S = 0.0002
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
+_MAX_NOTES = 256  # senders whose latest notification is kept until taken
+_NOTE_POLL_S = 0.002
 
 
 def _nixl_agent(name: str, progress_wait_ms: int):
@@ -125,8 +129,23 @@ class Transport(abc.ABC):
         """What a peer needs to read from this node (sent over the gRPC handshake)."""
 
     @abc.abstractmethod
+    def describe_peer(self, metadata: bytes) -> AgentMetadata:
+        """What a peer's metadata says (agent name, registered memory), read without loading it;
+        InvalidArgument when it is not exactly what an agent of this transport hands out."""
+
+    @abc.abstractmethod
     def add_peer(self, metadata: bytes) -> str:
-        """Loads a peer's metadata; returns its agent name. Idempotent."""
+        """Loads a peer's metadata (one :meth:`describe_peer` accepted); returns its agent name. Idempotent."""
+
+    @abc.abstractmethod
+    def notify(self, agent_name: str, message: bytes) -> None:
+        """Sends ``message`` to a loaded peer agent (a NIXL notification: it reaches the process behind the
+        agent's worker address, whoever handed over the metadata). Unavailable when it cannot be sent."""
+
+    @abc.abstractmethod
+    async def notification(self, sender: str, timeout_s: float) -> bytes | None:
+        """The latest notification this node's agent received from agent ``sender`` (taken), waiting at most
+        ``timeout_s`` for one; None if none came."""
 
     @abc.abstractmethod
     def remove_peer(self, agent_name: str) -> None:
@@ -157,13 +176,14 @@ class NixlTransport(Transport):
 
     def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100) -> None:
         # A fresh name per start: peers holding the old incarnation's metadata must re-handshake.
-        self.agent_name = f"{node_id}-{uuid.uuid4().hex[:8]}"
+        self.agent_name = agent_name(node_id)
         self._region = region
         self._agent = None
         self._reg = None
         self._peers: set[str] = set()
         self._busy: dict[str, int] = {}  # transfers in flight per peer
         self._retired: set[str] = set()  # removed while busy: closed when its last transfer ends
+        self._notes: dict[str, bytes] = {}  # sender agent -> its latest notification not taken yet
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
 
@@ -196,6 +216,9 @@ class NixlTransport(Transport):
     def metadata(self) -> bytes:
         return self._ready_agent().get_agent_metadata()
 
+    def describe_peer(self, metadata: bytes) -> AgentMetadata:
+        return read_agent_metadata(metadata)
+
     def add_peer(self, metadata: bytes) -> str:
         agent = self._ready_agent()
         try:
@@ -208,6 +231,26 @@ class NixlTransport(Transport):
         self._peers.add(name)
         self._retired.discard(name)  # re-added before its old endpoint could close: that endpoint stays
         return name
+
+    def notify(self, agent_name: str, message: bytes) -> None:
+        try:
+            self._ready_agent().send_notif(agent_name, message)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes
+            raise Unavailable(f"cannot notify agent {agent_name!r}: {exc}") from None
+
+    async def notification(self, sender: str, timeout_s: float) -> bytes | None:
+        agent = self._ready_agent()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for name, messages in agent.get_new_notifs().items():
+                if messages:
+                    if len(self._notes) >= _MAX_NOTES and name not in self._notes:
+                        self._notes.pop(next(iter(self._notes)))  # the oldest sender's: nobody took it
+                    self._notes[name] = messages[-1]
+            note = self._notes.pop(sender, None)
+            if note is not None or time.monotonic() >= deadline:
+                return note
+            await asyncio.sleep(_NOTE_POLL_S)
 
     def remove_peer(self, agent_name: str) -> None:
         if agent_name not in self._peers:

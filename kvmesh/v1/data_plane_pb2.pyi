@@ -20,26 +20,30 @@ BLOCK_STATUS_MISS: BlockStatus
 BLOCK_STATUS_HIT_PENDING: BlockStatus
 
 class ExchangeAgentMetadataRequest(_message.Message):
-    __slots__ = ("node_id", "agent_metadata", "block_bytes")
+    __slots__ = ("node_id", "agent_metadata", "block_bytes", "agent_challenge_answer")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CHALLENGE_ANSWER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_metadata: bytes
     block_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    agent_challenge_answer: bytes
+    def __init__(self, node_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., agent_challenge_answer: _Optional[bytes] = ...) -> None: ...
 
 class ExchangeAgentMetadataResponse(_message.Message):
-    __slots__ = ("node_id", "agent_name", "agent_metadata", "block_bytes")
+    __slots__ = ("node_id", "agent_name", "agent_metadata", "block_bytes", "agent_challenge_sent")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CHALLENGE_SENT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_name: str
     agent_metadata: bytes
     block_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    agent_challenge_sent: bool
+    def __init__(self, node_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., agent_challenge_sent: _Optional[bool] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("addr", "length", "device_id")

@@ -24,8 +24,17 @@ class WrappedTransport(Transport):
     def metadata(self):
         return self._real.metadata()
 
+    def describe_peer(self, metadata):
+        return self._real.describe_peer(metadata)
+
     def add_peer(self, metadata):
         return self._real.add_peer(metadata)
+
+    def notify(self, agent_name, message):
+        self._real.notify(agent_name, message)
+
+    async def notification(self, sender, timeout_s):
+        return await self._real.notification(sender, timeout_s)
 
     def remove_peer(self, agent_name):
         self._real.remove_peer(agent_name)

@@ -25,7 +25,8 @@ def test_bench_pull_json():
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("pull_gbps_2mib", "pull_gbps_64kib", "memcpy_gbps", "ratio_2mib", "peer_lookup_p50_ms"):
+    for key in ("pull_gbps_2mib", "pull_gbps_64kib", "memcpy_gbps", "ratio_2mib", "peer_lookup_p50_ms",
+                "acquire_ms_2mib"):
         assert result[key] > 0
     assert result["ratio_2mib"] == pytest.approx(result["pull_gbps_2mib"] / result["memcpy_gbps"], rel=1e-2)
     assert 0 <= result["idle_cpu_fraction"] < 0.5  # a busy-polling NIXL progress thread shows as ~1.0
