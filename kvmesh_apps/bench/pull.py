@@ -11,7 +11,9 @@ grant covers into the destination's reserved slots (the gated byte path,
 is the gated median time over the ungated one, minus 1 (``gating_cost_fraction``:
 the worse case). ``transfer_gbps_*`` is the gated send alone (the call in
 which the source WRITEs the blocks its Lookup pinned, from the node's own
-timing). ``memcpy_gbps`` is a
+timing). ``acquire_ms_*``: the destination's local ``Acquire`` of all the blocks a
+gated pull brought (what an engine asks before reading them; it checks each
+block's CRC-32C). ``memcpy_gbps`` is a
 single-thread copy of the same bytes in this process, measured between the
 pull rounds.
 
@@ -136,6 +138,7 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
             peer_grant = sign("bench-peer", me.public_key, src.node_id)
             wall: dict[str, list[float]] = {"gated": [], "ungated": []}
             transfer: list[float] = []
+            acquire: list[float] = []
             memcpy = []
             copier = _Memcpy(n * block_bytes)
             for r in range(rounds + 1):  # round 0 warms up (handshake, registration caches)
@@ -151,6 +154,12 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
                         wall[mode].append(elapsed)
                         if mode == "gated":
                             transfer.append(result.transfer_ms / 1000)
+                            t0 = time.perf_counter()  # the engine's Acquire of the pulled prefix
+                            slots, lease = await dc.acquire(NS, hashes)
+                            acquire.append(time.perf_counter() - t0)
+                            await dc.release(lease)
+                            if len(slots) != n:
+                                raise RuntimeError(f"acquire {name}: {len(slots)} of {n} pulled blocks")
                     log(f"{name} round {r} {mode}: {n * block_bytes / elapsed / 1e9:.2f} GB/s end to end, "
                         f"transfer {result.transfer_ms:.1f} ms, lookup {result.lookup_ms:.2f} ms")
                 memcpy.append(copier.gbps())
@@ -194,6 +203,7 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
         f"pull_ms_{name}_ungated": ungated * 1000,
         f"pull_gbps_{name}_ungated": nbytes / ungated / 1e9,
         f"gating_cost_fraction_{name}": gated / ungated - 1,
+        f"acquire_ms_{name}": statistics.median(acquire) * 1000,
     }
     if lookups:
         out["peer_lookup_p50_ms"] = statistics.median(lookups)
