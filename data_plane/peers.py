@@ -24,6 +24,7 @@ from kvmesh.channels import ClientTLS
 from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 
 from data_plane.client import DataPlaneClient
+from data_plane.nixl_metadata import node_of_agent
 from data_plane.transfer import Transport
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class PeerPool:
             client = self.client(address, node_id)
             deadline = time.monotonic() + timeout_s
             try:
-                hs = await self._handshake(client, address, deadline, grant)
+                hs = await self._handshake(client, address, node_id, deadline, grant)
             except BaseException:
                 await client.close()
                 raise
@@ -90,12 +91,18 @@ class PeerPool:
             self._peers[address] = peer
             return peer
 
-    async def _handshake(self, client: DataPlaneClient, address: str, deadline: float, grant: bytes):
+    async def _handshake(self, client: DataPlaneClient, address: str, node_id: str, deadline: float,
+                         grant: bytes):
         """Hands this node's agent metadata over and, when the source challenges the agent (a NIXL notification
-        it sent to the agent just loaded), answers with what the agent received."""
+        it sent to the agent just loaded), answers with what the agent received from that source's agent: only
+        an agent of ``node_id``, the node dialled (a source naming another node's agent would have this node
+        relay a challenge that node sent it for someone else's handshake)."""
         try:
             hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(), self._block_bytes,
                                                       timeout=max(0.0, deadline - time.monotonic()), grant=grant)
+            if hs.challenge_sent and node_of_agent(hs.agent_name) != node_id:
+                raise PermissionDenied(f"peer {address} (node {node_id}) names agent {hs.agent_name!r} as its own: "
+                                       "its challenge is not answered")
             if hs.challenge_sent:
                 nonce = await self._transport.notification(hs.agent_name, max(0.0, deadline - time.monotonic()))
                 if nonce is None:

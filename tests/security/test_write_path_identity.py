@@ -59,16 +59,20 @@ class RogueDataPlane(dp_grpc.DataPlaneServicer):
 
     def __init__(self) -> None:
         self.metadata: dict[str, bytes] = {}  # consumer node id -> its agent metadata
+        self.answers: dict[str, bytes] = {}  # consumer node id -> the challenge answer it sent
+        self.claim_agent = ""  # set: answer handshakes as this agent, with a challenge "sent"
 
     async def ExchangeAgentMetadata(self, request, context):
-        self.metadata[request.node_id] = request.agent_metadata
-        return dp_pb.ExchangeAgentMetadataResponse(node_id="node-b", agent_name=f"node-b-{uuid.uuid4().hex[:8]}",
-                                                   block_bytes=BLOCK)
+        if request.agent_challenge_answer:
+            self.answers[request.node_id] = request.agent_challenge_answer
+        elif request.agent_metadata:
+            self.metadata[request.node_id] = request.agent_metadata
+        return dp_pb.ExchangeAgentMetadataResponse(
+            node_id="node-b", agent_name=self.claim_agent or f"node-b-{uuid.uuid4().hex[:8]}", block_bytes=BLOCK,
+            agent_challenge_sent=bool(self.claim_agent))
 
-    async def Lookup(self, request, context):
-        return dp_pb.LookupResponse(statuses=[dp_pb.BLOCK_STATUS_MISS] * len(request.block_hashes),
-                                    locations=[dp_pb.BlockLocation() for _ in request.block_hashes],
-                                    checksums=[0] * len(request.block_hashes), block_bytes=BLOCK)
+    async def Lookup(self, request, context):  # the consumer forgets node-b: its next pull handshakes again
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "node-b holds nothing")
 
 
 class World:
@@ -376,4 +380,38 @@ async def test_node_bs_name_around_dp2s_worker_gets_no_write(world, rogue):
             await peer.send(NS_B, answer.lease_id, b_hashes[:1], [target], grant=grant)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert await slot_bytes(dp2, slots[0]) == a_bytes[0], "dp1 wrote nothing into dp2"
+    assert (await engine_reads(dp2, NS_A, a_hashes))[1] == a_bytes
+
+
+async def test_node_b_cannot_have_dp2_relay_the_challenge_dp1_sent_it(world, rogue):
+    """The forged handshake of the test above, then node-b has dp2 answer dp1's challenge for it: a B request on
+    dp2 names node-b, whose handshake answer names dp1's agent as node-b's and says a challenge was sent. dp2
+    answers only challenges from an agent of the node it dialled, so nothing reaches node-b to relay to dp1."""
+    servicer, _ = rogue
+    dp1, dp2 = await world.data_plane("dp1"), await world.data_plane("dp2")
+    a_hashes, a_bytes = await store(dp2, NS_A)
+    b_hashes, _ = await store(dp1, NS_B)
+    slots, seen = await engine_reads(dp2, NS_A, a_hashes)
+    assert seen == a_bytes, "control: A's engine on dp2 reads A's committed blocks"
+    metadata = await dp2_hands_node_b_its_metadata(dp2, rogue)
+    assert servicer.metadata["dp2"], "control: dp2 hands node-b its metadata"
+
+    me = NodeIdentity()
+    grant = await world.grant("node-b", NS_B, "dp1", me.public_key)
+    async with as_peer(me, dp1) as peer:
+        answer, _ = await peer.lookup(NS_B, b_hashes[:1], lease_ms=30_000, grant=grant)
+        hs = await peer.exchange_agent_metadata("node-b", renamed(metadata, f"node-b-{uuid.uuid4().hex[:8]}"),
+                                                BLOCK, grant=grant)  # dp1's challenge goes to dp2's agent
+        servicer.claim_agent = hs.agent_name  # node-b now poses as dp1's agent to dp2
+        servicer.metadata.clear()
+        await dp2_hands_node_b_its_metadata(dp2, rogue)
+        relayed = servicer.answers.get("dp2", b"")
+        assert not relayed, "dp2 answered a challenge that dp1 sent it, to node-b"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await peer.exchange_agent_metadata("node-b", b"", BLOCK, grant=grant, challenge_answer=b"0" * 32)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await peer.send(NS_B, answer.lease_id, b_hashes[:1], [tier_base(metadata) + slots[0] * BLOCK],
+                            grant=grant)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (await engine_reads(dp2, NS_A, a_hashes))[1] == a_bytes
