@@ -84,8 +84,9 @@ GrantSource = Callable[[Namespace, str, float], Awaitable[tuple[bytes, str]]]
 # (tenant, timeout in s) -> CPU-tier bytes this node may hold for the tenant (None: no limit);
 # PermissionDenied when the tenant's policy excludes this node
 LimitSource = Callable[[str, float], Awaitable[int | None]]
-# (route token, source node id, source address) -> None; PermissionDenied unless Route signed that source
-RouteCheck = Callable[[bytes, str, str], Awaitable[None]]
+# (route token, tenant, source node id, source address) -> None; PermissionDenied unless Route signed that
+# source for that tenant
+RouteCheck = Callable[[bytes, str, str, str], Awaitable[None]]
 # (tenant, timeout in s) -> None: asks the control plane for the tenant's epoch now (the answer reaches
 # DataPlaneCore.learn_epoch); never raises
 EpochRefresh = Callable[[str, float], Awaitable[None]]
@@ -658,7 +659,7 @@ class DataPlaneCore:
                     log.info("pull: %s; answering MISS", exc)
                     return 0, 0.0, 0.0, str(exc)
             if self._routes is not None:
-                await self._within(self._routes(route_token, source_node_id, source_address), deadline,
+                await self._within(self._routes(route_token, ns.tenant, source_node_id, source_address), deadline,
                                    "checking the route token")
             if not grant:
                 if self._grants is None:
