@@ -85,7 +85,8 @@ class NodeIdentity:
 
 
 class NonceCache:
-    """The nonces of accepted proofs, each kept until no proof with its timestamp can pass the window again.
+    """The nonces of accepted proofs, each kept for ``keep_ms`` after its proof's timestamp (and at most one
+    bucket, ``keep_ms / buckets``, longer): past then no proof with that timestamp passes the window again.
 
     One set per time bucket of the proofs' own timestamps (a replay carries the same timestamp: one set to
     look in); whole buckets expire from the oldest. Each :meth:`add` costs O(1), amortised (at most
