@@ -160,7 +160,7 @@ def _claims(kind, payload: bytes, what: str):
         if expected is None:
             raise PermissionDenied(f"invalid {what}: unknown field {name[:40]!r}")
         if type(value) is not expected:
-            raise PermissionDenied(f"invalid {what}: {name} must be a {expected.__name__}")
+            raise PermissionDenied(f"invalid {what}: {name} must be {'an integer' if expected is int else 'a string'}")
     try:
         return kind(**fields)
     except TypeError:  # a field without a default is missing
