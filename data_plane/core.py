@@ -829,7 +829,8 @@ class DataPlaneCore:
                 pending_wait_ms=max(1, min(self.config.pending_wait_ms, int(remaining * 500))),
                 lease_ms=max(1, int(remaining * 1000) + 5_000), media=media, timeout=remaining, grant=grant)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.RESOURCE_EXHAUSTED):  # e.g. its bound of live peer proofs
                 log.warning("pull: %s refused the lookup (%s); answering MISS", peer.address, exc.details())
                 return None
             if exc.code() in _UNREACHABLE:
