@@ -21,6 +21,7 @@ import uuid
 
 import grpc
 import numpy as np
+from cryptography.hazmat.primitives import serialization
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
@@ -78,10 +79,10 @@ class Peer:
 
     def sign(self, claims: dict) -> bytes:
         """Claims signed by the control plane's key as they are (GrantSigner.sign, minus its dataclass)."""
-        signer = self.services.signer
+        key = serialization.load_pem_private_key(self.services.signer.to_pem(), password=None)
         payload = json.dumps(claims, sort_keys=True).encode()
         b64 = lambda data: base64.urlsafe_b64encode(data).decode().rstrip("=")  # noqa: E731
-        return f"{b64(payload)}.{b64(signer._key.sign(payload))}".encode()
+        return f"{b64(payload)}.{b64(key.sign(payload))}".encode()
 
     def call(self, method: str, request, metadata) -> tuple:
         return _call(self.channel, f"/kvmesh.v1.DataPlane/{method}", False, [request.SerializeToString()], metadata)
