@@ -67,8 +67,8 @@ class Peer:
                          local)[0] == grpc.StatusCode.OK
         assert self.call("Commit", pb.CommitRequest(namespace=NS.to_proto(), block_hashes=self.hashes),
                          local)[0] == grpc.StatusCode.OK
-        handshake = pb.ExchangeAgentMetadataRequest(node_id=self.node_id, agent_metadata=self.agent.get_agent_metadata(),
-                                                    block_bytes=BLOCK_BYTES)
+        handshake = pb.ExchangeAgentMetadataRequest(node_id=self.node_id, block_bytes=BLOCK_BYTES,
+                                                    agent_metadata=self.agent.get_agent_metadata())
         assert self.peer_call("ExchangeAgentMetadata", handshake) == (grpc.StatusCode.OK, "")
 
     def claims(self, **fields) -> dict:
@@ -96,7 +96,8 @@ class Peer:
         """A fresh lease on the committed blocks (a real granted Lookup)."""
         request = pb.LookupRequest(namespace=NS.to_proto(), block_hashes=self.hashes, lease_ms=5_000)
         proof = self.identity.proof(self.grant, PeerCall.of("Lookup", request), SOURCE)
-        reply = self.channel.unary_unary("/kvmesh.v1.DataPlane/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
+        reply = self.channel.unary_unary("/kvmesh.v1.DataPlane/Lookup",
+                                         request_serializer=pb.LookupRequest.SerializeToString,
                                          response_deserializer=pb.LookupResponse.FromString)(
             request, metadata=((GRANT_METADATA, self.grant.decode()), (PROOF_METADATA, proof)), timeout=15)
         assert reply.lease_id, reply

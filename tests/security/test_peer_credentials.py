@@ -122,7 +122,8 @@ async def test_a_local_pull_with_a_malformed_grant_is_refused_before_any_source_
     good = fleet.grant(await peer_key_of(consumer), "consumer", "src-gated", TENANT_A)
     async with DataPlaneClient(consumer.address, key=consumer.api_key) as local:
         for key_id in (["a"], {"k": "v"}):
-            result = await local.pull(TENANT_A, hashes, "src-gated", source.address, grant=reshaped(good, key_id=key_id))
+            result = await local.pull(TENANT_A, hashes, "src-gated", source.address,
+                                      grant=reshaped(good, key_id=key_id))
             assert result.pulled == 0 and "invalid pull grant" in result.refused, result
         assert (await local.pull(TENANT_A, hashes, "src-gated", source.address, grant=good)).pulled == N  # control
         slots, lease = await local.acquire(TENANT_A, hashes)
@@ -148,8 +149,8 @@ async def test_a_captured_proof_raced_with_other_arguments_is_refused(fleet, att
 
     with nixl_agent_with_buffer("victim", N * BLOCK) as (victim_agent, victim_buf):
         # The victim's handshake, captured: the attacker swaps in its own NIXL agent under the victim's name.
-        handshake = dp_pb.ExchangeAgentMetadataRequest(node_id="victim", agent_metadata=victim_agent.get_agent_metadata(),
-                                                       block_bytes=BLOCK)
+        handshake = dp_pb.ExchangeAgentMetadataRequest(node_id="victim", block_bytes=BLOCK,
+                                                       agent_metadata=victim_agent.get_agent_metadata())
         handshake_proof = proof("ExchangeAgentMetadata", handshake)
         swapped = dp_pb.ExchangeAgentMetadataRequest(node_id="victim", agent_metadata=agent.get_agent_metadata(),
                                                      block_bytes=BLOCK)

@@ -31,7 +31,7 @@ from data_plane.config import DataPlaneConfig
 from data_plane.server import serve
 from data_plane.types import LookupStatus
 
-from tests.security.test_byte_path_gating import BLOCK, TENANT_A, nixl_agent_with_buffer, store
+from tests.security.test_byte_path_gating import BLOCK, TENANT_A, as_peer, nixl_agent_with_buffer, store
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -69,8 +69,6 @@ async def source():
 @pytest.fixture
 async def peer(source):
     """A granted, handshaken peer of the source: (client, grant, its buffer)."""
-    from tests.security.test_byte_path_gating import as_peer
-
     me = NodeIdentity()
     grant = source.grant(me, "peer")
     with nixl_agent_with_buffer("peer", N * BLOCK) as (agent, buf):
