@@ -57,7 +57,7 @@ class Peer:
         self.services, self.channel = services, channel
         self.identity = NodeIdentity()
         self.node_id = "fuzz-peer"
-        self.agent = nixl_agent(f"fuzz-peer-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(f"{self.node_id}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
         self.buf = np.zeros(N * BLOCK_BYTES, dtype=np.uint8)
         self._reg = self.agent.register_memory([(self.buf.ctypes.data, self.buf.nbytes, 0, "")], "DRAM")
         self.grant = self.sign(self.claims())
