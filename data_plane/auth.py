@@ -5,9 +5,10 @@
   key is used with the control plane only): a pull grant (``kvmesh-grant``
   metadata) that the control plane signed for this source node, the namespace
   asked about and the consumer's peer public key, plus a proof of possession of
-  that key made for this node and call (``kvmesh-proof``, tenancy.peer_proof).
-  Another node's grant, an expired or forged one, one for another namespace or
-  source, or a proof replayed here later or made for another node, is refused.
+  that key made for this node, call and request (``kvmesh-proof``,
+  tenancy.peer_proof). Another node's grant, an expired, forged or malformed
+  one, one for another namespace or source, or a proof replayed here later,
+  made for another node or for a request with other fields, is refused.
 What the control plane answers (tenant limits, pull grants) is cached with
 negative caching and stale-while-revalidate (:class:`Answers`): a hung or
 unreachable control plane costs each key at most one bounded wait per refresh
@@ -40,7 +41,7 @@ from tenancy import api_keys
 from tenancy.auth import current_principal, grant_from
 from tenancy.grants import Grant, GrantVerifier, UnknownGrantKey
 from tenancy.model import Principal, Role
-from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, ProofVerifier
+from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall, ProofVerifier
 
 from data_plane.epochs import GONE, Epoch
 
@@ -213,10 +214,10 @@ class NodeAuth:
         """A call without an API key is a peer's when it carries a proof (checked in :meth:`require_grant`)."""
         return PEER if any(key == PROOF_METADATA for key, _ in metadata or ()) else None
 
-    async def require_grant(self, metadata, ns: Namespace | None, method: str) -> Grant | None:
+    async def require_grant(self, metadata, ns: Namespace | None, call: PeerCall) -> Grant | None:
         """Local callers pass; a peer needs a valid grant for ``ns`` (None: for any namespace) and a proof
-        that it holds the grant's consumer key, made for this node and ``method`` just now (never an API
-        key: peers present none)."""
+        that it holds the grant's consumer key, made for this node and ``call`` (the method and the digest
+        of the request it came with) just now (never an API key: peers present none)."""
         principal = current_principal()
         if self.is_local(principal):
             return None
@@ -230,23 +231,24 @@ class NodeAuth:
                 raise
             grant = self._verifier.verify(token, namespace_fingerprint=fingerprint)
         proof = next((v for k, v in metadata or () if k == PROOF_METADATA), "")
-        self._proofs.verify(token, grant.consumer_public_key, proof.decode() if isinstance(proof, bytes) else proof,
-                            method)
+        self._proofs.verify(token, grant.consumer_public_key, proof, call)
         return grant
 
-    async def check_route(self, token: bytes, source_node_id: str, source_address: str) -> None:
-        """PermissionDenied unless ``token`` is Route's signature on this source (require_route_token)."""
+    async def check_route(self, token: bytes, tenant: str, source_node_id: str, source_address: str) -> None:
+        """PermissionDenied unless ``token`` is Route's signature on this source for ``tenant``
+        (require_route_token)."""
         verifier = await self._grant_verifier()
+        where = dict(tenant=tenant, source_node_id=source_node_id, source_address=source_address)
         try:
-            verifier.verify_route(token, source_node_id=source_node_id, source_address=source_address)
+            verifier.verify_route(token, **where)
         except UnknownGrantKey:
             if not await self._refresh_grant_keys(GRANT_KEYS_MIN_REFRESH_S):
                 raise
-            self._verifier.verify_route(token, source_node_id=source_node_id, source_address=source_address)
+            self._verifier.verify_route(token, **where)
 
-    def peer_proof(self, grant: bytes, method: str, target_node_id: str) -> str:
-        """This node's proof for a peer call to ``target_node_id`` under ``grant``."""
-        return self.identity.proof(grant, method, target_node_id)
+    def peer_proof(self, grant: bytes, call: PeerCall, target_node_id: str) -> str:
+        """This node's proof for a peer ``call`` to ``target_node_id`` under ``grant``."""
+        return self.identity.proof(grant, call, target_node_id)
 
     async def _grant_verifier(self) -> GrantVerifier:
         """The verifier of pull grants: a configured key, or the control plane's accepted keys, refreshed

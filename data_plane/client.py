@@ -28,7 +28,7 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
 
 from tenancy.auth import grant_metadata
-from tenancy.peer_proof import PROOF_METADATA
+from tenancy.peer_proof import PROOF_METADATA, PeerCall
 
 from data_plane import wire
 from data_plane.shm import SharedRegion
@@ -61,9 +61,10 @@ class DataPlaneClient:
     """One channel to one data plane. Every call takes an optional deadline in seconds."""
 
     def __init__(self, address: str, key: str | None = None, tls: ClientTLS | None = None,
-                 peer_proof: Callable[[bytes, str], str] | None = None) -> None:
+                 peer_proof: Callable[[bytes, PeerCall], str] | None = None) -> None:
         """``key``: the node's API key (the local API needs it); a peer presents none, but a grant and
-        ``peer_proof(grant, method)``, its proof of possession of the grant's key (tenancy.peer_proof)."""
+        ``peer_proof(grant, call)``, its proof of possession of the grant's key for that call (its method and
+        request digest: tenancy.peer_proof)."""
         self.address = address
         self._proof = peer_proof
         self._channel = channel(address, key, tls)
@@ -72,11 +73,13 @@ class DataPlaneClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    def _peer(self, grant: bytes, method: str) -> tuple[tuple[str, str], ...]:
-        """Metadata of a peer call: the grant and, when this client proves a peer key, the proof."""
+    def _peer(self, grant: bytes, method: str, request) -> tuple[tuple[str, str], ...]:
+        """Metadata of a peer call: the grant and, when this client proves a peer key, the proof (which covers
+        ``request``'s fields)."""
         if not grant:
             return ()
-        proof = ((PROOF_METADATA, self._proof(grant, method)),) if self._proof is not None else ()
+        proof = ((PROOF_METADATA, self._proof(grant, PeerCall.of(method, request))),) if self._proof is not None \
+            else ()
         return grant_metadata(grant) + proof
 
     async def __aenter__(self) -> "DataPlaneClient":
@@ -116,8 +119,8 @@ class DataPlaneClient:
 
     async def release(self, lease_id: str, timeout: float | None = 10.0, grant: bytes = b"") -> tuple[bool, str]:
         """Ends the lease; whether no WRITE under it may still land (settled), and the node's agent name."""
-        r = await self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout,
-                                     metadata=self._peer(grant, "Release"))
+        request = pb.ReleaseRequest(lease_id=lease_id)
+        r = await self._stub.Release(request, timeout=timeout, metadata=self._peer(grant, "Release", request))
         return r.settled, r.agent_name
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
@@ -145,20 +148,20 @@ class DataPlaneClient:
                                       challenge_answer: bytes = b"") -> PeerHandshake:
         """The handshake's first call (``metadata``) or, when the source answered ``challenge_sent``, its second
         (``challenge_answer``: what this node's agent received from the source's agent)."""
-        r = await self._stub.ExchangeAgentMetadata(pb.ExchangeAgentMetadataRequest(
-            node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes,
-            agent_challenge_answer=challenge_answer), timeout=timeout,
-            metadata=self._peer(grant, "ExchangeAgentMetadata"))
+        request = pb.ExchangeAgentMetadataRequest(node_id=node_id, agent_metadata=metadata, block_bytes=block_bytes,
+                                                  agent_challenge_answer=challenge_answer)
+        r = await self._stub.ExchangeAgentMetadata(request, timeout=timeout,
+                                                   metadata=self._peer(grant, "ExchangeAgentMetadata", request))
         return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes, r.agent_challenge_sent)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer_node_id: str = "",
                      pending_wait_ms: int = 0, lease_ms: int = 0, media: Iterable[Medium] | None = None,
                      timeout: float | None = 10.0, grant: bytes = b"") -> tuple[LookupAnswer, int]:
         """The settled answer (HITs pinned under its lease) and the source's block_bytes."""
-        r = await self._stub.Lookup(pb.LookupRequest(
+        request = pb.LookupRequest(
             namespace=ns.to_proto(), block_hashes=hashes, consumer_node_id=consumer_node_id,
-            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media)),
-            timeout=timeout, metadata=self._peer(grant, "Lookup"))
+            pending_wait_ms=pending_wait_ms, lease_ms=lease_ms, media=wire.media_to_pb(media))
+        r = await self._stub.Lookup(request, timeout=timeout, metadata=self._peer(grant, "Lookup", request))
         return wire.lookup_answer(r, len(hashes)), r.block_bytes
 
     async def send(self, ns: Namespace, lease_id: str, hashes: list[bytes], landing_addrs: list[int], *,
@@ -166,9 +169,9 @@ class DataPlaneClient:
         """Has the source WRITE the blocks pinned under ``lease_id`` (this caller's :meth:`lookup` in ``ns``;
         ``hashes``: its leading HITs, in order) to ``landing_addrs`` (in this node's registered region) and end
         the lease: how many leading blocks it wrote, and its block_bytes."""
-        r = await self._stub.Lookup(pb.LookupRequest(
-            namespace=ns.to_proto(), block_hashes=hashes, landing_addrs=landing_addrs, lease_id=lease_id),
-            timeout=timeout, metadata=self._peer(grant, "Lookup"))
+        request = pb.LookupRequest(namespace=ns.to_proto(), block_hashes=hashes, landing_addrs=landing_addrs,
+                                   lease_id=lease_id)
+        r = await self._stub.Lookup(request, timeout=timeout, metadata=self._peer(grant, "Lookup", request))
         return wire.sent_blocks(r, len(hashes)), r.block_bytes
 
 

@@ -98,8 +98,9 @@ GrantSource = Callable[[Namespace, str, float], Awaitable[tuple[bytes, str]]]
 # (tenant, timeout in s) -> CPU-tier bytes this node may hold for the tenant (None: no limit);
 # PermissionDenied when the tenant's policy excludes this node
 LimitSource = Callable[[str, float], Awaitable[int | None]]
-# (route token, source node id, source address) -> None; PermissionDenied unless Route signed that source
-RouteCheck = Callable[[bytes, str, str], Awaitable[None]]
+# (route token, tenant, source node id, source address) -> None; PermissionDenied unless Route signed that
+# source for that tenant
+RouteCheck = Callable[[bytes, str, str, str], Awaitable[None]]
 # (tenant, timeout in s) -> None: asks the control plane for the tenant's epoch now (the answer reaches
 # DataPlaneCore.learn_epoch); never raises
 EpochRefresh = Callable[[str, float], Awaitable[None]]
@@ -747,7 +748,7 @@ class DataPlaneCore:
                     log.info("pull: %s; answering MISS", exc)
                     return 0, 0.0, 0.0, str(exc)
             if self._routes is not None:
-                await self._within(self._routes(route_token, source_node_id, source_address), deadline,
+                await self._within(self._routes(route_token, ns.tenant, source_node_id, source_address), deadline,
                                    "checking the route token")
             if not grant:
                 if self._grants is None:
@@ -923,7 +924,8 @@ class DataPlaneCore:
                 pending_wait_ms=max(1, min(self.config.pending_wait_ms, int(remaining * 500))),
                 lease_ms=max(1, int(remaining * 1000) + 5_000), media=media, timeout=remaining, grant=grant)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.RESOURCE_EXHAUSTED):  # e.g. its bound of live peer proofs
                 log.warning("pull: %s refused the lookup (%s); answering MISS", peer.address, exc.details())
                 return None
             if exc.code() in _UNREACHABLE:

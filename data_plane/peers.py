@@ -23,6 +23,8 @@ import grpc
 from kvmesh.channels import ClientTLS
 from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 
+from tenancy.peer_proof import PeerCall
+
 from data_plane.client import DataPlaneClient
 from data_plane.nixl_metadata import node_of_agent
 from data_plane.transfer import Transport
@@ -39,8 +41,8 @@ class Peer:
     incarnation: str = ""  # the agent name the source answered with (changes on every start)
 
 
-# (grant, method, target node id) -> this node's proof of possession of the grant's key (tenancy.peer_proof)
-PeerProof = Callable[[bytes, str, str], str]
+# (grant, call, target node id) -> this node's proof of possession of the grant's key (tenancy.peer_proof)
+PeerProof = Callable[[bytes, PeerCall, str], str]
 
 
 class PeerPool:
@@ -123,7 +125,7 @@ class PeerPool:
         closes it)."""
         proof = self._proof
         return DataPlaneClient(address, tls=self._tls,
-                               peer_proof=(lambda g, method: proof(g, method, node_id)) if proof else None)
+                               peer_proof=(lambda g, call: proof(g, call, node_id)) if proof else None)
 
     async def forget(self, peer: Peer) -> None:
         """Drops a peer after a failure; the next :meth:`get` handshakes again."""

@@ -3,16 +3,24 @@
 Startup order: region (mlock) -> NIXL agent (registers the region) -> core ->
 gRPC server -> event publisher (optional). Once serving it prints one line,
 ``kvmesh data-plane <node_id> listening on <advertised address>``, that
-scripts and tests wait for.
+scripts and tests wait for. The local API answers from then on; pulls and peer
+calls wait for the NIXL agent, which may take seconds more on a loaded host:
+its readiness is the gRPC health status of :data:`TRANSFERS_HEALTH`
+(NOT_SERVING until the agent is up, SERVING after; NOT_SERVING for good when
+it could not be created).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from grpc_health.v1 import health_pb2
+
+from kvmesh.errors import Unavailable
 from kvmesh.grpc_server import RunningServer, ServiceBinding, check_can_bind, server_tls, start_server, \
     wait_for_signal
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
@@ -34,6 +42,9 @@ from data_plane.transfer import NixlTransport
 
 log = logging.getLogger(__name__)
 
+TRANSFERS_HEALTH = "kvmesh.v1.DataPlane.Transfers"  # health service name: SERVING once NIXL transfers can run
+_AGENT_START_BOUND_S = 3600.0
+
 
 @dataclass
 class RunningDataPlane:
@@ -42,6 +53,7 @@ class RunningDataPlane:
     publisher: Any | None  # control_plane.publisher.EventPublisher
     metrics: MetricsEndpoint
     auth: NodeAuth
+    transfers_ready: asyncio.Task | None = None  # reports the NIXL agent's readiness (TRANSFERS_HEALTH)
 
     @property
     def address(self) -> str:
@@ -50,6 +62,8 @@ class RunningDataPlane:
     async def stop(self) -> None:
         # the WRITEs in flight end before the port is given up (a new incarnation there proves none is left)
         await self.core.drain_sends(self.core.config.max_pull_timeout_ms / 1000)
+        if self.transfers_ready is not None:
+            self.transfers_ready.cancel()
         await self.server.stop()
         self.metrics.stop()
         if self.publisher is not None:
@@ -110,6 +124,8 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
         await auth.close()
         raise
     core.address = config.advertised(server.port)
+    await server.health.set(TRANSFERS_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+    transfers_ready = asyncio.get_running_loop().create_task(_report_transfers_ready(core, server))
     core.start_background()
     publisher = None
     if config.control_plane_address:
@@ -122,7 +138,17 @@ async def serve(config: DataPlaneConfig) -> RunningDataPlane:
         await publisher.start()
     host, _, port = config.metrics_listen.rpartition(":")
     endpoint = MetricsEndpoint(metrics.registry, host or "127.0.0.1", int(port or 0))
-    return RunningDataPlane(core, server, publisher, endpoint, auth)
+    return RunningDataPlane(core, server, publisher, endpoint, auth, transfers_ready)
+
+
+async def _report_transfers_ready(core: DataPlaneCore, server: RunningServer) -> None:
+    """TRANSFERS_HEALTH turns SERVING once the NIXL agent is up (it stays NOT_SERVING if it never is)."""
+    try:
+        await core.transport.ready(_AGENT_START_BOUND_S)
+    except Unavailable as exc:
+        log.error("node %s serves no transfers: %s", core.node_id, exc)
+        return
+    await server.health.set(TRANSFERS_HEALTH, health_pb2.HealthCheckResponse.SERVING)
 
 
 async def _run(config: DataPlaneConfig) -> None:

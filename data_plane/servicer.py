@@ -12,6 +12,7 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
 
 from tenancy.grants import Grant
+from tenancy.peer_proof import PeerCall
 
 from data_plane import wire
 from data_plane.auth import NodeAuth
@@ -36,7 +37,8 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
 
     @grpc_errors
     async def ExchangeAgentMetadata(self, request, context):
-        grant = await self._auth.require_grant(context.invocation_metadata(), None, "ExchangeAgentMetadata")
+        grant = await self._auth.require_grant(context.invocation_metadata(), None,
+                                                 PeerCall.of("ExchangeAgentMetadata", request))
         if grant is not None and grant.consumer_node_id != request.node_id:
             raise PermissionDenied(f"the grant was issued to node {grant.consumer_node_id!r}, "
                                    f"not {request.node_id!r}")
@@ -50,7 +52,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Lookup(self, request, context):
         ns = Namespace.from_proto(request.namespace)
-        grant = await self._auth.require_grant(context.invocation_metadata(), ns, "Lookup")
+        grant = await self._auth.require_grant(context.invocation_metadata(), ns, PeerCall.of("Lookup", request))
         if request.landing_addrs or request.lease_id:
             if grant is None:
                 raise InvalidArgument("landing_addrs and lease_id are for peers: a local caller acquires blocks "
@@ -73,7 +75,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
 
     @grpc_errors
     async def Release(self, request, context):
-        grant = await self._auth.require_grant(context.invocation_metadata(), None, "Release")
+        grant = await self._auth.require_grant(context.invocation_metadata(), None, PeerCall.of("Release", request))
         settled = self._core.settle(request.lease_id, None if grant is None else lease_holder(grant))
         return pb.ReleaseResponse(settled=settled, agent_name=self._core.transport.agent_name)
 

@@ -141,14 +141,46 @@ class GrantSigner:
         return f"{_b64(payload)}.{_b64(self._key.sign(payload))}".encode()
 
 
+_TYPES = {"str": str, "int": int}
+
+
+def _claims(kind, payload: bytes, what: str):
+    """The claims of ``kind`` in a JSON ``payload``, every field of the type it is declared with (an int is
+    never a bool) and none missing without a default: PermissionDenied otherwise, so nothing downstream (a
+    key lookup, a comparison) meets a list, an object or a null."""
+    try:
+        fields = json.loads(payload)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
+        raise PermissionDenied(f"invalid {what}: not JSON") from None
+    if not isinstance(fields, dict):
+        raise PermissionDenied(f"invalid {what}: not a JSON object")
+    declared = {f.name: _TYPES[f.type] for f in dataclasses.fields(kind)}
+    for name, value in fields.items():
+        expected = declared.get(name)
+        if expected is None:
+            raise PermissionDenied(f"invalid {what}: unknown field {name[:40]!r}")
+        if type(value) is not expected:
+            raise PermissionDenied(f"invalid {what}: {name} must be {'an integer' if expected is int else 'a string'}")
+    try:
+        return kind(**fields)
+    except TypeError:  # a field without a default is missing
+        raise PermissionDenied(f"invalid {what}: missing fields") from None
+
+
+def _split(token: bytes, what: str) -> tuple[bytes, bytes]:
+    """A token's JSON payload and signature (PermissionDenied when it is not ``payload.signature``)."""
+    try:
+        payload_b64, sig_b64 = token.decode("ascii").split(".")
+        return _unb64(payload_b64), _unb64(sig_b64)
+    except (ValueError, TypeError, AttributeError):  # UnicodeDecodeError and binascii.Error are ValueErrors
+        raise PermissionDenied(f"invalid {what}") from None
+
+
 def read_grant(token: bytes) -> Grant:
     """A grant's claims WITHOUT checking its signature: for the consumer, which got the token from the control
     plane (or its own local caller) and needs its tenant epoch; the source checks the signature.
     PermissionDenied when it is not a grant."""
-    try:
-        return Grant(**json.loads(_unb64(token.decode().split(".")[0])))
-    except (ValueError, TypeError, UnicodeDecodeError):
-        raise PermissionDenied("invalid pull grant") from None
+    return _claims(Grant, _split(token, "pull grant")[0], "pull grant")
 
 
 class UnknownGrantKey(PermissionDenied):
@@ -186,9 +218,10 @@ class GrantVerifier:
             raise PermissionDenied("pull grant is for another namespace")
         return grant
 
-    def verify_route(self, token: bytes, *, source_node_id: str, source_address: str,
+    def verify_route(self, token: bytes, *, tenant: str, source_node_id: str, source_address: str,
                      now_ms: int | None = None) -> RouteToken:
-        """A routing token for pulling from this source node at this address (PermissionDenied otherwise)."""
+        """A routing token for pulling ``tenant``'s blocks from this source node at this address
+        (PermissionDenied otherwise: Route named that source for another tenant's request)."""
         if not token:
             raise PermissionDenied("this node pulls only from sources named by Route: the request carries no "
                                    "route_token")
@@ -196,24 +229,23 @@ class GrantVerifier:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         if route.expires_unix_ms <= now_ms:
             raise PermissionDenied("route token expired")
+        if route.route_tenant != tenant:
+            raise PermissionDenied(f"the route token is for tenant {route.route_tenant!r}, not {tenant!r}")
         if (route.route_source_node_id, route.route_source_address) != (source_node_id, source_address):
             raise PermissionDenied(f"the route token names {route.route_source_node_id} at "
                                    f"{route.route_source_address}, not {source_node_id} at {source_address}")
         return route
 
     def _open(self, token: bytes, kind, what: str):
-        """The signed claims of ``kind`` in ``token``, signature checked with the key it names."""
-        try:
-            payload_b64, sig_b64 = token.decode().split(".")
-            payload = _unb64(payload_b64)
-            claims = kind(**json.loads(payload))
-        except (ValueError, TypeError, UnicodeDecodeError):
-            raise PermissionDenied(f"invalid {what}") from None
+        """The signed claims of ``kind`` in ``token``, every field type-checked, then the signature checked
+        with the key it names."""
+        payload, signature = _split(token, what)
+        claims = _claims(kind, payload, what)
         signing_key = self._keys.get(claims.key_id)
         if signing_key is None:
-            raise UnknownGrantKey(f"{what} signed by an unknown key ({claims.key_id or 'no key id'})")
+            raise UnknownGrantKey(f"{what} signed by an unknown key ({claims.key_id[:40] or 'no key id'})")
         try:
-            signing_key.verify(_unb64(sig_b64), payload)
+            signing_key.verify(signature, payload)
         except (ValueError, InvalidSignature):
             raise PermissionDenied(f"invalid {what}") from None
         return claims

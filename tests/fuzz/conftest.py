@@ -27,6 +27,7 @@ class Services:
     node_key: str
     peer_key: str  # a node key of another node (calls the data plane's peer API as a peer)
     loop: asyncio.AbstractEventLoop
+    signer: object  # the control plane's grant signer (tenancy.grants.GrantSigner): real grants for peers
 
     def run(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -62,7 +63,7 @@ def services(redis_server, tmp_path_factory):
         return cp, dp, node_key, peer_key
 
     cp, dp, node_key, peer_key = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
-    yield Services(f"127.0.0.1:{cp.port}", dp.address, admin_key, node_key, peer_key, loop)
+    yield Services(f"127.0.0.1:{cp.port}", dp.address, admin_key, node_key, peer_key, loop, cp.core.signer)
     asyncio.run_coroutine_threadsafe(_stop(dp, cp), loop).result(60)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)

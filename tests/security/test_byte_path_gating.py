@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.namespace import CacheConfig, Namespace
 from tenancy import api_keys
@@ -28,6 +29,7 @@ from tenancy.grants import Grant, GrantSigner
 from tenancy.peer_proof import NodeIdentity, encode_public_key
 
 from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.server import TRANSFERS_HEALTH
 from data_plane.types import LookupStatus
 from kvmesh_apps.dp_process import DataPlaneProcess
 
@@ -52,12 +54,25 @@ class Fleet:
                      grant_public_key=base64.b64encode(self.signer.public_key).decode())
         proc = DataPlaneProcess(node_id, flags, env={**UCX_TCP, **env})
         self.procs.append(proc)
+        wait_transfers_ready(proc)
         return proc
 
     def grant(self, consumer_public_key: bytes, consumer: str, source: str, ns: Namespace,
               ttl_ms: int = 60_000, tenant_epoch: str = "") -> bytes:
         return self.signer.sign(Grant(ns.tenant, ns.fingerprint, consumer, encode_public_key(consumer_public_key),
                                       source, int(time.time() * 1000) + ttl_ms, tenant_epoch=tenant_epoch))
+
+
+def wait_transfers_ready(proc: DataPlaneProcess, timeout_s: float = 120.0) -> None:
+    """Waits for the node's NIXL agent (its TRANSFERS_HEALTH status): the "listening" line comes first, and on a
+    loaded host the agent can take longer than a first peer call's deadline to start."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(proc.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while health.Check(health_pb2.HealthCheckRequest(service=TRANSFERS_HEALTH), timeout=10).status != \
+                health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, f"{proc.node_id}'s NIXL agent did not start in {timeout_s}s"
+            time.sleep(0.05)
 
 
 def as_peer(identity: NodeIdentity, source: DataPlaneProcess) -> DataPlaneClient:

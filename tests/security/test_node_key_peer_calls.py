@@ -27,7 +27,7 @@ from kvmesh.v1 import data_plane_pb2 as dp_pb, data_plane_pb2_grpc as dp_grpc
 from kvmesh.v1 import tenant_admin_pb2 as tpb, tenant_admin_pb2_grpc as tpb_grpc
 from tenancy.auth import GRANT_METADATA
 from tenancy.grants import GrantSigner, RouteToken
-from tenancy.peer_proof import PROOF_METADATA, NodeIdentity
+from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.server import serve as serve_control_plane
@@ -176,18 +176,22 @@ async def test_a_proof_is_good_once_for_one_node_one_call_now(world, monkeypatch
     def md(proof: str):
         return ((GRANT_METADATA, grant.decode()), (PROOF_METADATA, proof))
 
-    proof = me.proof(grant, "Lookup", "dp-src")
+    call = PeerCall.of("Lookup", request)
+    proof = me.proof(grant, call, "dp-src")
     assert await lookup(proof) == "ok"  # positive control
     assert "replayed" in await lookup(proof)
-    assert "does not verify" in await lookup(me.proof(grant, "Lookup", "another-node"))
-    assert "does not verify" in await lookup(me.proof(grant, "Lookup", "dp-src"), method="Release")
-    assert "does not verify" in await lookup(NodeIdentity().proof(grant, "Lookup", "dp-src"))  # not the bound key
+    assert "does not verify" in await lookup(me.proof(grant, call, "another-node"))
+    assert "does not verify" in await lookup(me.proof(grant, PeerCall("Release", call.request_digest), "dp-src"),
+                                             method="Release")
+    other_hashes = PeerCall.of("Lookup", dp_pb.LookupRequest(namespace=NS.to_proto(), block_hashes=[bytes(32)]))
+    assert "does not verify" in await lookup(me.proof(grant, other_hashes, "dp-src"))  # made for other arguments
+    assert "does not verify" in await lookup(NodeIdentity().proof(grant, call, "dp-src"))  # not the bound key
     real_time = time.time
     monkeypatch.setattr("tenancy.peer_proof.time.time", lambda: real_time() - 120)
-    stale = me.proof(grant, "Lookup", "dp-src")
+    stale = me.proof(grant, call, "dp-src")
     monkeypatch.undo()
     assert "time window" in await lookup(stale)
-    assert await lookup(me.proof(grant, "Lookup", "dp-src")) == "ok"  # a fresh one still works
+    assert await lookup(me.proof(grant, call, "dp-src")) == "ok"  # a fresh one still works
 
 
 async def test_with_require_route_token_only_sources_route_signed_are_pulled(world):
@@ -195,14 +199,17 @@ async def test_with_require_route_token_only_sources_route_signed_are_pulled(wor
     consumer = await world.data_plane("consumer", KVMESH_DP_REQUIRE_ROUTE_TOKEN="true")
     hashes = await store(source, 3)
 
-    def route_token(node_id: str, address: str, signer=world.cp.core.signer) -> str:  # as Route signs it
-        return signer.sign(RouteToken(NS.tenant, node_id, address, int(time.time() * 1000) + 30_000)).decode()
+    def route_token(node_id: str, address: str, signer=world.cp.core.signer, tenant=NS.tenant) -> str:
+        """As Route signs it."""
+        return signer.sign(RouteToken(tenant, node_id, address, int(time.time() * 1000) + 30_000)).decode()
 
     async with DataPlaneClient(consumer.address, key=consumer.api_key) as local:
         refusals = {
             "carries no route_token": "",
             "names dp-src at 127.0.0.1:1": route_token("dp-src", "127.0.0.1:1"),
             "unknown key": route_token("dp-src", source.address, signer=GrantSigner.generate()),
+            # Route named this source for another tenant's request: it says nothing about this tenant's
+            "is for tenant 'another-tenant'": route_token("dp-src", source.address, tenant="another-tenant"),
         }
         for reason, token in refusals.items():
             result = await local.pull(NS, hashes, "dp-src", source.address, route_token=token)
