@@ -10,6 +10,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvmesh.metrics import METRICS_LISTEN_HELP, MetricsListen
+
 from control_plane.routing.config import RoutingSettings
 from tenancy import api_keys
 from tenancy.grants import GrantSigner, public_key_from_pem
@@ -64,7 +66,7 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     tls_cert_file: str | None = Field(None, description="server certificate (PEM): serve TLS")
     tls_key_file: str | None = Field(None, description="its private key (PEM)")
     tls_client_ca_file: str | None = Field(None, description="CA for client certificates: require mutual TLS")
-    metrics_listen: str = Field("", description="host:port of the Prometheus /metrics endpoint (empty: off)")
+    metrics_listen: MetricsListen = Field("", description=METRICS_LISTEN_HELP)
 
     def redis_secret(self) -> str | None:
         return api_keys.from_setting(self.redis_password, self.redis_password_file)

@@ -60,10 +60,20 @@ class RunningControlPlane:
 
 
 async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
-    """Starts the service in this event loop; returns once it is serving."""
-    for address in (config.listen, config.metrics_listen):  # before Redis is touched: a port in use fails at once
-        if address:
-            check_can_bind(address)
+    """Starts the service in this event loop; returns once it is serving. Ports first, before Redis is touched:
+    the metrics endpoint binds (a port in use fails at once), then the gRPC port is checked."""
+    registry = CollectorRegistry()
+    metrics = MetricsEndpoint(registry, config.metrics_listen)
+    try:
+        return await _serve(config, registry, metrics)
+    except BaseException:
+        metrics.stop()
+        raise
+
+
+async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metrics: MetricsEndpoint,
+                 ) -> RunningControlPlane:
+    check_can_bind(config.listen)
     admin_key = config.bootstrap_admin_key()
     tls = server_tls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     redis_auth = dict(username=config.redis_username, password=config.redis_secret())
@@ -72,7 +82,6 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
                                **redis_auth)
     await tenants.drop_legacy_grant_key()  # the first Redis call: Redis down fails here, before any warning
     signer, grant_keys = config.grant_keys()
-    registry = CollectorRegistry()
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
                               tenant_credentials=tenants.redis_credentials, **redis_auth)
     block_map = MeteredBlockMap(redis_map, registry)
@@ -99,8 +108,6 @@ async def serve(config: ControlPlaneConfig) -> RunningControlPlane:
     interceptors = [RpcMetricsInterceptor(registry, "control-plane"), auth]
     server = await start_server(config.listen, services, interceptors=interceptors, tls=tls)
     core.start_background()
-    host, _, port = config.metrics_listen.rpartition(":")
-    metrics = MetricsEndpoint(registry, host or "127.0.0.1", int(port or 0))
     try:  # serve from a warm cache only once revocations flow (until then every call reads Redis)
         await asyncio.wait_for(key_changes.subscribed.wait(), SUBSCRIBE_WAIT_S)
     except asyncio.TimeoutError:
@@ -114,7 +121,7 @@ async def _run(config: ControlPlaneConfig) -> None:
     host = config.listen.rsplit(":", 1)[0]
     log.info("control plane serving on %s:%d (redis %s)", host, running.port, redacted(config.redis_url))
     if running.metrics.port:
-        log.info("metrics on http://%s:%d/metrics", config.metrics_listen.rpartition(":")[0], running.metrics.port)
+        log.info("metrics on %s", running.metrics.url)
     print(f"kvmesh control-plane listening on {host}:{running.port}", flush=True)
     await wait_for_signal()
     await running.stop()

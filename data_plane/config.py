@@ -10,6 +10,7 @@ from pydantic import ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvmesh.channels import ClientTLS
+from kvmesh.metrics import METRICS_LISTEN_HELP, MetricsListen
 from tenancy import api_keys
 
 MIB = 1 << 20
@@ -88,7 +89,7 @@ class DataPlaneConfig(BaseSettings):
     api_key: str | None = Field(None, description="this node's API key (role node): local callers must present it, "
                                                   "and it authenticates the node to the control plane and to peers")
     api_key_file: str | None = Field(None, description="file holding the API key, if api_key is unset")
-    metrics_listen: str = Field("", description="host:port of the Prometheus /metrics endpoint (empty: off)")
+    metrics_listen: MetricsListen = Field("", description=METRICS_LISTEN_HELP)
     tls_cert_file: str | None = Field(None, description="this node's certificate (PEM): serve TLS, and present it "
                                       "to peers and the control plane that require mutual TLS")
     tls_key_file: str | None = Field(None, description="its private key (PEM)")

@@ -265,6 +265,16 @@ class DataPlaneCore:
         return TierDescription(self.node_id, str(self.region.path), self.block_bytes, self.region.num_slots,
                                self.region.locked, self.config.block_tokens)
 
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """``{tier: (used bytes, capacity bytes)}`` of the CPU tier and, when there is one, the disk tier; a slot
+        is used while anything holds it (reserved, written, stored or quarantined). Lengths only: safe to read
+        from the metrics endpoint's thread."""
+        cpu_slots = self.region.num_slots
+        out = {"cpu": ((cpu_slots - self.tier.free_slots) * self.block_bytes, cpu_slots * self.block_bytes)}
+        if self.disk is not None:
+            out["disk"] = (len(self.disk) * self.block_bytes, self.disk.num_slots * self.block_bytes)
+        return out
+
     def reserve(self, ns: Namespace, hashes: list[bytes], *, max_offload_tokens: int = 0,
                 first_block_index: int = 0, protected_blocks: int = 0,
                 tenant_limit_bytes: int | None = None) -> list[int]:

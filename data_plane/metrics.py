@@ -5,12 +5,16 @@ bytes written by the engine, read by peers and pulled from them, pull and
 promotion times, pending waits, and evictions — with evictions of blocks that
 were never read since they were stored ("evicted before reuse"), and blocks
 purged because their tenant was deleted or re-created; slots quarantined
-after a transfer that may still write, and those reclaimed once proven safe.
+after a transfer that may still write, and those reclaimed once proven safe; and
+how full each tier is (:class:`TierUsageCollector`, read when scraped).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from kvmesh.metrics import LATENCY_BUCKETS
 
@@ -105,3 +109,23 @@ class DataPlaneMetrics:
             if key not in self._read_since_stored:
                 self._unused.inc()
             self._read_since_stored.discard(key)
+
+
+class TierUsageCollector:
+    """``kvmesh_dp_tier_used_bytes`` and ``kvmesh_dp_tier_capacity_bytes`` by node and tier, from ``usage()``
+    (``{tier: (used, capacity)}``, e.g. :meth:`data_plane.core.DataPlaneCore.usage`) at each scrape."""
+
+    def __init__(self, node_id: str, usage: Callable[[], dict[str, tuple[int, int]]]) -> None:
+        self._node = node_id
+        self._usage = usage
+
+    def collect(self):
+        used = GaugeMetricFamily("kvmesh_dp_tier_used_bytes", "bytes of a tier's slots in use (reserved, written, "
+                                 "stored or quarantined)", labels=["node", "tier"])
+        capacity = GaugeMetricFamily("kvmesh_dp_tier_capacity_bytes", "bytes a tier holds in all",
+                                     labels=["node", "tier"])
+        for tier, (n_used, n_capacity) in self._usage().items():
+            used.add_metric([self._node, tier], n_used)
+            capacity.add_metric([self._node, tier], n_capacity)
+        yield used
+        yield capacity

@@ -4,17 +4,28 @@ Each service builds its own :class:`prometheus_client.CollectorRegistry` (no
 process-wide singletons, so several services in one test process stay apart),
 records RPC latency and status codes through :class:`RpcMetricsInterceptor`
 (composed by kvmesh.grpc_server with the other interceptors) and serves
-``/metrics`` on its ``metrics_port`` (0: not served).
+``/metrics`` on its ``metrics_listen`` address: ``host:port``, port 0 picking any free port (as for
+``listen``), empty or ``off`` serving nothing (:func:`metrics_address`).
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
+from typing import Annotated
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from pydantic import AfterValidator
 
+from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.grpc_server import rewrap_handler
+
+OFF = ("", "off")
+STOP_POLL_S = 0.1  # how often the endpoint's loop looks for stop(): the longest stop() waits
 
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -78,17 +89,74 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         return rewrap_handler(handler, wrap)
 
 
-class MetricsEndpoint:
-    """``/metrics`` over HTTP for one registry; ``port`` 0 serves nothing."""
+def metrics_address(setting: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``metrics_listen`` setting, port 0 meaning any free port; None for empty or ``off``.
+    :class:`InvalidArgument` (one line) for anything else."""
+    if setting.strip().lower() in OFF:
+        return None
+    host, sep, port = setting.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"metrics_listen {setting!r} is not host:port; give e.g. 127.0.0.1:9464, "
+                              "127.0.0.1:0 for any free port, or off")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self.port = 0
+
+def _valid_setting(setting: str) -> str:
+    try:
+        metrics_address(setting)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+    return setting
+
+
+MetricsListen = Annotated[str, AfterValidator(_valid_setting)]
+"""A service's ``metrics_listen`` setting, checked when the settings are read."""
+METRICS_LISTEN_HELP = ("host:port of the Prometheus /metrics endpoint (port 0: any free port, logged as 'metrics on "
+                       "URL'; empty or off: no endpoint)")
+
+
+class MetricsEndpoint:
+    """``/metrics`` over HTTP for one registry, at a ``metrics_listen`` setting (:func:`metrics_address`).
+
+    ``port`` is the bound port (0 when off). A port that cannot be bound raises :class:`Unavailable`, one line
+    naming the address and what to do."""
+
+    def __init__(self, registry: CollectorRegistry, setting: str) -> None:
+        self.host, self.port = "", 0
         self._server = None
-        if port:
-            self._server, _thread = start_http_server(port, addr=host, registry=registry)
-            self.port = self._server.server_port
+        address = metrics_address(setting)
+        if address is None:
+            return
+        host, port = address
+        try:
+            self._server = make_server(host, port, make_wsgi_app(registry), _server_class(host),
+                                       handler_class=_QuietHandler)
+        except OSError as exc:
+            raise Unavailable(f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}): give metrics_listen "
+                              "another port, port 0 for any free one, or off") from None
+        self.host, self.port = host, self._server.server_port
+        threading.Thread(target=self._server.serve_forever, args=(STOP_POLL_S,), daemon=True,
+                         name="metrics-http").start()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/metrics`` (empty when off)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics" if self.port else ""
 
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # no access log on stderr
+        pass
+
+
+def _server_class(host: str) -> type[ThreadingWSGIServer]:
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    return Server

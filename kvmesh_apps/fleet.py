@@ -9,7 +9,15 @@ planes with their keys (they publish tier changes and fetch pull grants with the
 
 Secrets (Redis passwords, the admin key, node keys) go to files in ``<workdir>/secrets`` (0700
 directory, 0600 files) and reach processes by file name: never on a command line, in the
-environment or in a log.
+environment or in a log. A start in a work directory that holds them (a restart) reuses them: the
+Redis passwords and the grant-signing key as they are, the tenant if it exists, and each node key
+the control plane still knows for its node; the ACL file is rewritten to agree with the passwords,
+keeping the tenant users Redis saved in it.
+
+Every service serves Prometheus metrics on a free loopback port (:meth:`Fleet.metrics`).
+With a ``tether`` (``kvmesh up``) the children end whenever this process ends, SIGKILL included
+(:class:`kvmesh_apps.procs.Tether`), and a :class:`kvmesh_apps.reaper.Reaper` removes the
+shared-memory directory after them.
 
 With ``trace_dir`` every process writes its spans to ``<trace_dir>/<process>.jsonl``
 (``KVMESH_TRACE_EXPORTER=file``, see kvmesh.tracing).
@@ -26,10 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.channels import channel
+from kvmesh.errors import Unauthenticated
 from kvmesh_apps.engine_host import EngineProcess
-from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.procs import ServiceProcess, Tether, stop_all
+from kvmesh_apps.reaper import Reaper
 from kvmesh_apps.redis_server import RedisServer, fleet_users, write_secret
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
+from tenancy import api_keys
 from tenancy.grants import GrantSigner
 
 DEFAULT_BLOCK_BYTES = 2 * 1024 * 1024
@@ -40,7 +51,7 @@ class Fleet:
 
     def __init__(self, workdir: Path, data_planes: int, admin_key: str, *, tenant: str = "demo",
                  block_bytes: int = DEFAULT_BLOCK_BYTES, block_tokens: int = 0, capacity: str = "256MiB",
-                 trace_dir: Path | None = None) -> None:
+                 trace_dir: Path | None = None, tether: Tether | None = None) -> None:
         self.workdir = Path(workdir)
         self.admin_key = admin_key
         self.tenant = tenant
@@ -48,11 +59,12 @@ class Fleet:
         self.block_tokens = block_tokens
         self.capacity = capacity
         self.trace_dir = trace_dir
+        self.tether = tether
         self.secrets_dir = self.workdir / "secrets"
         self.redis_users = fleet_users(self.secrets_dir)
-        self.redis = RedisServer(self.workdir / "redis", users=list(self.redis_users.values()))
-        tmpfs = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-", dir=tmpfs))
+        self.redis = RedisServer(self.workdir / "redis", users=list(self.redis_users.values()), tether=tether)
+        self.shm_dir: Path | None = None  # made by start()
+        self.reaper: Reaper | None = None
         self.control_plane: ServiceProcess | None = None
         self.data_planes: dict[str, ServiceProcess] = {}
         self.node_keys: dict[str, str] = {}
@@ -70,14 +82,20 @@ class Fleet:
 
     def start(self) -> "Fleet":
         try:
+            tmpfs = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-", dir=tmpfs))
+            if self.tether is not None:
+                self.reaper = Reaper(self.shm_dir, self.tether.hold_fds)
             self.redis.start()
+            self._watch(self.redis.proc.pid)
+            write_secret(self.admin_key_file, self.admin_key)
             cp_user, acl_user = self.redis_users["control_plane"], self.redis_users["acl"]
-            self.control_plane = ServiceProcess(
+            self.control_plane = self._start_service(
                 ["control-plane", "--listen", "127.0.0.1:0", "--redis-url", self.redis.url,
                  "--redis-username", cp_user.name, "--redis-password-file", str(cp_user.password_file),
                  "--redis-acl-username", acl_user.name, "--redis-acl-password-file", str(acl_user.password_file),
                  "--admin-key-file", str(self.admin_key_file), "--grant-key-file", str(self._grant_key_file())],
-                env=self._trace_env("control-plane"), log_path=self.workdir / "control-plane.log").start()
+                "control-plane", "control-plane")
             if self._wanted_data_planes and importlib.util.find_spec("data_plane.server") is not None:
                 nodes = [f"dp{i}" for i in range(1, self._wanted_data_planes + 1)]
                 self.node_keys = asyncio.run(self._provision(nodes))
@@ -91,17 +109,46 @@ class Fleet:
         return self
 
     async def _provision(self, nodes: list[str]) -> dict[str, str]:
-        """Create the tenant and issue a node key per data plane (admin API)."""
+        """The tenant (created unless it exists) and a node key per data plane: the one in its key file when the
+        control plane still knows it for that node (a restart), else a new one (admin API)."""
         async with channel(self.control_plane.address, self.admin_key) as ch:
             admin = ta_grpc.TenantAdminStub(ch)
-            await admin.CreateTenant(ta_pb.CreateTenantRequest(tenant_id=self.tenant,
-                                                               display_name="the local fleet's tenant"))
+            tenants = await admin.ListTenants(ta_pb.ListTenantsRequest())
+            if self.tenant not in {t.tenant_id for t in tenants.tenants}:
+                await admin.CreateTenant(ta_pb.CreateTenantRequest(tenant_id=self.tenant,
+                                                                   display_name="the local fleet's tenant"))
+            known = {k.key_id: k.node_id for k in (await admin.ListKeys(ta_pb.ListKeysRequest())).keys
+                     if k.role == ta_pb.ROLE_NODE and not k.revoked}
             keys = {}
             for node in nodes:
+                kept = self._kept_node_key(node)
+                if kept is not None and known.get(api_keys.parse(kept)[0]) == node:
+                    keys[node] = kept
+                    continue
                 reply = await admin.IssueKey(ta_pb.IssueKeyRequest(role=ta_pb.ROLE_NODE, node_id=node,
                                                                    description=f"local fleet node {node}"))
                 keys[node] = reply.secret
             return keys
+
+    def _kept_node_key(self, node: str) -> str | None:
+        path = self.node_key_file(node)
+        key = path.read_text().strip() if path.exists() else ""
+        try:
+            api_keys.parse(key)
+        except Unauthenticated:  # absent or not a key
+            return None
+        return key
+
+    def _start_service(self, args: list[str], name: str, trace_name: str, env: dict[str, str] | None = None,
+                       ) -> ServiceProcess:
+        """``kvmesh <args>`` with metrics on a free port, logging to ``<workdir>/<name>.log``."""
+        return ServiceProcess([*args, "--metrics-listen", "127.0.0.1:0"],
+                              env={**(env or {}), **self._trace_env(trace_name)}, log_path=self.workdir / f"{name}.log",
+                              tether=self.tether, on_spawn=self._watch).start()
+
+    def _watch(self, pid: int) -> None:
+        if self.reaper is not None and pid:
+            self.reaper.watch(pid)
 
     def _start_data_plane(self, node: str) -> ServiceProcess:
         args = ["data-plane", "--node-id", node, "--listen", "127.0.0.1:0", "--control-plane-address",
@@ -109,18 +156,21 @@ class Fleet:
                 "--block-bytes", str(self.block_bytes), "--block-tokens", str(self.block_tokens),
                 "--no-lock-memory"]
         args += ["--api-key-file", str(self.node_key_file(node))]
-        env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **self._trace_env(f"data-plane-{node}")}
-        return ServiceProcess(args, env=env, log_path=self.workdir / f"{node}.log").start()
+        env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+        return self._start_service(args, node, f"data-plane-{node}", env)
 
     def stop(self) -> None:
+        """Engines, then every data plane at once, the control plane and Redis; the shared-memory directory."""
         for engine in reversed(list(self.engines.values())):
             engine.stop()
-        for proc in reversed(list(self.data_planes.values())):
-            proc.stop()
+        stop_all(self.data_planes.values())
         if self.control_plane is not None:
             self.control_plane.stop()
         self.redis.stop()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self.shm_dir is not None:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self.reaper is not None:
+            self.reaper.finish()
 
     def __enter__(self) -> "Fleet":
         return self.start()
@@ -173,10 +223,7 @@ class Fleet:
 
     @property
     def admin_key_file(self) -> Path:
-        path = self.secrets_dir / "admin.key"
-        if not path.exists():
-            write_secret(path, self.admin_key)
-        return path
+        return self.secrets_dir / "admin.key"
 
     def node_key_file(self, node: str) -> Path:
         return self.secrets_dir / f"{node}.key"
@@ -187,6 +234,11 @@ class Fleet:
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         return {"KVMESH_TRACE_EXPORTER": "file", "KVMESH_TRACE_FILE": str(self.trace_dir / f"{process}.jsonl"),
                 "OTEL_SERVICE_NAME": f"kvmesh-{process}"}
+
+    def metrics(self) -> dict[str, str]:
+        """Each service's Prometheus endpoint: ``{"control_plane": URL, "<node>": URL, ...}``."""
+        procs = {"control_plane": self.control_plane, **self.data_planes}
+        return {name: proc.metrics_url for name, proc in procs.items() if proc is not None and proc.metrics_url}
 
     def addresses(self) -> dict:
         return {
@@ -201,4 +253,5 @@ class Fleet:
             "redis_user": self.redis_users["control_plane"].name,
             "redis_password_file": str(self.redis_users["control_plane"].password_file),
             "workdir": str(self.workdir),
+            "metrics": self.metrics(),
         }

@@ -19,10 +19,12 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.errors import Unavailable
+from kvmesh_apps.procs import Tether
 
 START_TIMEOUT_S = 10.0
 
@@ -146,11 +148,25 @@ def write_secret(path: Path, value: str) -> Path:
     return path
 
 
+def kept_secret(path: Path, new: Callable[[], str]) -> str:
+    """The secret in ``path`` when it holds one (a restart in the same directory), else ``new()`` written there."""
+    if path.exists():
+        value = path.read_text().strip()
+        if value:
+            return value
+    value = new()
+    write_secret(path, value)
+    return value
+
+
 def fleet_users(secrets_dir: Path, key_prefix: str = "kvm") -> dict[str, RedisUser]:
-    """The users of a local fleet's Redis, with fresh passwords in ``secrets_dir``: the control plane
-    (its key prefix and channels, no dangerous or ACL commands) and its ACL-only user (tenant users)."""
+    """The users of a local fleet's Redis, with their passwords in ``secrets_dir`` (generated on first use, kept
+    after): the control plane (its key prefix and channels, no dangerous or ACL commands) and its ACL-only user
+    (tenant users)."""
     def user(name: str, rules: str) -> RedisUser:
-        return RedisUser(name, rules, write_secret(secrets_dir / f"redis-{name}.password", secrets.token_urlsafe(32)))
+        path = secrets_dir / f"redis-{name}.password"
+        kept_secret(path, lambda: secrets.token_urlsafe(32))
+        return RedisUser(name, rules, path)
 
     return {
         "control_plane": user("kvmesh-cp", f"~{key_prefix}:* &{key_prefix}:* +@all -@dangerous +info "
@@ -160,13 +176,19 @@ def fleet_users(secrets_dir: Path, key_prefix: str = "kvm") -> dict[str, RedisUs
     }
 
 
+def _acl_user(line: str) -> str | None:
+    """The user an ACL file line defines (``user NAME rules...``)."""
+    parts = line.split()
+    return parts[1] if len(parts) > 1 and parts[0] == "user" else None
+
+
 @dataclass
 class RedisServer:
     """One redis-server process; ``stop()`` ends it, ``restart()`` keeps its data (AOF).
 
     With ``users`` the server starts from an ACL file: those users (passwords as SHA-256 only) and
     the ``default`` user switched off, so nothing connects without a password. Without, it is the
-    password-less test server.
+    password-less test server. A ``tether`` ties the server to this process (:class:`Tether`).
     """
 
     workdir: Path
@@ -174,6 +196,7 @@ class RedisServer:
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     users: list[RedisUser] = field(default_factory=list)
+    tether: Tether | None = None
 
     @property
     def url(self) -> str:
@@ -191,19 +214,24 @@ class RedisServer:
         ]
         # umask 077: every file the server writes (the ACL file ACL SAVE rewrites, with tenant users' password
         # hashes; the AOF) is its owner's only, as write_secret makes the first ACL file
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, umask=0o077)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, umask=0o077,
+                                     **(self.tether.popen_kwargs() if self.tether else {}))
         _wait_listening(self.port, self.proc, log, log_offset)
         return self
 
     def _acl_args(self) -> list[str]:
+        """The ACL file: ``default`` off and ``users`` with their current passwords, written at every start; the
+        other users a restart finds in it (tenant users ACL SAVE wrote) kept as they are."""
         if not self.users:
             return []
         acl_file = self.workdir / "users.acl"
-        if not acl_file.exists():  # a restart keeps the file (tenant users were saved into it)
-            lines = ["user default off resetkeys resetchannels -@all"]
-            lines += [f"user {u.name} on #{hashlib.sha256(u.password().encode()).hexdigest()} {u.rules}"
-                      for u in self.users]
-            write_secret(acl_file, "\n".join(lines) + "\n")
+        ours = {"default", *(u.name for u in self.users)}
+        found = acl_file.read_text().splitlines() if acl_file.exists() else []
+        kept = [line for line in found if _acl_user(line) not in (None, *ours)]
+        lines = ["user default off resetkeys resetchannels -@all"]
+        lines += [f"user {u.name} on #{hashlib.sha256(u.password().encode()).hexdigest()} {u.rules}"
+                  for u in self.users]
+        write_secret(acl_file, "\n".join(lines + kept) + "\n")
         return ["--aclfile", str(acl_file)]
 
     def stop(self) -> None:

@@ -2,10 +2,15 @@
 
 Starts a :class:`kvmesh_apps.fleet.Fleet`: Redis (AOF on, in ``--workdir``, passwords
 generated, no password-less user), the control plane, a tenant and ``--data-planes``
-data-plane nodes with their node keys, on free loopback ports; prints their addresses and
-the files holding the keys (never a secret itself), and stops everything on Ctrl-C.
-Engines are not started: the printed ``vllm serve`` line attaches one to a data plane.
-``--json`` prints the addresses and the slot size as one JSON line.
+data-plane nodes with their node keys, on free loopback ports; prints their addresses, their
+Prometheus endpoints and the files holding the keys (never a secret itself), and stops
+everything on Ctrl-C, SIGTERM or SIGHUP. Engines are not started: the printed ``vllm serve``
+line attaches one to a data plane. ``--json`` prints the same as one JSON line.
+
+The work directory (default :func:`kvmesh_apps.up_workdir.default_workdir`) is locked while a
+fleet runs in it (a second ``up`` there is refused in one line) and reused by the next start:
+secrets, tenant and block map survive. The children are tethered to this process
+(:class:`kvmesh_apps.procs.Tether`): however it ends, SIGKILL included, they end too.
 
 A data-plane slot holds exactly one engine KV block (all layers), and the connector refuses
 a data plane whose slots differ. ``--model DIR`` derives the block's bytes from the
@@ -20,20 +25,23 @@ import argparse
 import json
 import os
 import signal
-import tempfile
-import threading
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from kvmesh.errors import KvmeshError
 from kvmesh_apps.fleet import DEFAULT_BLOCK_BYTES, Fleet
 from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
 from kvmesh_apps.cli_args import Parser, fail
-from tenancy.api_keys import new_key
+from kvmesh_apps.procs import Tether
+from kvmesh_apps.up_workdir import WorkdirLock, admin_key, default_workdir
 
 DEFAULT_BLOCK_TOKENS = 32
 DEFAULT_CAPACITY = "256MiB"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+INTERRUPTED = 130
 
 ENGINE_HINT = (
     "vllm serve {model}{dtype} --block-size {block_tokens} --kv-transfer-config "
@@ -108,8 +116,10 @@ def resolve_slots(args: argparse.Namespace) -> Slots:
 def _parser() -> Parser:
     parser = Parser(prog="kvmesh up", description=__doc__.split("\n")[0])
     parser.add_argument("--data-planes", type=int, default=2)
-    parser.add_argument("--workdir", default="", help="Redis data and service logs (default: a new temp dir)")
-    parser.add_argument("--json", action="store_true", help="print the addresses and slot size as one JSON line")
+    parser.add_argument("--workdir", default="", help=f"Redis data, secrets and logs, kept for the next start "
+                        f"(default: {default_workdir()})")
+    parser.add_argument("--json", action="store_true", help="print the addresses, metrics endpoints and slot size "
+                        "as one JSON line")
     parser.add_argument("--model", default="", help="local Hugging Face checkpoint directory the engines will "
                         "serve: the slot size is derived from its config.json")
     parser.add_argument("--dtype", default="auto", help="vLLM's --dtype for --model (auto: a float32 checkpoint is "
@@ -124,42 +134,75 @@ def _parser() -> Parser:
     return parser
 
 
+class _Stopped(BaseException):
+    """A stop signal arrived (raised from its handler, so that it also ends a start in progress)."""
+
+
+def _stop_signal(signum: int, _frame) -> None:
+    _ignore_stop_signals()  # the stop that follows is not itself interrupted
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _print_fleet(info: dict, slots: Slots, workdir: Path) -> None:
+    metrics = info["metrics"]
+    print(f"redis          {info['redis']}")
+    print(f"control plane  {info['control_plane']}")
+    print(f"  metrics:     {metrics.get('control_plane', 'off')}")
+    print(f"slots          {slots.describe()}; {slots.capacity_bytes // slots.block_bytes} per data plane")
+    for node, address in info["data_planes"].items():
+        print(f"data plane     {node} {address}")
+        print(f"  metrics:     {metrics.get(node, 'off')}")
+        hint = ENGINE_HINT.format(model=slots.model or "MODEL", dtype=slots.engine_flags(),
+                                  block_tokens=slots.block_tokens, address=address,
+                                  key_file=info["node_key_files"][node], cp=info["control_plane"],
+                                  tenant=info["tenant"])
+        print(f"  engine:      {hint}")
+    print(f"admin key      in {info['admin_key_file']}")
+    print(f"redis user     {info['redis_user']}, password in {info['redis_password_file']}")
+    print(f"state, logs    {workdir} (kept: the next start here reuses it)\nCtrl-C stops everything.", flush=True)
+
+
 def main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
         slots = resolve_slots(args)
     except ValueError as exc:  # UsageError and KVShapeError included
         return fail("kvmesh up", exc)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvmesh-up-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    admin_key = os.environ.get("KVMESH_ADMIN_KEY") or new_key()[1]  # written to <workdir>/secrets/admin.key
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    fleet = Fleet(workdir, args.data_planes, admin_key, block_bytes=slots.block_bytes,
-                  block_tokens=slots.block_tokens, capacity=str(slots.capacity_bytes)).start()
+    workdir = Path(args.workdir).expanduser().resolve() if args.workdir else default_workdir()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop_signal)
+    fleet: Fleet | None = None
+    started = False
     try:
+        lock = WorkdirLock(workdir)
+        key = admin_key(workdir, os.environ.get("KVMESH_ADMIN_KEY"))
+        fleet = Fleet(workdir, args.data_planes, key, block_bytes=slots.block_bytes, block_tokens=slots.block_tokens,
+                      capacity=str(slots.capacity_bytes), tether=Tether(hold_fds=(lock.fd,)))
+        fleet.start()
+        started = True
         info = {**fleet.addresses(), "capacity_bytes": slots.capacity_bytes}
         if slots.shape is not None:
             info.update(model=str(slots.model), dtype=slots.shape.dtype, kv_cache_dtype=slots.shape.kv_cache_dtype)
         if args.json:
             print(json.dumps(info), flush=True)
         else:
-            print(f"redis          {info['redis']}")
-            print(f"control plane  {info['control_plane']}")
-            print(f"slots          {slots.describe()}; {slots.capacity_bytes // slots.block_bytes} per data plane")
-            for node, address in info["data_planes"].items():
-                print(f"data plane     {node} {address}")
-                hint = ENGINE_HINT.format(model=slots.model or "MODEL", dtype=slots.engine_flags(),
-                                          block_tokens=slots.block_tokens, address=address,
-                                          key_file=info["node_key_files"][node], cp=info["control_plane"],
-                                          tenant=info["tenant"])
-                print(f"  engine:      {hint}")
-            print(f"admin key      in {info['admin_key_file']}")
-            print(f"redis user     {info['redis_user']}, password in {info['redis_password_file']}")
-            print(f"logs           {workdir}\nCtrl-C stops everything.", flush=True)
-        while not stop.wait(0.5):
-            pass
+            _print_fleet(info, slots, workdir)
+        while True:
+            signal.pause()
+    except _Stopped as stopped:
+        outcome = (0, "") if started else (INTERRUPTED, f"kvmesh up: {stopped} during start: stopped what had "
+                                                        "started; nothing is left running")
+    except KvmeshError as exc:
+        outcome = (fail("kvmesh up", exc), "")
     finally:
-        fleet.stop()
-    return 0
+        _ignore_stop_signals()
+        if fleet is not None:
+            fleet.stop()
+    if outcome[1]:
+        print(outcome[1], file=sys.stderr, flush=True)
+    return outcome[0]
