@@ -51,7 +51,7 @@ class Fleet:
 
     def __init__(self, workdir: Path, data_planes: int, admin_key: str, *, tenant: str = "demo",
                  block_bytes: int = DEFAULT_BLOCK_BYTES, block_tokens: int = 0, capacity: str = "256MiB",
-                 trace_dir: Path | None = None, tether: Tether | None = None) -> None:
+                 trace_dir: Path | None = None, tether: Tether | None = None, stop_timeout_s: float = 10.0) -> None:
         self.workdir = Path(workdir)
         self.admin_key = admin_key
         self.tenant = tenant
@@ -60,6 +60,7 @@ class Fleet:
         self.capacity = capacity
         self.trace_dir = trace_dir
         self.tether = tether
+        self.stop_timeout_s = stop_timeout_s
         self.secrets_dir = self.workdir / "secrets"
         self.redis_users = fleet_users(self.secrets_dir)
         self.redis = RedisServer(self.workdir / "redis", users=list(self.redis_users.values()), tether=tether)
@@ -160,12 +161,16 @@ class Fleet:
         return self._start_service(args, node, f"data-plane-{node}", env)
 
     def stop(self) -> None:
-        """Engines, then every data plane at once, the control plane and Redis; the shared-memory directory."""
+        """Engines, then every data plane at once, the control plane and Redis; the shared-memory directory.
+
+        A service still running ``stop_timeout_s`` after its SIGTERM is killed (e.g. a data plane stopped while its
+        NIXL agent is still being created waits for it: seconds on a loaded host); its files in the
+        shared-memory directory go with the directory."""
         for engine in reversed(list(self.engines.values())):
             engine.stop()
-        stop_all(self.data_planes.values())
+        stop_all(self.data_planes.values(), self.stop_timeout_s)
         if self.control_plane is not None:
-            self.control_plane.stop()
+            self.control_plane.stop(self.stop_timeout_s)
         self.redis.stop()
         if self.shm_dir is not None:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
@@ -253,5 +258,6 @@ class Fleet:
             "redis_user": self.redis_users["control_plane"].name,
             "redis_password_file": str(self.redis_users["control_plane"].password_file),
             "workdir": str(self.workdir),
+            "shm_dir": str(self.shm_dir or ""),
             "metrics": self.metrics(),
         }

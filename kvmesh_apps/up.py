@@ -42,6 +42,7 @@ DEFAULT_BLOCK_TOKENS = 32
 DEFAULT_CAPACITY = "256MiB"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPTED = 130
+SERVICE_STOP_S = 0.8  # each service's bound after SIGTERM (a started one needs ~0.1-0.3 s), then SIGKILL
 
 ENGINE_HINT = (
     "vllm serve {model}{dtype} --block-size {block_tokens} --kv-transfer-config "
@@ -182,7 +183,8 @@ def main(argv: list[str]) -> int:
         lock = WorkdirLock(workdir)
         key = admin_key(workdir, os.environ.get("KVMESH_ADMIN_KEY"))
         fleet = Fleet(workdir, args.data_planes, key, block_bytes=slots.block_bytes, block_tokens=slots.block_tokens,
-                      capacity=str(slots.capacity_bytes), tether=Tether(hold_fds=(lock.fd,)))
+                      capacity=str(slots.capacity_bytes), tether=Tether(hold_fds=(lock.fd,)),
+                      stop_timeout_s=SERVICE_STOP_S)
         fleet.start()
         started = True
         info = {**fleet.addresses(), "capacity_bytes": slots.capacity_bytes}
