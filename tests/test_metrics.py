@@ -1,10 +1,15 @@
-"""Every service serves Prometheus metrics: RPCs, lookups by tier, bytes, pulls, evictions, routes."""
+"""Every service serves Prometheus metrics: RPCs, lookups by tier, bytes, pulls, evictions, routes, tier usage.
+``metrics_listen`` port 0 means any free port (as for ``listen``), empty or ``off`` no endpoint; a port that is
+taken stops the start with one line before anything else is taken."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import urllib.request
+
+import pytest
 
 from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
@@ -18,6 +23,9 @@ from control_plane.server import serve as serve_cp
 from data_plane.client import DataPlaneClient
 from data_plane.config import DataPlaneConfig
 from data_plane.server import serve as serve_dp
+from kvmesh.errors import Unavailable
+from kvmesh.metrics import MetricsEndpoint
+from prometheus_client import CollectorRegistry
 
 
 async def scrape(port: int) -> dict[str, float]:
@@ -27,10 +35,11 @@ async def scrape(port: int) -> dict[str, float]:
 
 
 async def test_control_plane_metrics(redis_server, key_prefix, admin_key):
-    port = free_port()
     running = await serve_cp(ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis_server.url,
                                                 key_prefix=key_prefix, admin_key=admin_key,
-                                                metrics_listen=f"127.0.0.1:{port}"))
+                                                metrics_listen="127.0.0.1:0"))  # any free port
+    port = running.metrics.port
+    assert port and running.metrics.url == f"http://127.0.0.1:{port}/metrics"
     try:
         await running.core.tenants.create_tenant("acme", "", TenantPolicy())
         ns = common_pb2.Namespace(tenant="acme", model="m", cache_config=common_pb2.CacheConfig(block_size=32))
@@ -68,5 +77,46 @@ async def test_data_plane_metrics(tmp_path):
         assert m['kvmesh_dp_blocks_total{caller="local",result="miss"}'] == 1
         assert m['kvmesh_dp_evictions_total{tier="cpu"}'] == 1
         assert m["kvmesh_dp_evictions_before_reuse_total"] == 1
+        assert m['kvmesh_dp_tier_used_bytes{node="m1",tier="cpu"}'] == 2 * 4096  # both slots hold a block
+        assert m['kvmesh_dp_tier_capacity_bytes{node="m1",tier="cpu"}'] == 2 * 4096
+    finally:
+        await running.stop()
+
+
+@pytest.mark.parametrize("setting", ["", "off", "OFF"])
+def test_metrics_off(setting):
+    endpoint = MetricsEndpoint(CollectorRegistry(), setting)
+    assert endpoint.port == 0 and endpoint.url == ""
+
+
+def test_metrics_port_0_is_any_free_port_as_for_listen():
+    first, second = MetricsEndpoint(CollectorRegistry(), "127.0.0.1:0"), MetricsEndpoint(CollectorRegistry(),
+                                                                                        "127.0.0.1:0")
+    try:
+        assert first.port and second.port and first.port != second.port
+        assert urllib.request.urlopen(first.url).status == 200
+    finally:
+        first.stop()
+        second.stop()
+
+
+async def test_a_taken_metrics_port_stops_the_data_plane_in_one_line_before_it_takes_anything(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    key = api_keys.new_key()[1]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        config = DataPlaneConfig(node_id="m2", shm_dir=shm, block_bytes=4096, capacity_bytes=2 * 4096,
+                                 lock_memory=False, api_key=key, metrics_listen=f"127.0.0.1:{taken}")
+        with pytest.raises(Unavailable) as refused:
+            await serve_dp(config)
+        assert str(refused.value) == (f"cannot serve metrics on 127.0.0.1:{taken} (Address already in use): give "
+                                      "metrics_listen another port, port 0 for any free one, or off")
+        assert list(shm.iterdir()) == []  # no tier file: the start stopped before the region was made
+    running = await serve_dp(config)  # positive control: the same settings start once the port is free
+    try:
+        assert running.metrics.port == taken and list(shm.iterdir())
     finally:
         await running.stop()
