@@ -21,6 +21,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from kvmesh import tracing
 from kvmesh.errors import Unavailable
 from kvmesh.grpc_server import RunningServer, ServiceBinding, check_can_bind, server_tls, start_server, \
     wait_for_signal
@@ -174,7 +175,9 @@ async def _run(config: DataPlaneConfig) -> None:
 def main(argv: list[str]) -> int:
     code = service_main(DataPlaneConfig, argv, "kvmesh data-plane", _run, check=DataPlaneConfig.node_key)
     # Stopped in order (sends drained, events flushed, region unlinked): what is left is the interpreter's
-    # teardown, ~0.9 s of it torch's (imported by NIXL), which would hold up every stop of a fleet. Skip it.
+    # teardown, ~0.9 s of it torch's (imported by NIXL), which would hold up every stop of a fleet. Flush what
+    # its exit handlers would (spans, logs) and skip it.
+    tracing.shutdown()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
