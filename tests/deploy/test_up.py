@@ -25,6 +25,8 @@ from kvmesh.channels import channel
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 from kvmesh_apps import up
+from kvmesh_apps.redis_server import write_secret
+from tenancy import api_keys
 
 
 def serving(address: str) -> bool:
@@ -221,6 +223,16 @@ def test_without_workdir_the_state_lives_in_the_user_state_dir_not_in_tmp(tmp_pa
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
     assert list(tmp.iterdir()) == []  # no secret, nothing at all, left in the temp dir
+
+
+def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path) -> None:
+    """Tenant Redis passwords derive from the admin key a work directory was first started with."""
+    first = api_keys.new_key()[1]
+    write_secret(tmp_path / "secrets" / "admin.key", first)
+    other = subprocess.run([*UP, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "KVMESH_ADMIN_KEY": api_keys.new_key()[1]})
+    assert other.returncode == 2 and other.stderr.count("\n") == 1 and "KVMESH_ADMIN_KEY differs" in other.stderr
+    assert (tmp_path / "secrets" / "admin.key").read_text() == first and not (tmp_path / "redis").exists()
 
 
 # ---- slot size: derived from --model, explicit, or refused before anything starts ----
