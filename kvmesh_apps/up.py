@@ -42,7 +42,7 @@ DEFAULT_BLOCK_TOKENS = 32
 DEFAULT_CAPACITY = "256MiB"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPTED = 130
-SERVICE_STOP_S = 0.5  # each service's bound after SIGTERM (a started one needs 0.1-0.5 s on a loaded host), then SIGKILL
+SERVICE_STOP_S = 0.5  # each service's bound after SIGTERM, then SIGKILL (a started one needs 0.1-0.5 s when loaded)
 
 ENGINE_HINT = (
     "vllm serve {model}{dtype} --block-size {block_tokens} --kv-transfer-config "
