@@ -132,8 +132,8 @@ class MetricsEndpoint:
             self._server = make_server(host, port, make_wsgi_app(registry), _server_class(host),
                                        handler_class=_QuietHandler)
         except OSError as exc:
-            raise Unavailable(f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}): give metrics_listen "
-                              "another port, port 0 for any free one, or off") from None
+            raise Unavailable(f"cannot listen on {host}:{port} for metrics: {exc.strerror or exc}; give "
+                              "metrics_listen another port, port 0 for any free one, or off") from None
         self.host, self.port = host, self._server.server_port
         threading.Thread(target=self._server.serve_forever, args=(STOP_POLL_S,), daemon=True,
                          name="metrics-http").start()

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from kvmesh.errors import KvmeshError
 from kvmesh_apps.fleet import DEFAULT_BLOCK_BYTES, Fleet
 from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
 from kvmesh_apps.cli_args import Parser, fail
@@ -197,14 +196,12 @@ def main(argv: list[str]) -> int:
         while True:
             signal.pause()
     except _Stopped as stopped:
-        outcome = (0, "") if started else (INTERRUPTED, f"kvmesh up: {stopped} during start: stopped what had "
-                                                        "started; nothing is left running")
-    except KvmeshError as exc:
-        outcome = (fail("kvmesh up", exc), "")
-    finally:
+        if started:
+            return 0
+        interrupted = f"kvmesh up: {stopped} during start: stopped what had started; nothing is left running"
+    finally:  # then any other error is reported in one line by the kvmesh command (kvmesh.command_line)
         _ignore_stop_signals()
         if fleet is not None:
             fleet.stop()
-    if outcome[1]:
-        print(outcome[1], file=sys.stderr, flush=True)
-    return outcome[0]
+    print(interrupted, file=sys.stderr, flush=True)
+    return INTERRUPTED

@@ -42,7 +42,7 @@ class WorkdirLock:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
             raise FailedPrecondition(f"{workdir} is in use by another kvmesh up (pid {holder}, or its services "
-                                     "still stopping): stop that one, or give another --workdir") from None
+                                     "still stopping); stop that one, or give another --workdir") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -54,6 +54,6 @@ def admin_key(workdir: Path, from_env: str | None) -> str:
     path = workdir / "secrets" / "admin.key"
     key = kept_secret(path, lambda: from_env or new_key()[1])
     if from_env and from_env != key:
-        raise FailedPrecondition(f"KVMESH_ADMIN_KEY differs from the admin key {workdir} was started with ({path}; "
-                                 "tenant Redis passwords derive from it): unset it, or give another --workdir")
+        raise FailedPrecondition(f"KVMESH_ADMIN_KEY differs from the admin key {workdir} was started with ({path}: "
+                                 "tenant Redis passwords derive from it); unset it, or give another --workdir")
     return key

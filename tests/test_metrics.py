@@ -112,8 +112,8 @@ async def test_a_taken_metrics_port_stops_the_data_plane_in_one_line_before_it_t
                                  lock_memory=False, api_key=key, metrics_listen=f"127.0.0.1:{taken}")
         with pytest.raises(Unavailable) as refused:
             await serve_dp(config)
-        assert str(refused.value) == (f"cannot serve metrics on 127.0.0.1:{taken} (Address already in use): give "
-                                      "metrics_listen another port, port 0 for any free one, or off")
+        assert str(refused.value) == (f"cannot listen on 127.0.0.1:{taken} for metrics: Address already in use; "
+                                      "give metrics_listen another port, port 0 for any free one, or off")
         assert list(shm.iterdir()) == []  # no tier file: the start stopped before the region was made
     running = await serve_dp(config)  # positive control: the same settings start once the port is free
     try:

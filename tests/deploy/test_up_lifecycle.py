@@ -157,5 +157,5 @@ def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path) -> None
     write_secret(tmp_path / "secrets" / "admin.key", first)
     other = subprocess.run([*UP, *ONE, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "KVMESH_ADMIN_KEY": api_keys.new_key()[1]})
-    assert other.returncode == 2 and other.stderr.count("\n") == 1 and "KVMESH_ADMIN_KEY differs" in other.stderr
+    assert other.returncode == 1 and other.stderr.count("\n") == 1 and "KVMESH_ADMIN_KEY differs" in other.stderr
     assert (tmp_path / "secrets" / "admin.key").read_text() == first and not (tmp_path / "redis").exists()
