@@ -13,14 +13,32 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from kvmesh.channels import channel
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 from kvmesh_apps.redis_server import write_secret
 from tenancy import api_keys
-from tests.deploy.up_fleet import UP, admin_channel, children, client_tls, healthy, start_up, wait_gone
+from tests.deploy.up_fleet import UP, admin_channel, children, client_tls, healthy, start_up, stop_all_ups, wait_gone
 
 ONE = ("--data-planes", "1")
+
+
+@pytest.fixture
+def ups():
+    """Every `kvmesh up` a test starts, stopped at the end whatever the test's outcome."""
+    started: list[subprocess.Popen] = []
+    yield started
+    stop_all_ups(started)
+
+
+def _run_up(ups: list, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A `kvmesh up` expected to end by itself, run to its end (stopped by the ``ups`` fixture if it does not)."""
+    proc = subprocess.Popen([*UP, *ONE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ups.append(proc)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _all_healthy(info: dict) -> bool:
@@ -48,10 +66,10 @@ async def _tenant_works(info: dict, scheduler_key: str) -> None:
         assert reply is not None
 
 
-def test_restarts_in_its_workdir_after_every_way_of_stopping(tmp_path) -> None:
+def test_restarts_in_its_workdir_after_every_way_of_stopping(tmp_path, ups) -> None:
     """SIGINT, SIGTERM, SIGHUP, SIGKILL in turn on one work directory: each time every child ends (by pid), the
     /dev/shm directory is gone, and the next start serves the tenant and scheduler key made on the first."""
-    proc, info = start_up(tmp_path, *ONE)
+    proc, info = start_up(tmp_path, *ONE, started=ups)
     scheduler_key = asyncio.run(_create_tenant_and_key(info))
     node_key = Path(info["node_key_files"]["dp1"]).read_text()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL):
@@ -62,7 +80,7 @@ def test_restarts_in_its_workdir_after_every_way_of_stopping(tmp_path) -> None:
         assert proc.wait(10) == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
         wait_gone(kids, 10)
         assert not Path(info["shm_dir"]).exists(), sig
-        proc, info = start_up(tmp_path, *ONE)
+        proc, info = start_up(tmp_path, *ONE, started=ups)
         assert _all_healthy(info) and set(info["metrics"]) == {"control_plane", "dp1"}
         asyncio.run(_tenant_works(info, scheduler_key))
         assert Path(info["node_key_files"]["dp1"]).read_text() == node_key  # still valid: kept
@@ -72,8 +90,8 @@ def test_restarts_in_its_workdir_after_every_way_of_stopping(tmp_path) -> None:
     wait_gone(kids, 10)
 
 
-def test_sigterm_stops_everything_within_2s(tmp_path) -> None:
-    proc, info = start_up(tmp_path, "--data-planes", "2")
+def test_sigterm_stops_everything_within_2s(tmp_path, ups) -> None:
+    proc, info = start_up(tmp_path, "--data-planes", "2", started=ups)
     kids = children(proc.pid)
     assert len(kids) == 5
     start = time.monotonic()
@@ -84,13 +102,13 @@ def test_sigterm_stops_everything_within_2s(tmp_path) -> None:
     assert elapsed < 2.0, f"stopping took {elapsed:.2f}s"
 
 
-def test_a_second_up_on_a_workdir_in_use_is_refused_in_one_line(tmp_path) -> None:
-    proc, info = start_up(tmp_path, *ONE)
+def test_a_second_up_on_a_workdir_in_use_is_refused_in_one_line(tmp_path, ups) -> None:
+    proc, info = start_up(tmp_path, *ONE, started=ups)
     try:
         secrets = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "secrets").iterdir()}
         acl = tmp_path / "redis" / "users.acl"
         acl_before = (acl.read_bytes(), acl.stat().st_mtime_ns)
-        second = subprocess.run([*UP, *ONE, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+        second = _run_up(ups, "--workdir", str(tmp_path))
         lines = second.stderr.strip().splitlines()
         assert second.returncode != 0 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
         assert "in use by another kvmesh up" in lines[0] and str(tmp_path) in lines[0], lines[0]
@@ -108,16 +126,17 @@ def test_a_second_up_on_a_workdir_in_use_is_refused_in_one_line(tmp_path) -> Non
         # positive control: once it has stopped, the same command starts
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
-        proc, info = start_up(tmp_path, *ONE)
+        proc, info = start_up(tmp_path, *ONE, started=ups)
         assert asyncio.run(healthy(info, info["control_plane"]))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
 
 
-def test_ctrl_c_during_start_prints_one_line_and_leaves_nothing(tmp_path) -> None:
+def test_ctrl_c_during_start_prints_one_line_and_leaves_nothing(tmp_path, ups) -> None:
     proc = subprocess.Popen([*UP, *ONE, "--workdir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+    ups.append(proc)
     seen: dict[int, str] = {}
     deadline = time.monotonic() + 60
     while not (tmp_path / "control-plane.log").exists() and time.monotonic() < deadline:  # mid-start
@@ -134,15 +153,15 @@ def test_ctrl_c_during_start_prints_one_line_and_leaves_nothing(tmp_path) -> Non
     assert err.strip() == "kvmesh up: SIGINT during start: stopped what had started; nothing is left running"
     wait_gone(set(seen), 10)
     assert not shm_dir.exists()
-    proc, info = start_up(tmp_path, *ONE)  # and it starts afterwards
+    proc, info = start_up(tmp_path, *ONE, started=ups)  # and it starts afterwards
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
 
 
-def test_without_workdir_the_state_lives_in_the_user_state_dir_not_in_tmp(tmp_path) -> None:
+def test_without_workdir_the_state_lives_in_the_user_state_dir_not_in_tmp(tmp_path, ups) -> None:
     state, tmp = tmp_path / "state", tmp_path / "tmp"
     tmp.mkdir()
-    proc, info = start_up(None, *ONE, env={"XDG_STATE_HOME": str(state), "TMPDIR": str(tmp)})
+    proc, info = start_up(None, *ONE, env={"XDG_STATE_HOME": str(state), "TMPDIR": str(tmp)}, started=ups)
     assert Path(info["workdir"]) == state / "kvmesh" / "up"
     assert (state / "kvmesh" / "up" / "secrets" / "admin.key").exists()
     assert oct((state / "kvmesh" / "up").stat().st_mode & 0o777) == "0o700"
@@ -151,11 +170,10 @@ def test_without_workdir_the_state_lives_in_the_user_state_dir_not_in_tmp(tmp_pa
     assert list(tmp.iterdir()) == []  # no secret, nothing at all, left in the temp dir
 
 
-def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path) -> None:
+def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path, ups) -> None:
     """Tenant Redis passwords derive from the admin key a work directory was first started with."""
     first = api_keys.new_key()[1]
     write_secret(tmp_path / "secrets" / "admin.key", first)
-    other = subprocess.run([*UP, *ONE, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "KVMESH_ADMIN_KEY": api_keys.new_key()[1]})
+    other = _run_up(ups, "--workdir", str(tmp_path), env={**os.environ, "KVMESH_ADMIN_KEY": api_keys.new_key()[1]})
     assert other.returncode == 1 and other.stderr.count("\n") == 1 and "KVMESH_ADMIN_KEY differs" in other.stderr
     assert (tmp_path / "secrets" / "admin.key").read_text() == first and not (tmp_path / "redis").exists()

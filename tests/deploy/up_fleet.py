@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,16 +19,32 @@ from kvmesh.channels import ClientTLS, channel
 UP = [sys.executable, "-m", "kvmesh_apps.cli", "up", "--json"]
 
 
-def start_up(workdir: Path | None, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
-    """``kvmesh up --json ARGS [--workdir DIR]`` once it has printed its line: (process, that line)."""
+def start_up(workdir: Path | None, *args: str, env: dict | None = None,
+             started: list[subprocess.Popen] | None = None) -> tuple[subprocess.Popen, dict]:
+    """``kvmesh up --json ARGS [--workdir DIR]`` once it has printed its line: (process, that line). The process is
+    appended to ``started`` (see :func:`stop_all_ups`)."""
     cmd = [*UP, *args] + (["--workdir", str(workdir)] if workdir else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
+    if started is not None:
+        started.append(proc)
     line = proc.stdout.readline()
     if not line:
         proc.kill()
         raise AssertionError(f"kvmesh up did not start: {proc.stderr.read()}")
     return proc, json.loads(line)
+
+
+def stop_all_ups(started: list[subprocess.Popen]) -> None:
+    """Whatever a failed test left running: SIGTERM (up stops its fleet), SIGKILL after 10 s (its tether)."""
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def children(pid: int) -> set[int]:
