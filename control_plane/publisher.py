@@ -8,6 +8,8 @@ batch until it is acked.
 Failure policy
 - Control plane unreachable: retry every ``retry_s``; unacked batches are resent
   with their original seq (the server treats replays as duplicates).
+- Key refused (UNAUTHENTICATED, PERMISSION_DENIED): retried like an outage, unless
+  ``stop_on_refusal``: then the publisher stops and ``refusal`` holds the error.
 - Sequence gap (RESYNC_REQUIRED), stale incarnation, expired lease, unknown
   node: register a new incarnation (which fences everything the old one
   published) and stream the node's full ``snapshot()``; queued events older
@@ -43,6 +45,7 @@ __all__ = ["EventPublisher", "NodeInfo"]
 
 Snapshot = Callable[[], Iterable[tuple[Namespace, int, list[bytes]]]]
 _RESYNC_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+_REFUSAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class _Kind(enum.Enum):
@@ -66,8 +69,11 @@ class _Resync(Exception):
 class EventPublisher:
     def __init__(self, control_plane_address: str, node: NodeInfo, snapshot: Snapshot, *,
                  max_batch_blocks: int = 4096, retry_s: float = 0.5,
-                 metadata: tuple[tuple[str, str], ...] = (), tls: ClientTLS | None = None) -> None:
+                 metadata: tuple[tuple[str, str], ...] = (), tls: ClientTLS | None = None,
+                 stop_on_refusal: bool = False) -> None:
         self._address = control_plane_address
+        self._stop_on_refusal = stop_on_refusal
+        self.refusal: grpc.aio.AioRpcError | None = None  # why it stopped (``stop_on_refusal``)
         self._tls = tls
         self._node = node.validate()
         self._snapshot = snapshot
@@ -122,10 +128,12 @@ class EventPublisher:
                        asyncio.create_task(self._heartbeats(), name="kvmesh-heartbeat")]
 
     async def flush(self, timeout: float) -> bool:
-        """Waits until every change enqueued so far is acked; False on timeout."""
+        """Waits until every change enqueued so far is acked; False on timeout (or once stopped by a refusal)."""
         assert self._idle is not None and self._wake is not None, "start() first"
         deadline = asyncio.get_running_loop().time() + timeout
         while self._queue or self._unacked or self._need_register:
+            if self.refusal is not None:
+                return False
             self._idle.clear()
             self._wake.set()
             remaining = deadline - asyncio.get_running_loop().time()
@@ -192,6 +200,9 @@ class EventPublisher:
                 if exc.code() in _RESYNC_CODES:
                     log.info("control plane asks for a resync: %s", exc.details())
                     self._need_register = True
+                elif self._stop_on_refusal and exc.code() in _REFUSAL_CODES:
+                    self.refusal = exc
+                    return
                 else:
                     log.warning("control plane unreachable (%s); retrying in %.1fs", exc.code().name, self._retry_s)
                     await asyncio.sleep(self._retry_s)

@@ -1,15 +1,20 @@
 """A small client for custom schedulers: ask the control plane where a request should run.
 
-Example::
+Example (docs/scheduling.md's quick start runs it end to end)::
 
     from control_plane.scheduler_client import Candidate, SchedulerClient
 
+    namespace = SchedulerClient.namespace_for("/models/m", tenant="acme", block_size=32, kv_dtype="bfloat16")
     async with SchedulerClient("cp:50051", namespace, api_key=key) as client:
         decision = await client.route(
             [Candidate("engine-a", "node-a", waiting_requests=2, running_tokens=9000),
              Candidate("engine-b", "node-b")],
             token_ids=prompt_ids)
         send_to(decision.engine_id, kv_transfer_params=decision.kv_transfer_params())
+
+The namespace must be exactly the engines' (any field off and every lookup finds nothing):
+``namespace_for`` applies the rule the engine connector and ``kvmesh vllm-events`` apply
+(``kvmesh.namespace.engine_namespace``) to the settings the engines were started with.
 
 ``decision.kv_transfer_params()`` is ``{"remote_kv_source": {...}}`` when the
 control plane named a peer to pull the prefix from, else ``{}``. Errors are
@@ -33,8 +38,9 @@ import grpc
 from kvmesh.channels import ClientTLS
 from kvmesh.grpc_server import channel_options
 from kvmesh.hashing import Extras
-from kvmesh.namespace import Namespace
-from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
+from kvmesh.hashing import HashAlgo
+from kvmesh.namespace import VLLM_DEFAULT_HASH_ALGO, Namespace, engine_namespace
+from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
 from control_plane import wire as cp_wire
 from control_plane.model import Medium, PrefixMatch
@@ -48,10 +54,16 @@ __all__ = ["Candidate", "EngineSample", "LinkSample", "Medium", "Policy", "Prefi
 
 
 class SchedulerClient:
-    def __init__(self, address: str, namespace: Namespace, *, api_key: str | None = None,
+    def __init__(self, address: str, namespace: Namespace | common_pb2.Namespace, *, api_key: str | None = None,
                  timeout_s: float = 5.0, tls: ClientTLS | None = None) -> None:
-        """``tls``: the control plane's CA (and this client's certificate when it requires mutual TLS); None:
-        plaintext."""
+        """``namespace``: the engines' (:meth:`namespace_for`), or the same as a ``kvmesh.v1.Namespace`` message.
+        ``api_key``: a scheduler key of the namespace's tenant (or an admin key). ``tls``: the control plane's CA
+        (and this client's certificate when it requires mutual TLS); None: plaintext."""
+        if isinstance(namespace, common_pb2.Namespace):
+            namespace = Namespace.from_proto(namespace)
+        elif not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a kvmesh.namespace.Namespace (SchedulerClient.namespace_for) or a "
+                            f"kvmesh.v1.Namespace message, not {type(namespace).__name__}")
         self.namespace = namespace.validate()
         options = channel_options()
         self._channel = (grpc.aio.insecure_channel(address, options=options) if tls is None else
@@ -60,6 +72,24 @@ class SchedulerClient:
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout = timeout_s
         self._lookups: _LookupStream | None = None
+
+    @staticmethod
+    def namespace_for(model: str, *, block_size: int, kv_dtype: str, tenant: str = "default",
+                      weight_version: str = "", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                      hash_algo: str | HashAlgo = VLLM_DEFAULT_HASH_ALGO, hash_seed: str = "") -> Namespace:
+        """The namespace the kvmesh-connected engines (and ``kvmesh vllm-events``) publish their blocks under,
+        from the settings they were started with: ``model`` the served model name (``--served-model-name``, else
+        the model exactly as given to ``vllm serve``; the connector's ``model`` key when set), ``block_size``
+        ``--block-size``, ``kv_dtype`` ``--kv-cache-dtype`` unless ``auto``, else the dtype served in (``--dtype``,
+        resolved: ``bfloat16`` for ``auto`` on CPU with a float32 or bfloat16 checkpoint), ``tenant`` and
+        ``weight_version`` the connector's keys, ``hash_algo`` ``--prefix-caching-hash-algo``, ``hash_seed`` the
+        engines' ``PYTHONHASHSEED``. An engine logs the namespace it publishes under when it starts
+        (``KvmeshConnector: blocks of namespace ...``): compare the fingerprint. ``InvalidArgument`` when a field
+        is not valid."""
+        return engine_namespace(model, block_size=block_size, kv_dtype=kv_dtype, tenant=tenant,
+                                weight_version=weight_version, tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size, hash_algo=hash_algo,
+                                hash_seed=hash_seed)
 
     async def route(self, candidates: Sequence[Candidate], *, token_ids: Sequence[int] = (),
                     block_hashes: Sequence[bytes] = (), prompt_tokens: int = 0, extras: Extras = Extras(),

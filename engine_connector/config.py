@@ -14,15 +14,13 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.channels import ClientTLS
-from kvmesh.hashing import HashAlgo
-from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh.namespace import ENGINE_KV_LAYOUT, Namespace, engine_namespace
 from tenancy import api_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# Bumped when the byte layout of a block in a data-plane slot changes (see kv_layout.py).
-KV_LAYOUT = "vllm-paged-all-layers-v1"
+KV_LAYOUT = ENGINE_KV_LAYOUT  # the byte layout of a block in a data-plane slot (kv_layout.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,17 +115,10 @@ class ConnectorConfig:
         if isinstance(model, (list, tuple)):
             model = model[0]
         dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(vllm_config.model_config.dtype)
-        return Namespace(
-            tenant=self.tenant,
-            model=str(model),
-            weight_version=self.weight_version,
-            cache_config=CacheConfig(
-                block_size=cache.block_size,
-                kv_dtype=dtype.removeprefix("torch."),
-                kv_layout=KV_LAYOUT,
-                parallel_layout=f"tp{parallel.tensor_parallel_size}-pp{parallel.pipeline_parallel_size}",
-                hash_algo=HashAlgo.parse(cache.prefix_caching_hash_algo),
-                # vLLM seeds NONE_HASH with PYTHONHASHSEED when set (kvmesh.hashing).
-                hash_seed=os.environ.get("PYTHONHASHSEED", ""),
-            ),
-        ).validate()
+        # vLLM seeds NONE_HASH with PYTHONHASHSEED when set (kvmesh.hashing).
+        return engine_namespace(str(model), block_size=cache.block_size, kv_dtype=dtype, tenant=self.tenant,
+                                weight_version=self.weight_version,
+                                tensor_parallel_size=parallel.tensor_parallel_size,
+                                pipeline_parallel_size=parallel.pipeline_parallel_size,
+                                hash_algo=cache.prefix_caching_hash_algo,
+                                hash_seed=os.environ.get("PYTHONHASHSEED", ""))

@@ -28,6 +28,7 @@ allocator must be off, which vLLM arranges for connectors without ``SupportsHMA`
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler prints it in the engine's log
+
 
 class KvmeshConnector(KVConnectorBase_V1):
     """Loads prompt prefixes from this node's tier or a peer's, and saves full blocks to the node's tier."""
@@ -70,6 +73,12 @@ class KvmeshConnector(KVConnectorBase_V1):
         tracing.configure("kvmesh-engine-connector")
         config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
         ns = config.namespace(vllm_config)
+        if role == KVConnectorRole.SCHEDULER:  # what a scheduler's lookups must name (SchedulerClient.namespace_for)
+            c = ns.cache_config
+            log.info("KvmeshConnector: blocks of namespace %s (tenant %s, model %r, weight_version %r, block_size "
+                     "%d, kv_dtype %s, parallel_layout %s, hash_algo %s, hash_seed %s)", ns.fingerprint, ns.tenant,
+                     ns.model, ns.weight_version, c.block_size, c.kv_dtype, c.parallel_layout, c.hash_algo.value,
+                     "from PYTHONHASHSEED" if c.hash_seed else "vLLM's default")
         self._link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address,
                               config.rpc_timeout_s, config.tls())
         self._scheduler: SchedulerSide | None = None

@@ -142,3 +142,28 @@ def _from_fields(tenant: str, model: str, weight_version: str, block_size: int, 
         raise InvalidArgument(f"unknown hash_algo enum value {hash_algo}")
     return Namespace(tenant, model, weight_version, CacheConfig(block_size, kv_dtype, kv_layout, parallel_layout,
                                                                 _ALGO_FROM_PB[hash_algo], hash_seed)).validate()
+
+
+# The byte layout of one block in a data-plane slot (engine_connector/kv_layout.py): every layer's rows of one
+# vLLM paged block, concatenated. Bumped when that layout changes.
+ENGINE_KV_LAYOUT = "vllm-paged-all-layers-v1"
+VLLM_DEFAULT_HASH_ALGO = "sha256"  # vLLM's --prefix-caching-hash-algo default
+
+
+def engine_namespace(model: str, *, block_size: int, kv_dtype: str, tenant: str = "default",
+                     weight_version: str = "", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                     hash_algo: str | HashAlgo = VLLM_DEFAULT_HASH_ALGO, hash_seed: str = "") -> Namespace:
+    """The namespace a vLLM engine's blocks are published under: the one rule the engine connector and
+    ``kvmesh vllm-events`` follow, and a scheduler's way to look them up (``SchedulerClient.namespace_for``).
+
+    ``model``: the engine's served model name (``--served-model-name``, else the model exactly as given to
+    ``vllm serve``), unless the connector's ``model`` key overrides it. ``block_size``: ``--block-size``.
+    ``kv_dtype``: ``--kv-cache-dtype`` if not ``auto``, else the dtype the engine serves in (``--dtype``
+    resolved, e.g. ``bfloat16``, no ``torch.`` prefix). ``hash_algo``: ``--prefix-caching-hash-algo``.
+    ``hash_seed``: the engine's ``PYTHONHASHSEED`` (empty when unset). ``tenant`` and ``weight_version``:
+    the connector's keys of the same names. InvalidArgument when a field is not valid."""
+    algo = hash_algo if isinstance(hash_algo, HashAlgo) else HashAlgo.parse(hash_algo)
+    return Namespace(tenant, str(model), weight_version, CacheConfig(
+        block_size=block_size, kv_dtype=kv_dtype.removeprefix("torch."), kv_layout=ENGINE_KV_LAYOUT,
+        parallel_layout=f"tp{tensor_parallel_size}-pp{pipeline_parallel_size}", hash_algo=algo,
+        hash_seed=hash_seed)).validate()
