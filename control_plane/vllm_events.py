@@ -6,7 +6,12 @@ vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 subscribes, translates BlockStored / BlockRemoved / AllBlocksCleared into
 kvmesh events for one node and namespace, and publishes them through an
 :class:`~control_plane.publisher.EventPublisher`, so an unmodified vLLM
-populates the global block map.
+populates the global block map. The command authenticates with a node key
+(``--api-key-file``, bound to ``--node-id``) and publishes under the namespace
+the engine connector would use for the same ``vllm serve`` flags
+(:func:`kvmesh.namespace.engine_namespace`), where a scheduler finds them with
+``SchedulerClient.namespace_for``. A refused key, a control plane that does not
+answer at start, an unreadable file or a bad flag end it with one line, exit 2.
 
 Limits, by design: vLLM must publish byte hashes (the default; with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` hashes are truncated to 64 bits and
