@@ -26,25 +26,16 @@ from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.redis_server import free_port
 
 from control_plane.scheduler_client import SchedulerClient
-from tests.engine_connector.serve import ROOT, metrics, process_env, stop_group, tail
+from tests.doc_blocks import doc_block
+from tests.engine_connector.serve import metrics, process_env, stop_group, tail
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(1500)]
 
 
-def section(doc: str, heading: str) -> str:
-    text = (ROOT / "docs" / doc).read_text()
-    start = text.index(heading)
-    end = text.find("\n## ", start + len(heading))
-    return text[start:end if end >= 0 else None]
-
-
-def blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
-
-
-WALKTHROUGH = blocks(section("engine_connector.md", "## Walkthrough"), "bash")
-QUICK_START = section("scheduling.md", "## Quick start")
-API_EXAMPLE = blocks(section("api.md", "## ControlPlane"), "python")
+WALKTHROUGH = [doc_block(block) for block in ("walkthrough-fleet", "walkthrough-engines",
+                                               "walkthrough-remote-kv-source", "walkthrough-auto-source",
+                                               "walkthrough-metrics")]
+STOP = doc_block("walkthrough-stop")
 
 
 @dataclass
@@ -71,12 +62,10 @@ class Walk:
 
 @pytest.fixture(scope="module")
 def walk(tmp_path_factory) -> Walk:
-    assert len(WALKTHROUGH) >= 3, "docs/engine_connector.md's walkthrough has lost its blocks"
-    *steps, stop = WALKTHROUGH
     work = tmp_path_factory.mktemp("walkthrough")
     port1, port2 = free_port(), free_port()
     env = process_env(work, DIR=str(work), PORT1=str(port1), PORT2=str(port2))
-    proc = subprocess.Popen(["bash", "-c", "set -euo pipefail\n" + "\n".join(steps)], cwd=work, env=env,
+    proc = subprocess.Popen(["bash", "-c", "set -euo pipefail\n" + "\n".join(WALKTHROUGH)], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         try:
@@ -87,7 +76,7 @@ def walk(tmp_path_factory) -> Walk:
         logs = "\n".join(f"--- {name}\n{tail(work / name)}" for name in ("up.txt", "engine1.log", "engine2.log"))
         assert proc.returncode == 0, f"the walkthrough failed ({proc.returncode}):\n{output}\n{logs}"
         yield Walk(work, env, output, f"http://127.0.0.1:{port1}", f"http://127.0.0.1:{port2}")
-        subprocess.run(["bash", "-c", stop], cwd=work, env=env, timeout=60)  # the walkthrough's own last step
+        subprocess.run(["bash", "-c", STOP], cwd=work, env=env, timeout=60)  # the walkthrough's own last step
     finally:
         stop_group(proc)
 
@@ -124,10 +113,8 @@ def test_pulls_show_in_the_engines_metrics(walk):
 
 
 def test_scheduler_quick_start_routes_a_pull(walk):
-    (script,) = blocks(QUICK_START, "bash")
-    (program,) = blocks(QUICK_START, "python")
-    (walk.dir / "route_and_pull.py").write_text(program)
-    out = walk.bash(script)
+    (walk.dir / "route_and_pull.py").write_text(doc_block("scheduler-route-and-pull"))
+    out = walk.bash(doc_block("scheduler-quick-start"))
     assert re.search(r"^holders \{'dp1': 32\}$", out, re.M), out
     assert re.search(r"^route engine-2 PULL \{'remote_kv_source'", out, re.M), out
     assert re.search(r"^engine engine-2 pulled from dp1 (\d+) tokens$", out, re.M), out
@@ -149,7 +136,6 @@ def test_scheduler_quick_start_routes_a_pull(walk):
         assert asyncio.run(holders(wrong)) == {}
 
     # docs/api.md's example with the generated stub, the same key and namespace rule.
-    (lookup,) = [b for b in API_EXAMPLE if "LookupPrefix" in b]
-    (walk.dir / "lookup.py").write_text(lookup)
+    (walk.dir / "lookup.py").write_text(doc_block("api-lookup-prefix"))
     out = walk.bash(f"python lookup.py {cp} scheduler.key {model}", timeout=60)
     assert {line.split()[0]: int(line.split()[2]) for line in out.splitlines()} == {"dp1": 32}, out
