@@ -46,6 +46,7 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path, tiny_model, admin
         cp = fleet.control_plane.address
         env = process_env(tmp_path)
         admin = ["admin", "--control-plane", cp, "--key-file", str(fleet.admin_key_file)]
+        kvmesh(*admin, "tenants", "create", "acme", env=env)  # a fleet without data planes creates none
         kvmesh(*admin, "keys", "issue", "--role", "node", "--node", "stock-1", "--secret-out",
                str(tmp_path / "stock-1.key"), env=env)
         kvmesh(*admin, "keys", "issue", "--role", "scheduler", "--tenant", "acme", "--secret-out",
