@@ -39,7 +39,8 @@ async def holders(control_plane: str, key: str, ns) -> dict[str, int]:
         return {h.node_id: h.leading_blocks for h in (await client.lookup_prefix(token_ids=PROMPT)).holders}
 
 
-def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path, tiny_model, admin_key):
+def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_model, admin_key):
+    tmp_path = tmp_path_factory.mktemp("stock")  # short: vLLM's IPC socket paths must fit in 107 bytes
     fleet = Fleet(tmp_path / "fleet", 0, admin_key, tenant="acme").start()
     procs: list[subprocess.Popen] = []
     try:
