@@ -115,6 +115,7 @@ def test_pulls_show_in_the_engines_metrics(walk):
 def test_scheduler_quick_start_routes_a_pull(walk):
     (walk.dir / "route_and_pull.py").write_text(doc_block("scheduler-route-and-pull"))
     out = walk.bash(doc_block("scheduler-quick-start"))
+    (walk.dir / "quick-start.out").write_text(out)
     assert re.search(r"^holders \{'dp1': 32\}$", out, re.M), out
     assert re.search(r"^route engine-2 PULL \{'remote_kv_source'", out, re.M), out
     assert re.search(r"^engine engine-2 pulled from dp1 (\d+) tokens$", out, re.M), out
