@@ -164,7 +164,9 @@ class _Failure(Exception):
 
 
 def _parser() -> _Parser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = _Parser(prog=PROG, description="Feeds a stock vLLM's KV events (vllm serve --kv-events-config) into the "
+                "control plane's block map, as node --node-id, under the namespace the kvmesh connector would use "
+                "for the same vllm serve flags.")
     p.add_argument("--zmq", required=True, help="vLLM's KV event endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--topic", default="", help="vLLM's kv-events topic (default: every topic)")
     p.add_argument("--control-plane", required=True, help="host:port of the control plane")
