@@ -34,9 +34,15 @@ def kvmesh(*args: str, env) -> str:
     return done.stdout
 
 
-async def holders(control_plane: str, key: str, ns) -> dict[str, int]:
+async def holders(control_plane: str, key: str, ns, until: dict[str, int] | None = None) -> dict[str, int]:
+    """Who holds PROMPT under ``ns`` (polled for up to 30 s until the answer is ``until``, when given)."""
+    deadline = time.monotonic() + 30
     async with SchedulerClient(control_plane, ns, api_key=key) as client:
-        return {h.node_id: h.leading_blocks for h in (await client.lookup_prefix(token_ids=PROMPT)).holders}
+        while True:
+            found = {h.node_id: h.leading_blocks for h in (await client.lookup_prefix(token_ids=PROMPT)).holders}
+            if until is None or found == until or time.monotonic() > deadline:
+                return found
+            await asyncio.sleep(0.5)
 
 
 def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_model, admin_key):
@@ -52,7 +58,8 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
                str(tmp_path / "stock-1.key"), env=env)
         kvmesh(*admin, "keys", "issue", "--role", "scheduler", "--tenant", "acme", "--secret-out",
                str(tmp_path / "scheduler.key"), env=env)
-        zmq, port = f"tcp://127.0.0.1:{free_port()}", free_port()
+        zmq_port, port = free_port(), free_port()
+        zmq = f"tcp://127.0.0.1:{zmq_port}"  # vLLM binds tcp://*:PORT (a host in its endpoint: it connects)
         events_log, engine_log = tmp_path / "vllm-events.log", tmp_path / "engine.log"
         with events_log.open("w") as out:
             procs.append(subprocess.Popen(
@@ -66,7 +73,7 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
                 [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
                  "--block-size", "32", "--dtype", "bfloat16", "--port", str(port), "--enforce-eager",
                  "--skip-tokenizer-init", "--kv-events-config",
-                 f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "{zmq}"}}'],
+                 f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{zmq_port}"}}'],
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs[1], engine_log)
@@ -75,10 +82,7 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
 
         key = (tmp_path / "scheduler.key").read_text().strip()
         ns = SchedulerClient.namespace_for(str(tiny_model), tenant="acme", block_size=32, kv_dtype="bfloat16")
-        deadline, found = time.monotonic() + 30, {}
-        while found.get("stock-1", 0) < 10 and time.monotonic() < deadline:
-            found = asyncio.run(holders(cp, key, ns))
-            time.sleep(0.5)
+        found = asyncio.run(holders(cp, key, ns, until={"stock-1": 10}))
         assert found == {"stock-1": 10}, f"{found}\n{tail(events_log)}"
 
         for wrong in (SchedulerClient.namespace_for(str(tiny_model), tenant="acme", block_size=32,
