@@ -24,21 +24,20 @@ resync after a control-plane fence starts empty for the same reason.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
+import grpc
 import msgspec
 import zmq
 import zmq.asyncio
 
 from kvmesh.channels import ClientTLS
-from kvmesh.errors import InvalidArgument
+from kvmesh.command_line import Parser, UsageError, host_port, positive_int
+from kvmesh.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvmesh.hashing import HashAlgo
 from kvmesh.namespace import VLLM_DEFAULT_HASH_ALGO, Namespace, engine_namespace
 
@@ -154,22 +153,13 @@ class VllmEventAdapter:
             sock.close(linger=0)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        raise _Failure(message)
-
-
-class _Failure(Exception):
-    """A user error: printed as one line, exit status 2."""
-
-
-def _parser() -> _Parser:
-    p = _Parser(prog=PROG, description="Feeds a stock vLLM's KV events (vllm serve --kv-events-config) into the "
+def _parser() -> Parser:
+    p = Parser(prog=PROG, description="Feeds a stock vLLM's KV events (vllm serve --kv-events-config) into the "
                 "control plane's block map, as node --node-id, under the namespace the kvmesh connector would use "
                 "for the same vllm serve flags.")
     p.add_argument("--zmq", required=True, help="vLLM's KV event endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--topic", default="", help="vLLM's kv-events topic (default: every topic)")
-    p.add_argument("--control-plane", required=True, help="host:port of the control plane")
+    p.add_argument("--control-plane", type=host_port, required=True, help="host:port of the control plane")
     p.add_argument("--api-key-file", required=True, help="file holding this node's API key (role node, bound to "
                    "--node-id: kvmesh admin keys issue --role node --node NODE --secret-out FILE)")
     p.add_argument("--node-id", required=True, help="the node the engine runs on, as its key names it")
@@ -180,13 +170,13 @@ def _parser() -> _Parser:
     # The engine's namespace: the rule of kvmesh.namespace.engine_namespace, from vllm serve's own flags.
     p.add_argument("--model", required=True, help="the engine's served model name (--served-model-name, else the "
                    "model as given to vllm serve)")
-    p.add_argument("--block-size", type=int, required=True, help="vllm serve --block-size")
+    p.add_argument("--block-size", type=positive_int, required=True, help="vllm serve --block-size")
     p.add_argument("--kv-dtype", required=True, help="the engine's KV dtype: --kv-cache-dtype unless auto, else the "
                    "dtype it serves in (e.g. bfloat16)")
     p.add_argument("--tenant", default="default")
     p.add_argument("--weight-version", default="")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=positive_int, default=1)
     p.add_argument("--hash-algo", default=VLLM_DEFAULT_HASH_ALGO, choices=[a.value for a in HashAlgo],
                    help="vllm serve --prefix-caching-hash-algo (default: vLLM's, sha256)")
     p.add_argument("--hash-seed", default="", help="the engine's PYTHONHASHSEED, if set")
@@ -198,26 +188,22 @@ START_TIMEOUT_S = 10.0
 
 
 def main(argv: list[str]) -> int:
-    try:
-        return asyncio.run(_main(argv))
-    except _Failure as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+    """Bad input: ``UsageError`` / ``InvalidArgument`` (exit 2); a refused key or a control plane that does not
+    answer at start: ``Unauthenticated`` / ``PermissionDenied`` / ``Unavailable`` (exit 1); one line each
+    (kvmesh.command_line.run_command)."""
+    return asyncio.run(_main(argv))
 
 
 async def _main(argv: list[str]) -> int:
-    try:
-        args = _parser().parse_args(argv)
-        ns = engine_namespace(args.model, block_size=args.block_size, kv_dtype=args.kv_dtype, tenant=args.tenant,
-                              weight_version=args.weight_version, tensor_parallel_size=args.tensor_parallel_size,
-                              pipeline_parallel_size=args.pipeline_parallel_size, hash_algo=args.hash_algo,
-                              hash_seed=args.hash_seed)
-        node = NodeInfo(args.node_id, args.data_plane_address).validate()
-    except InvalidArgument as exc:
-        raise _Failure(exc) from None
+    args = _parser().parse_args(argv)
+    ns = engine_namespace(args.model, block_size=args.block_size, kv_dtype=args.kv_dtype, tenant=args.tenant,
+                          weight_version=args.weight_version, tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size, hash_algo=args.hash_algo,
+                          hash_seed=args.hash_seed)
+    node = NodeInfo(args.node_id, args.data_plane_address).validate()
     key = _read(args.api_key_file, "--api-key-file").decode(errors="replace").strip()
     if not key:
-        raise _Failure(f"--api-key-file {args.api_key_file} is empty: write the node's API key into it")
+        raise UsageError(f"--api-key-file {args.api_key_file} is empty; write the node's API key into it")
     tls = None
     if args.tls_ca_file:
         tls = ClientTLS(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
@@ -234,10 +220,10 @@ async def _main(argv: list[str]) -> int:
     try:
         registered = await publisher.flush(START_TIMEOUT_S)
         if publisher.refusal is not None:
-            raise _Failure(_refused(args, publisher.refusal))
+            raise _refused(args, publisher.refusal)
         if not registered:
-            raise _Failure(f"the control plane at {args.control_plane} did not answer within {START_TIMEOUT_S:.0f} s: "
-                           "check --control-plane (and --tls-* for a TLS control plane)")
+            raise Unavailable(f"the control plane at {args.control_plane} did not answer within "
+                              f"{START_TIMEOUT_S:.0f} s; check --control-plane (and --tls-* for a TLS control plane)")
         logging.disable(logging.NOTSET)
         log.info("feeding %s into the control plane at %s as node %s, namespace %s", args.zmq, args.control_plane,
                  args.node_id, ns.fingerprint)
@@ -247,7 +233,7 @@ async def _main(argv: list[str]) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         while not stop.is_set():
             if publisher.refusal is not None:  # e.g. the key was revoked
-                raise _Failure(_refused(args, publisher.refusal))
+                raise _refused(args, publisher.refusal)
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
@@ -264,10 +250,11 @@ def _read(path: str, flag: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise _Failure(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot read {flag} {path}: {exc.strerror or exc}; check the path") from None
 
 
-def _refused(args: argparse.Namespace, exc) -> str:
-    return (f"the control plane refused the key in {args.api_key_file} ({exc.code().name}: {exc.details()}); give "
-            f"a node key bound to --node-id {args.node_id} (kvmesh admin keys issue --role node --node "
-            f"{args.node_id} --secret-out FILE)")
+def _refused(args, exc: grpc.aio.AioRpcError) -> Exception:
+    kind = Unauthenticated if exc.code() == grpc.StatusCode.UNAUTHENTICATED else PermissionDenied
+    return kind(f"the control plane refused the key in {args.api_key_file} ({exc.code().name}: {exc.details()}); "
+                f"give a node key bound to --node-id {args.node_id} (kvmesh admin keys issue --role node --node "
+                f"{args.node_id} --secret-out FILE)")

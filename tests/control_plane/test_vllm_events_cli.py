@@ -56,8 +56,8 @@ async def test_refused_keys_are_one_line_and_exit(control_plane, tmp_path):
                                  (await node_key(control_plane, tmp_path, "engine-2"), "engine-1",
                                   "PERMISSION_DENIED")]:  # a node key bound to another node
         rc, lines, took = await run(cli(control_plane, key_file, node))
-        assert rc == 2 and len(lines) == 1, lines
-        assert lines[0].startswith("kvmesh vllm-events: the control plane refused the key") and code in lines[0]
+        assert rc == 1 and len(lines) == 1, lines
+        assert lines[0].startswith("kvmesh vllm-events: error: the control plane refused the key") and code in lines[0]
         assert took < 15, took  # no retry loop
 
 
@@ -65,14 +65,17 @@ async def test_refused_keys_are_one_line_and_exit(control_plane, tmp_path):
     ([], "the following arguments are required: --zmq, --control-plane, --api-key-file, --node-id, "
          "--data-plane-address, --model, --block-size, --kv-dtype"),
     (["--api-key-file", "/nonexistent/key"], "cannot read --api-key-file /nonexistent/key"),
-    (["--block-size", "0"], "block_size must be in 1..4096"),
+    (["--block-size", "0"], "argument --block-size: must be a positive integer"),
+    (["--block-size", "8192"], "block_size must be in 1..4096"),
+    (["--control-plane", "127.0.0.1"], "argument --control-plane: must be host:port"),
     (["--hash-algo", "md5"], "argument --hash-algo: invalid choice"),
     (["--tls-ca-file", "/nonexistent/ca.pem"], "cannot read --tls-ca-file /nonexistent/ca.pem"),
 ])
 async def test_bad_input_is_one_line(control_plane, tmp_path, args, says):
     key = await node_key(control_plane, tmp_path, "engine-1")
     rc, lines, _ = await run(args if not args else cli(control_plane, key) + args)
-    assert rc == 2 and len(lines) == 1 and says in lines[0], lines
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("kvmesh vllm-events: error: ") and says in lines[0], \
+        lines
 
 
 async def test_unreachable_control_plane_is_one_line(tmp_path):
@@ -80,7 +83,7 @@ async def test_unreachable_control_plane_is_one_line(tmp_path):
     key.write_text("kvm_0123456789abcdef_" + "x" * 43)
     rc, lines, took = await run(["--zmq", "tcp://127.0.0.1:1", "--control-plane", "127.0.0.1:1", "--api-key-file",
                                  str(key), "--node-id", "n", "--data-plane-address", "127.0.0.1:2", *NS_FLAGS])
-    assert rc == 2 and len(lines) == 1 and "did not answer within 10 s" in lines[0], lines
+    assert rc == 1 and len(lines) == 1 and "did not answer within 10 s" in lines[0], lines
     assert took < 20
 
 
