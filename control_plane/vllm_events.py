@@ -11,7 +11,8 @@ populates the global block map. The command authenticates with a node key
 the engine connector would use for the same ``vllm serve`` flags
 (:func:`kvmesh.namespace.engine_namespace`), where a scheduler finds them with
 ``SchedulerClient.namespace_for``. A refused key, a control plane that does not
-answer at start, an unreadable file or a bad flag end it with one line, exit 2.
+answer at start, an unreadable file or a bad flag end it with one line (exit 1, or 2
+for bad input).
 
 Limits, by design: vLLM must publish byte hashes (the default; with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` hashes are truncated to 64 bits and
