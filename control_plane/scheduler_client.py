@@ -37,8 +37,7 @@ import grpc
 
 from kvmesh.channels import ClientTLS
 from kvmesh.grpc_server import channel_options
-from kvmesh.hashing import Extras
-from kvmesh.hashing import HashAlgo
+from kvmesh.hashing import Extras, HashAlgo
 from kvmesh.namespace import VLLM_DEFAULT_HASH_ALGO, Namespace, engine_namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
