@@ -14,9 +14,10 @@ the engine connector would use for the same ``vllm serve`` flags
 answer at start, an unreadable file or a bad flag end it with one line (exit 1, or 2
 for bad input).
 
-Limits, by design: vLLM must publish byte hashes (the default; with
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` hashes are truncated to 64 bits and
-can never match a lookup, so such events are refused with an error log). A gap
+Limits, by design: vLLM must publish byte hashes: start it with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM 0.32's default, 1, truncates
+hashes to 64 bits that can never match a lookup, so such events are refused
+with an error log). A gap
 in vLLM's sequence numbers means events were lost: the adapter then clears
 everything it published for the node (stale entries are worse than missing
 ones; the next stores repopulate it). vLLM cannot be asked for a snapshot, so a
@@ -110,8 +111,9 @@ class VllmEventAdapter:
 
     def _hashes(self, raw) -> list[bytes] | None:
         if not isinstance(raw, list) or not all(isinstance(h, bytes) and len(h) == self._digest for h in raw):
-            log.error("refusing events with non-byte or %s-incompatible block hashes (is "
-                      "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES set?)", self._ns.cache_config.hash_algo.value)
+            log.error("refusing events with non-byte or %s-incompatible block hashes: start vLLM with "
+                      "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (its default, 1, publishes 64-bit integers)",
+                      self._ns.cache_config.hash_algo.value)
             self.stats.refused += 1
             return None
         return list(raw)

@@ -74,7 +74,9 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
                  "--block-size", "32", "--dtype", "bfloat16", "--port", str(port), "--enforce-eager",
                  "--skip-tokenizer-init", "--kv-events-config",
                  f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{zmq_port}"}}'],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                # vLLM 0.32 publishes 64-bit integer block hashes by default: they can never match a lookup
+                env={**env, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True))
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs[1], engine_log)
         assert procs[0].poll() is None, tail(events_log)
