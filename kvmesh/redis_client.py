@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from kvmesh.errors import InvalidArgument
@@ -71,11 +72,18 @@ class Coalescer:
     that gives up (cancelled) leaves the others alone. Single servers only: a cluster pipeline routes by key
     slot.
 
+    One bound per caller: ``timeout_s`` (the socket timeout) from the moment it calls :meth:`execute`, whether
+    its command is still queued behind a pipeline that hangs (a frozen server) or on the wire; then it gets
+    :class:`redis.exceptions.TimeoutError`, as from a socket timeout. Without it a caller queued behind a stuck
+    pipeline waited for that pipeline's timeout and then its own (twice the bound). A command whose caller's
+    bound ran out before it was sent is not sent.
+
     Threading model: one event loop.
     """
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, timeout_s: float = SOCKET_TIMEOUT_S) -> None:
         self._client = client
+        self._timeout_s = timeout_s
         self._pending: list[tuple[asyncio.Future, tuple]] = []
         self._sending: asyncio.Task | None = None
 
@@ -83,6 +91,8 @@ class Coalescer:
         """``args`` as ``execute_command`` takes them; the future holds the reply (or raises its error)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        expiry = loop.call_later(self._timeout_s, _expire, future, self._timeout_s)
+        future.add_done_callback(lambda _: expiry.cancel())
         self._pending.append((future, args))
         if len(self._pending) == 1 and self._sending is None:
             loop.call_soon(self._flush)
@@ -100,6 +110,9 @@ class Coalescer:
         self._flush()
 
     async def _send(self, batch: list[tuple[asyncio.Future, tuple]]) -> None:
+        batch = [(future, args) for future, args in batch if not future.done()]  # expired or gone: not sent
+        if not batch:
+            return
         try:
             if len(batch) == 1:
                 replies = [await self._client.execute_command(*batch[0][1])]
@@ -124,6 +137,12 @@ class Coalescer:
                 future.set_exception(reply)
             else:
                 future.set_result(reply)
+
+
+def _expire(future: asyncio.Future, timeout_s: float) -> None:
+    if not future.done():
+        future.set_exception(redis.exceptions.TimeoutError(
+            f"no reply from Redis within {timeout_s:g}s (queued and sent, in all)"))
 
 
 def _cluster(url: str, kwargs: dict) -> RedisCluster:

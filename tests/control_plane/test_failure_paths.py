@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.asyncio.connection import Connection
 
 from kvmesh import errors
@@ -243,3 +244,52 @@ async def test_the_gc_loop_sweeps_fenced_entries_on_its_own(cp_config, admin_key
             await r.aclose()
     finally:
         await running.stop()
+
+
+async def test_a_lookup_behind_a_stuck_pipeline_on_a_frozen_redis_fails_within_one_bound(tmp_path: Path, ns):
+    """Redis frozen (SIGSTOP: the socket is open, nothing answers). A lookup whose command is queued behind the
+    pipeline in flight used to wait for that pipeline's 2 s socket timeout and then for its own (about 4 s);
+    each lookup now fails within one bound (the socket timeout) of its own start. Positive control: before
+    the freeze and after SIGCONT the lookups answer."""
+    import os
+    import signal
+    import time
+
+    from kvmesh.redis_client import SOCKET_TIMEOUT_S
+
+    server = RedisServer(tmp_path / "frozen").start()
+    block_map = RedisBlockMap(server.url, lease_ms=60_000, key_prefix="frozen")
+    try:
+        inc = (await block_map.register_node(NodeInfo("node-1", "127.0.0.1:7001"))).incarnation
+        hs = hashes(4, "frozen")
+        await block_map.apply_batch(EventBatch("node-1", inc, 1, ns, (Stored(tuple(hs), Medium.CPU, 32),), False))
+        assert (await block_map.lookup_prefix(ns, hs, ALL_TIERS)).longest == 4
+
+        async def timed_lookup() -> float:
+            start = time.monotonic()
+            with pytest.raises(redis.exceptions.TimeoutError):  # what kvmesh.grpc_errors answers UNAVAILABLE
+                await block_map.lookup_prefix(ns, hs, ALL_TIERS)
+            return time.monotonic() - start
+
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            first = asyncio.ensure_future(timed_lookup())
+            await asyncio.sleep(0.05)  # the first lookup's pipeline is on the wire, stuck
+            second = await timed_lookup()
+            first = await first
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert first < SOCKET_TIMEOUT_S + 0.5, f"the stuck lookup took {first:.3f}s"
+        assert second < SOCKET_TIMEOUT_S + 0.5, f"the lookup queued behind it took {second:.3f}s (one bound: 2s)"
+        print(f"frozen Redis: stuck lookup {first * 1000:.0f} ms, queued lookup {second * 1000:.0f} ms")
+        for _ in range(50):  # the server answers again: so do lookups
+            try:
+                if (await block_map.lookup_prefix(ns, hs, ALL_TIERS)).longest == 4:
+                    break
+            except Exception:  # noqa: BLE001 - a connection broken by the freeze is replaced
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("lookups never answered again after SIGCONT")
+    finally:
+        await block_map.close()
+        server.stop()
