@@ -162,9 +162,12 @@ class DataPlaneCore:
         # until the WRITE ends or NIXL releases it (never, for one NIXL could not release)
         self._writing: dict[str, str] = {}
         self._sends: set[asyncio.Task] = set()  # the WRITEs of sends in flight
+        self._pulls: set[asyncio.Task] = set()  # pulls in flight
         self._draining = False
+        self._renewing = False  # the NIXL agent is being replaced: no pull or send starts
         self._reclaimer = Reclaimer(self._ask_settled, self._reclaim, config.reclaim_retry_ms / 1000,
-                                    config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000)
+                                    config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000,
+                                    force=self._renew_transport, force_after_s=config.reclaim_force_after_ms / 1000)
 
     # ---- lifecycle ----
 
@@ -599,10 +602,11 @@ class DataPlaneCore:
             log.info("send to %s: lease %s is not its own in %s, or expired; answering MISS",
                      consumer_node_id, lease_id, ns.fingerprint)
             return 0
-        if self._draining:
+        if self._draining or self._renewing:
             for block in lease.items:
                 self.tier.unpin(block)
-            log.info("send to %s: this node is stopping; answering MISS", consumer_node_id)
+            log.info("send to %s: this node is %s; answering MISS", consumer_node_id,
+                     "stopping" if self._draining else "replacing its NIXL agent")
             return 0
         self._writing[lease_id] = holder
         # The WRITE runs in a task of its own: a caller that goes away (its deadline passed) cancels this
@@ -676,6 +680,8 @@ class DataPlaneCore:
                        source_media, first_block_index, grant, route_token))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        self._pulls.add(task)
+        task.add_done_callback(self._pulls.discard)
         return await asyncio.shield(task)
 
     async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
@@ -748,6 +754,11 @@ class DataPlaneCore:
                      ) -> tuple[int, float, float, str]:
         """Brings ``wanted`` (indexes, chain order) from the source; (blocks moved, lookup ms, transfer ms,
         why it was refused before any transfer, or "")."""
+        refusal = self._source_refusal(source_node_id)
+        if refusal:
+            log.warning("pull from %s: %s; answering MISS", source_address, refusal)
+            return 0, 0.0, 0.0, refusal
+        wanted = wanted[:self.config.quarantine_budget - self._reclaimer.quarantined_from(source_node_id)]
         try:
             limit = None
             if self._limits is not None:
@@ -1004,6 +1015,41 @@ class DataPlaneCore:
                 return False
 
     # ---- quarantine ----
+
+    def _source_refusal(self, source_node_id: str) -> str:
+        """Why this node does not pull from that source now ("": it may): its failed transfers hold its whole
+        quarantine budget here, or it never proved over a transfer whose slots were reclaimed by force."""
+        if self._renewing:
+            return "this node is replacing its NIXL agent (quarantined slots reclaimed by force); retry"
+        if self._reclaimer.owes(source_node_id):
+            return (f"node {source_node_id} never proved a failed transfer into this node over (its slots were "
+                    "reclaimed by force); it is not pulled from until it does")
+        held, budget = self._reclaimer.quarantined_from(source_node_id), self.config.quarantine_budget
+        if held >= budget:
+            return (f"node {source_node_id}'s failed transfers hold {held} quarantined slots here (its budget: "
+                    f"{budget}); it is not pulled from until it proves them over")
+        return ""
+
+    async def _renew_transport(self) -> bool:
+        """The reclaimer's path that does not depend on any source: once no pull or send of this node is in
+        flight (new ones are refused meanwhile, at most one pull bound), the NIXL agent is replaced, so no
+        WRITE into this node's memory still in flight can land; peers handshake again. False (tried again
+        later) when that cannot be done now: a pull or send outlived the bound, or a send's WRITE failed in a
+        way that may still land (only this process's exit ends it)."""
+        if self._renewing:
+            return False
+        self._renewing = True
+        try:
+            busy = self._pulls | self._sends
+            if busy:
+                await asyncio.wait(busy, timeout=self.config.max_pull_timeout_ms / 1000)
+            if self._pulls or self._sends or self._writing or not await self.transport.rotate():
+                return False
+            self._peer_agents.clear()  # their agents were loaded into the old one
+            await self._peers.close()  # this node's metadata changed: every source gets the new one
+            return True
+        finally:
+            self._renewing = False
 
     def _quarantine(self, blocks: list[Block], peer: Peer, ns: Namespace, lease_id: str, grant: bytes) -> None:
         """Quarantines the landing slots of a transfer that may still write; the reclaimer frees them once

@@ -22,6 +22,12 @@ Implementor contracts:
   * A peer's metadata is read (:meth:`Transport.describe_peer`: its agent name, hence its node, and the
     memory it registered) before it is loaded, and refused whole if it is not exactly what an agent
     hands out: metadata NIXL cannot load must never reach it (data_plane.nixl_metadata).
+  * :meth:`Transport.rotate` replaces the local agent (a new name, the region
+    registered anew, every peer forgotten) and destroys the old one, so no
+    WRITE naming the old agent can land any more (its endpoints, sockets and
+    registration are gone): the path that reclaims quarantined slots without
+    the source's help (data_plane.reclaim). It refuses (False) while a
+    transfer is in flight or one NIXL could not release ever was.
   * Peers are added from their metadata and cached by agent name. A transfer
     that fails drops its peer's endpoint: the next use needs a new handshake
     (:meth:`Transport.add_peer` again), whose endpoint opens a new connection
@@ -162,6 +168,11 @@ class Transport(abc.ABC):
                     timeout_s: float) -> None:
         """WRITEs ``length`` bytes at each local offset to the peer's memory at each remote address."""
 
+    async def rotate(self) -> bool:
+        """Replaces the local agent so that nothing addressed to the old one can land; False when it cannot
+        (not supported, or not now)."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -175,7 +186,9 @@ class NixlTransport(Transport):
     """
 
     def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100) -> None:
-        # A fresh name per start: peers holding the old incarnation's metadata must re-handshake.
+        # A fresh name per start (and per rotate()): peers holding an old agent's metadata must re-handshake.
+        self._node_id = node_id
+        self._progress_wait_ms = progress_wait_ms
         self.agent_name = agent_name(node_id)
         self._region = region
         self._agent = None
@@ -184,14 +197,15 @@ class NixlTransport(Transport):
         self._busy: dict[str, int] = {}  # transfers in flight per peer
         self._retired: set[str] = set()  # removed while busy: closed when its last transfer ends
         self._notes: dict[str, bytes] = {}  # sender agent -> its latest notification not taken yet
+        self._unreleased = 0  # transfers NIXL could not release: they may move bytes until this process exits
+        self._rotating = False
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
 
     def _build(self, progress_wait_ms: int) -> None:
         t0 = time.monotonic()
         try:
-            agent = _nixl_agent(self.agent_name, progress_wait_ms)
-            self._reg = agent.register_memory([(self._region.base_addr, self._region.size, 0, "")], "DRAM")
+            agent, self._reg = self._new_agent(self.agent_name)
         except BaseException as exc:  # noqa: BLE001 - reported to every caller of ready()
             log.error("creating the NIXL agent failed: %s; this node can neither pull nor serve pulls", exc)
             self._built.set_exception(exc)
@@ -199,6 +213,41 @@ class NixlTransport(Transport):
         self._agent = agent
         log.info("NIXL agent %s ready in %.2fs", self.agent_name, time.monotonic() - t0)
         self._built.set_result(None)
+
+    def _new_agent(self, name: str):
+        agent = _nixl_agent(name, self._progress_wait_ms)
+        return agent, agent.register_memory([(self._region.base_addr, self._region.size, 0, "")], "DRAM")
+
+    async def rotate(self) -> bool:
+        if self._agent is None or self._busy or self._unreleased or self._rotating:
+            return False
+        self._rotating = True  # no transfer starts until the new agent is in place
+        try:
+            name = agent_name(self._node_id)
+            t0 = time.monotonic()
+            agent, reg = await asyncio.to_thread(self._new_agent, name)
+            old = [self._agent, self._reg]
+            self._agent, self._reg, self.agent_name = agent, reg, name
+            self._peers.clear()
+            self._retired.clear()
+            await asyncio.to_thread(self._destroy, old)
+        finally:
+            self._rotating = False
+        log.warning("NIXL agent replaced by %s in %.2fs: no transfer naming the old one can land any more; every "
+                    "peer handshakes again", name, time.monotonic() - t0)
+        return True
+
+    @staticmethod
+    def _destroy(old: list) -> None:
+        """Deregisters the region from an old agent and drops the last reference to it (its UCX workers,
+        endpoints and sockets close with it)."""
+        agent, reg = old
+        old.clear()
+        try:
+            agent.deregister_memory(reg)
+        except Exception as exc:  # noqa: BLE001 - the agent goes anyway
+            log.warning("deregistering the CPU tier from the old NIXL agent: %s", exc)
+        del agent, reg
 
     async def ready(self, timeout_s: float) -> None:
         try:
@@ -277,8 +326,9 @@ class NixlTransport(Transport):
 
     async def _xfer(self, op: str, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
                     timeout_s: float) -> None:
-        if peer not in self._peers:
-            raise TransferFailed(f"unknown peer agent {peer!r}")
+        if peer not in self._peers or self._rotating:
+            raise TransferFailed(f"unknown peer agent {peer!r}" if peer not in self._peers else
+                                 "the NIXL agent is being replaced")
         local, remote = _descriptors(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
                                      np.asarray(remote_addrs, dtype=np.uint64), length)
         deadline = time.monotonic() + timeout_s
@@ -332,14 +382,14 @@ class NixlTransport(Transport):
                                  released=released) from exc
         self._release(handle)
 
-    @staticmethod
-    def _release(handle) -> bool:
+    def _release(self, handle) -> bool:
         """Releases (cancelling if active); False when NIXL could not cancel it."""
         try:
             handle.release()
             return True
         except Exception as exc:  # noqa: BLE001
             log.error("could not release a NIXL transfer: %s", exc)
+            self._unreleased += 1
             return False
 
     def close(self) -> None:

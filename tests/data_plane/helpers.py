@@ -16,7 +16,13 @@ class WrappedTransport(Transport):
 
     def __init__(self, real: Transport) -> None:
         self._real = real
-        self.agent_name = real.agent_name
+
+    @property
+    def agent_name(self) -> str:
+        return self._real.agent_name
+
+    async def rotate(self):
+        return await self._real.rotate()
 
     async def ready(self, timeout_s):
         await self._real.ready(timeout_s)
