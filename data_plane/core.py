@@ -155,6 +155,9 @@ class DataPlaneCore:
         # peer's Lookup waits for them instead of fetching them again); resolved when the pull settles them
         self._arriving: dict[BlockKey, asyncio.Future] = {}
         self._namespaces: dict[str, Namespace] = {}
+        # the tenant's CPU-tier limit on this node as last learned (a Reserve's or a pull's); a promotion from
+        # disk, which happens inside Acquire and Lookup, obeys it (absent: never learned, no limit applied)
+        self._tenant_limits: dict[str, int | None] = {}
         self._sweeper: asyncio.Task | None = None
         self._epoch_sweeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -287,6 +290,7 @@ class DataPlaneCore:
         ``tenant_limit_bytes`` on this node (its policy's max_cpu_tier_bytes_per_node)."""
         hashes = self._check(ns, hashes)
         block_size = ns.cache_config.block_size
+        self._tenant_limits[ns.tenant] = tenant_limit_bytes
         if tenant_limit_bytes is not None:
             new = sum(1 for i, h in enumerate(hashes) if self.tier.get(BlockKey(ns.fingerprint, h)) is None and not (
                 max_offload_tokens and (first_block_index + i + 1) * block_size > max_offload_tokens))
@@ -427,7 +431,14 @@ class DataPlaneCore:
         return block
 
     def _promote(self, ns: Namespace, key: BlockKey) -> Block | None:
+        """The disk block copied into a CPU slot; None when that fails or would take the tenant past its
+        limit on this node (the block stays on disk)."""
         start = time.perf_counter()
+        limit = self._tenant_limits.get(ns.tenant)
+        if limit is not None and (self.tier.tenant_slots(ns.tenant) + 1) * self.block_bytes > limit:
+            log.info("block %s of tenant %s stays on disk: promoting it would take the tenant past its %d bytes of "
+                     "CPU tier on this node", key.block_hash.hex(), ns.tenant, limit)
+            return None
         disk_block = self.disk.get(key)
         block = self.tier.reserve(ns, key, disk_block.info, disk_block.epoch)
         if block is None:
@@ -765,6 +776,7 @@ class DataPlaneCore:
                 try:
                     limit = await self._within(self._limits(ns.tenant, deadline - time.monotonic()), deadline,
                                                "the tenant's limits")
+                    self._tenant_limits[ns.tenant] = limit
                 except PermissionDenied as exc:
                     log.info("pull: %s; answering MISS", exc)
                     return 0, 0.0, 0.0, str(exc)
