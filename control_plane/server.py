@@ -22,6 +22,7 @@ from kvmesh.redis_client import redacted
 from kvmesh.command_line import run_command
 from kvmesh.settings_cli import service_main
 from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
+from tenancy.audit_limit import DenialAudit
 from tenancy.auth import AuthInterceptor, Authenticator
 from tenancy.authz import Authorizer
 from tenancy.key_cache import ChangeListener, KeyCache
@@ -47,6 +48,7 @@ class RunningControlPlane:
     server: RunningServer
     metrics: MetricsEndpoint
     key_changes: ChangeListener
+    denials: DenialAudit
 
     @property
     def port(self) -> int:
@@ -56,6 +58,7 @@ class RunningControlPlane:
         await self.server.stop()
         self.metrics.stop()
         await self.key_changes.stop()
+        await self.denials.close()  # the suppressed-denial counts still pending
         await self.core.close()
 
 
@@ -85,7 +88,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
                               tenant_credentials=tenants.redis_credentials, **redis_auth)
     block_map = MeteredBlockMap(redis_map, registry)
-    authz = Authorizer(tenants, tenants.audit, config.policy_ttl_s)
+    denials = DenialAudit(tenants.audit)  # denied and unauthenticated calls: rate-limited, counted beyond
+    authz = Authorizer(tenants, denials, config.policy_ttl_s)
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
     core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys)
@@ -97,7 +101,7 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
 
     key_changes = ChangeListener(tenants.subscribe_changes, keys, on_tenant=tenant_changed)
     key_changes.start()
-    auth = AuthInterceptor(Authenticator(keys.get, admin_key).authenticate, tenants.audit)
+    auth = AuthInterceptor(Authenticator(keys.get, admin_key).authenticate, denials)
     services = [
         ServiceBinding(ControlPlaneServicer(core), control_plane_pb2_grpc.add_ControlPlaneServicer_to_server,
                        "kvmesh.v1.ControlPlane"),
@@ -113,7 +117,7 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     except asyncio.TimeoutError:
         log.warning("revocation feed not subscribed within %.0f s; API keys are read from Redis per call",
                     SUBSCRIBE_WAIT_S)
-    return RunningControlPlane(core, server, metrics, key_changes)
+    return RunningControlPlane(core, server, metrics, key_changes, denials)
 
 
 async def _run(config: ControlPlaneConfig) -> None:
