@@ -227,17 +227,27 @@ class DataPlaneCore:
         if not self.epochs.learn(tenant, epoch):
             return
         dropped: dict[tuple[str, Medium], tuple[Namespace, list[bytes]]] = {}
-        purged = [(b.namespace, b.key, Medium.CPU) for b in self.tier.purge(tenant, epoch)]
+        purged = [(b.namespace, b.key, Medium.CPU, b.epoch) for b in self.tier.purge(tenant, epoch)]
         if self.disk is not None:
-            purged += [(b.namespace, b.key, Medium.DISK) for b in self.disk.purge(tenant, epoch)]
-        for ns, key, medium in purged:
+            purged += [(b.namespace, b.key, Medium.DISK, b.epoch) for b in self.disk.purge(tenant, epoch)]
+        for ns, key, medium, _ in purged:
             dropped.setdefault((key.namespace, medium), (ns, []))[1].append(key.block_hash)
         for (_, medium), (ns, hashes) in dropped.items():
             self.events.removed(ns, hashes, medium)
+        unknown = sum(1 for *_, tag in purged if tag == "")
         if purged:
-            self.metrics.purged(len(purged))
-            log.info("tenant %s is %s: dropped %d of its blocks stored under an earlier epoch", tenant,
-                     "deleted" if epoch is GONE else f"at epoch {epoch or '(unknown)'}", len(purged))
+            self.metrics.purged(len(purged), unknown)
+            state = "deleted" if epoch is GONE else f"at epoch {epoch or '(unknown)'}"
+            if len(purged) > unknown:
+                log.info("tenant %s is %s: dropped %d of its blocks stored under an earlier epoch", tenant, state,
+                         len(purged) - unknown)
+        if unknown:
+            # Stored while no control plane had answered for the tenant: they may be a deleted predecessor's
+            # (same tenant id), so they are not served under the epoch learnt now (docs/data_plane.md, "Tenant
+            # epochs"). A cache loss, bounded by what was committed for the tenant before its first answer.
+            log.warning("tenant %s is %s: dropped %d of its blocks committed before this node knew the tenant's "
+                        "epoch (the control plane had not answered for it); they may belong to a deleted "
+                        "predecessor of the tenant, so they are not kept", tenant, state, unknown)
 
     def expire_leases(self) -> int:
         """Unpins what expired leases held; returns how many leases expired."""

@@ -41,6 +41,9 @@ class DataPlaneMetrics:
                                "blocks evicted from the CPU tier without having been read since stored", registry=r)
         self._purged = Counter("kvmesh_dp_purged_blocks", "blocks dropped from a tier because their tenant was "
                                "deleted or re-created (an earlier tenant epoch)", registry=r)
+        self._unverified = Counter("kvmesh_dp_unknown_epoch_blocks_dropped", "blocks committed while the node did "
+                                   "not know their tenant's epoch (the control plane had not answered), dropped once "
+                                   "it did (also counted in kvmesh_dp_purged_blocks)", registry=r)
         self._quarantined = Gauge("kvmesh_dp_quarantined_slots", "CPU-tier slots quarantined now (a transfer "
                                   "that may still write into them failed)", registry=r)
         self._quarantines = Counter("kvmesh_dp_quarantine_slots", "CPU-tier slots quarantined, in all",
@@ -90,8 +93,10 @@ class DataPlaneMetrics:
     def pending_wait(self, seconds: float) -> None:
         self._pending.observe(seconds)
 
-    def purged(self, n: int) -> None:
+    def purged(self, n: int, unknown_epoch: int = 0) -> None:
+        """``n`` blocks dropped for their tenant epoch, ``unknown_epoch`` of them stored before it was known."""
         self._purged.inc(n)
+        self._unverified.inc(unknown_epoch)
 
     def quarantined(self, n: int, now: int) -> None:
         """``n`` slots quarantined; ``now`` are."""

@@ -112,3 +112,30 @@ async def test_a_write_reserved_under_an_ended_epoch_is_not_published(local_node
         assert await store(client, tier, ns, late) == 1  # stored again under e2: served
         assert await found(client, ns, late) == 1
         tier.close()
+
+
+async def test_blocks_committed_before_the_epoch_was_known_are_dropped_loudly_not_silently(local_node, ns, caplog):
+    """A node that has never heard the tenant's epoch (the control plane hung on its first ask) tags what it
+    stores "" and drops it once the epoch arrives: those blocks could be a deleted predecessor's (same tenant id),
+    and nothing says they are not. The loss is bounded (only what was committed before the first answer; blocks
+    stored afterwards stay) and reported: a warning naming the cause, BlockRemoved, and its own counter."""
+    node = await local_node()
+    sink = node.core.events = RecordingSink()
+    registry = node.core.metrics.registry
+    async with DataPlaneClient(node.address, key=node.core.config.node_key()) as client:
+        tier = SharedTier.open(await client.describe_tier())
+        early = make_hashes(3)
+        assert await store(client, tier, ns, early) == 3  # no epoch known yet
+        assert await found(client, ns, early) == 3
+        with caplog.at_level("WARNING", logger="data_plane.core"):
+            node.core.learn_epoch(ns.tenant, "e1")  # the control plane answers at last
+        assert await found(client, ns, early) == 0
+        assert ("removed", ns.fingerprint, early, Medium.CPU) in sink.events
+        assert registry.get_sample_value("kvmesh_dp_unknown_epoch_blocks_dropped_total") == 3
+        assert any("committed before this node knew the tenant's epoch" in r.getMessage() for r in caplog.records)
+        later = make_hashes(2)
+        assert await store(client, tier, ns, later) == 2
+        node.core.learn_epoch(ns.tenant, "e1")  # the same answer again: nothing more goes
+        assert await found(client, ns, later) == 2
+        assert registry.get_sample_value("kvmesh_dp_unknown_epoch_blocks_dropped_total") == 3
+        tier.close()
