@@ -21,8 +21,9 @@ answers every ask "not settled" would hold its slots for good. So a record not p
 is reclaimed by force: the ``force`` callable makes every write still in flight into this node impossible (the
 data plane replaces its NIXL agent, so the endpoints and registration old WRITEs name are gone:
 :meth:`data_plane.transfer.Transport.rotate`), and then every quarantined slot, of every record, is free again.
-The records whose source never proved anything stay as *debts*: that source is not pulled from
-(:meth:`Reclaimer.owes`) until it answers SETTLED or GONE for each, asked at the longest retry delay.
+The records of sends whose source never proved anything stay as *debts*: that source is not pulled from
+(:meth:`Reclaimer.owes`) until it answers SETTLED or GONE for each, asked again as records are. A READ's record
+(the consumer's own request, on the agent destroyed) owes nothing.
 
 Per source, :meth:`Reclaimer.quarantined_from` is what its failed transfers hold now: the data plane pulls from
 a source only while that stays under its budget.
@@ -162,8 +163,8 @@ class Reclaimer:
                 self._free(record.slots)
 
     async def _reclaim_by_force(self) -> None:
-        """Makes every write still in flight impossible, then frees every quarantined slot; the records whose
-        source proved nothing become debts (asked at the longest delay)."""
+        """Makes every write still in flight impossible, then frees every quarantined slot; the records of sends
+        whose source proved nothing become debts."""
         overdue = sorted({r.source_node_id for r in self._records if r.force_at <= time.monotonic()})
         try:
             done = await self._force()
@@ -178,9 +179,10 @@ class Reclaimer:
         self.forced += 1
         slots = [slot for r in records for slot in r.slots]
         for record in records:
-            record.delay_s = self._max_retry_s
+            record.delay_s = self._retry_s
             record.next_at = time.monotonic() + record.delay_s
-        self._debts.extend(records)
+        # A READ's record is the consumer's own request, on the agent just destroyed: nothing is owed for it.
+        self._debts.extend(r for r in records if r.lease_id)
         log.warning("%d quarantined slots reclaimed by force after %.0fs without a proof from %s: no write still in "
                     "flight can land in this node (its NIXL agent was replaced); those sources are not pulled from "
                     "until they prove their transfers over", len(slots), self._force_after_s, ", ".join(overdue))

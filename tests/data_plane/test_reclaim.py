@@ -280,3 +280,41 @@ async def test_a_timed_out_write_is_never_reported_settled_even_when_nixl_releas
         await asyncio.sleep(1.5)  # the consumer asks several times meanwhile (FAST_RECLAIM)
         assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == 0
         assert consumer.core.tier.quarantined == N, "a timed-out WRITE was reported settled"
+
+
+async def test_a_source_that_never_settles_loses_its_slots_by_force_and_owes_until_it_proves(ns):
+    """The reclaimer's forced path, with scripted sources: a record not proven within force_after_s is reclaimed
+    by the force callable (slots freed without the source), and its source then owes a proof; asked again, it is
+    forgiven once it answers SETTLED. A force that cannot be done now is tried again, and frees nothing before.
+    A READ's record (no lease) owes nothing. Control: a source that settles in time is never forced."""
+    liar, honest, reader = "liar", "honest", "reader"
+    answers = {liar: Verdict.PENDING, honest: Verdict.SETTLED, reader: Verdict.PENDING}
+    freed: list[list[int]] = []
+    forces: list[bool] = [False, True]  # the first force cannot be done (say, a pull is in flight)
+
+    async def ask(record: Quarantine, timeout_s: float) -> Verdict:
+        return answers[record.source_node_id]
+
+    async def force() -> bool:
+        return forces.pop(0)
+
+    reclaimer = Reclaimer(ask, freed.append, retry_s=0.05, max_retry_s=0.1, timeout_s=0.1, force=force,
+                          force_after_s=0.5)
+    reclaimer.add(Quarantine([1], ns, honest, "127.0.0.1:1", "h-agent", "lease-h", b"g"))
+    assert await until(lambda: freed == [[1]], 5.0) and not reclaimer.owes(honest)  # control: settled in time
+    reclaimer.add(Quarantine([2, 3], ns, liar, "127.0.0.1:2", "l-agent", "lease-l", b"g"))
+    reclaimer.add(Quarantine([4], ns, reader, "127.0.0.1:3", "r-agent", "", b"g"))
+    assert reclaimer.quarantined_from(liar) == 2
+    await asyncio.sleep(0.4)
+    assert freed == [[1]], "nothing is forced before force_after_s"
+    assert await until(lambda: len(freed) == 2, 5.0)
+    assert sorted(freed[1]) == [2, 3, 4] and forces == [] and reclaimer.forced == 1
+    assert reclaimer.records == 0 and reclaimer.quarantined_from(liar) == 0
+    assert reclaimer.owes(liar) and not reclaimer.owes(reader)
+    await asyncio.sleep(0.3)
+    assert reclaimer.owes(liar), "a source that never proves stays owing"
+    answers[liar] = Verdict.SETTLED
+    assert await until(lambda: not reclaimer.owes(liar), 5.0)
+    await asyncio.sleep(0)
+    assert not reclaimer.active
+    await reclaimer.close()
