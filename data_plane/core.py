@@ -779,7 +779,9 @@ class DataPlaneCore:
         if refusal:
             log.warning("pull from %s: %s; answering MISS", source_address, refusal)
             return 0, 0.0, 0.0, refusal
-        wanted = wanted[:self.config.quarantine_budget - self._reclaimer.quarantined_from(source_node_id)]
+        held = self._reclaimer.quarantined_from(source_node_id)
+        if held:  # a source that failed here already: a pull puts at most what is left of its budget at risk
+            wanted = wanted[:self.config.quarantine_budget - held]
         try:
             limit = None
             if self._limits is not None:
