@@ -1069,7 +1069,8 @@ class DataPlaneCore:
                 await asyncio.wait(busy, timeout=self.config.max_pull_timeout_ms / 1000)
             if self._pulls or self._sends or self._writing or not await self.transport.rotate():
                 return False
-            self._peer_agents.clear()  # their agents were loaded into the old one
+            self._peer_agents.clear()  # their agents (and the challenged ones) were loaded into the old one
+            self._pending.clear()
             await self._peers.close()  # this node's metadata changed: every source gets the new one
             return True
         finally:
