@@ -17,8 +17,9 @@ Runs as root in the ``secrets-init`` one-shot service (docker-compose.yml) with 
 TLS: each name in ``--tls-servers`` gets a server certificate for the DNS name ``<name>`` (its compose service name)
 that also serves as its client certificate (data planes call the control plane and each other); each name in
 ``--tls-clients`` a client certificate only (engines' connectors, the admin CLI). A certificate is kept while the
-CA signed it, it names what it should and it is valid for more than ``RENEW_DAYS``; otherwise it is issued again
-(a new CA, when the old one is gone or expiring, re-issues every certificate).
+CA signed it, it names what it should and it is valid for more than ``RENEW_DAYS`` (kvmesh/pki.py, shared with
+``kvmesh up``); otherwise it is issued again (a new CA, when the old one is gone or expiring, re-issues every
+certificate).
 
 Nothing is a default: each password and key is random. A file that exists is kept, so a second ``up`` keeps the
 credentials Redis (with its AOF volume) already knows; ``docker compose down -v`` starts over. The ACL template's
@@ -28,20 +29,15 @@ credentials Redis (with its AOF volume) already knows; ``docker compose down -v`
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import os
 import secrets
 import sys
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvmesh import pki
 from tenancy.api_keys import new_key
 
 KVMESH_UID = 10001  # the image's kvmesh user (docker/Dockerfile)
@@ -77,104 +73,38 @@ def _ensure(path: Path, make, uid: int, mode: int = 0o400) -> None:
 
 
 def _grant_key() -> str:
-    key = Ed25519PrivateKey.generate()
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption()).decode()
+    return pki.pem_key(Ed25519PrivateKey.generate())
 
 
-CA_DAYS = 3650
-LEAF_DAYS = 825
-RENEW_DAYS = 30  # a certificate valid for fewer days than this is issued again
-
-
-def _pem_key(key) -> str:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption()).decode()
-
-
-def _pem_cert(cert: x509.Certificate) -> str:
-    return cert.public_bytes(serialization.Encoding.PEM).decode()
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
-
-
-def _fresh(cert: x509.Certificate) -> bool:
-    return cert.not_valid_after_utc - _now() > datetime.timedelta(days=RENEW_DAYS)
-
-
-def _ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def _ca(directory: Path) -> pki.Authority:
     """The deployment's CA: kept while valid, else a new one (every certificate it signed is then issued again)."""
     try:
-        cert = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
-        key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
-        if _fresh(cert) and cert.public_key() == key.public_key():
-            print(f"secrets-init: kept {directory / 'ca.crt'}")
-            return cert, key
-    except (OSError, ValueError):
-        pass
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvmesh deployment CA {secrets.token_hex(4)}")])
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(_now() - datetime.timedelta(minutes=5))
-            .not_valid_after(_now() + datetime.timedelta(days=CA_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(ski, critical=False)
-            .sign(key, hashes.SHA256()))
-    _write(directory / "ca.key", _pem_key(key), 0)
-    _write(directory / "ca.crt", _pem_cert(cert), 0, 0o444)
-    return cert, key
+        ca = pki.load_authority((directory / "ca.crt").read_bytes(), (directory / "ca.key").read_bytes())
+    except OSError:
+        ca = None
+    if ca is not None:
+        print(f"secrets-init: kept {directory / 'ca.crt'}")
+        return ca
+    ca = pki.new_authority("kvmesh deployment CA")
+    _write(directory / "ca.key", pki.pem_key(ca.key), 0)
+    _write(directory / "ca.crt", pki.pem_cert(ca.cert), 0, 0o444)
+    return ca
 
 
-def _current(path: Path, ca: x509.Certificate, name: str, server: bool) -> bool:
-    """Whether the certificate at ``path`` is signed by ``ca``, names ``name`` (as a server: its DNS SAN) and is
-    fresh."""
-    try:
-        cert = x509.load_pem_x509_certificate(path.read_bytes())
-        cert.verify_directly_issued_by(ca)
-    except (OSError, ValueError, TypeError, InvalidSignature):
-        return False
-    try:
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName)
-    except x509.ExtensionNotFound:
-        sans = []
-    return _fresh(cert) and cert.subject.rfc4514_string() == f"CN={name}" and sans == ([name] if server else [])
-
-
-def _issue(directory: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], server: bool) -> None:
-    """``directory``/tls.crt + tls.key for ``name`` (server: also valid as a client) and the CA's certificate, owned
-    by the kvmesh user (every TLS consumer runs as it)."""
-    ca_cert, ca_key = ca
+def _issue(directory: Path, name: str, ca: pki.Authority, server: bool) -> None:
+    """``directory``/tls.crt + tls.key for ``name`` (server: DNS name ``name``, also valid as a client) and the CA's
+    certificate, owned by the kvmesh user (every TLS consumer runs as it)."""
     ca_path = directory / "ca.crt"
-    if not ca_path.exists() or ca_path.read_text() != _pem_cert(ca_cert):
-        _write(ca_path, _pem_cert(ca_cert), KVMESH_UID, 0o444)
-    if _current(directory / "tls.crt", ca_cert, name, server) and (directory / "tls.key").exists():
-        print(f"secrets-init: kept {directory / 'tls.crt'}")
+    if not ca_path.exists() or ca_path.read_text() != pki.pem_cert(ca.cert):
+        _write(ca_path, pki.pem_cert(ca.cert), KVMESH_UID, 0o444)
+    subject = pki.Subject(name, server, dns_names=(name,) if server else ())
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    if cert_path.exists() and key_path.exists() and pki.is_current(cert_path.read_bytes(), ca, subject):
+        print(f"secrets-init: kept {cert_path}")
         return
-    key = ec.generate_private_key(ec.SECP256R1())
-    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [
-        ExtendedKeyUsageOID.CLIENT_AUTH]
-    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-               .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(_now() - datetime.timedelta(minutes=5))
-               .not_valid_after(_now() + datetime.timedelta(days=LEAF_DAYS))
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                            data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                            crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-               .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                              critical=False))
-    if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-    _write(directory / "tls.key", _pem_key(key), KVMESH_UID)
-    _write(directory / "tls.crt", _pem_cert(builder.sign(ca_key, hashes.SHA256())), KVMESH_UID, 0o444)
+    cert, key = pki.issue(ca, subject)
+    _write(key_path, pki.pem_key(key), KVMESH_UID)
+    _write(cert_path, pki.pem_cert(cert), KVMESH_UID, 0o444)
 
 
 def _names(text: str) -> list[str]:
