@@ -99,7 +99,8 @@ def _issue(directory: Path, name: str, ca: pki.Authority, server: bool) -> None:
         _write(ca_path, pki.pem_cert(ca.cert), KVMESH_UID, 0o444)
     subject = pki.Subject(name, server, dns_names=(name,) if server else ())
     cert_path, key_path = directory / "tls.crt", directory / "tls.key"
-    if cert_path.exists() and key_path.exists() and pki.is_current(cert_path.read_bytes(), ca, subject):
+    if (cert_path.exists() and key_path.exists()
+            and pki.is_current(cert_path.read_bytes(), key_path.read_bytes(), ca, subject)):
         print(f"secrets-init: kept {cert_path}")
         return
     cert, key = pki.issue(ca, subject)

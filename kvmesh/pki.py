@@ -96,19 +96,21 @@ def load_authority(cert_pem: bytes, key_pem: bytes) -> Authority | None:
     return Authority(cert, key)
 
 
-def is_current(cert_pem: bytes, ca: Authority, subject: Subject) -> bool:
-    """Whether ``cert_pem`` is signed by ``ca``, names exactly ``subject`` and is fresh."""
+def is_current(cert_pem: bytes, key_pem: bytes, ca: Authority, subject: Subject) -> bool:
+    """Whether ``cert_pem`` is signed by ``ca``, names exactly ``subject``, is fresh, and ``key_pem`` is its key
+    (a crash between writing a new key and its certificate leaves a pair that is not current)."""
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
         cert.verify_directly_issued_by(ca.cert)
+        key = serialization.load_pem_private_key(key_pem, None)
     except (ValueError, TypeError, InvalidSignature):
         return False
     try:
         sans = list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
     except x509.ExtensionNotFound:
         sans = []
-    return (fresh(cert) and cert.subject.rfc4514_string() == f"CN={subject.name}"
-            and sans == subject.alternative_names())
+    return (fresh(cert) and cert.public_key() == key.public_key()
+            and cert.subject.rfc4514_string() == f"CN={subject.name}" and sans == subject.alternative_names())
 
 
 def issue(ca: Authority, subject: Subject) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:

@@ -1,7 +1,8 @@
 """``kvmesh demo``: a local fleet with two vLLM engines that pull prompt prefixes from each other.
 
 It starts a :class:`kvmesh_apps.fleet.Fleet` on embedded defaults (embedded Redis, the control
-plane, two data-plane nodes, loopback, no Docker) and two vLLM CPU engines, one per node, on
+plane, two data-plane nodes, loopback, no Docker, every gRPC link mutual TLS with the fleet's
+own CA, as ``kvmesh up`` runs it) and two vLLM CPU engines, one per node, on
 a random-weight Llama built locally (vLLM's own prefix cache off, so every reused token comes
 through kvmesh). Then it plays a router: multi-turn sessions on a shared
 system prompt, each turn sent to the *other* engine than the previous one. Before each
@@ -134,7 +135,7 @@ class Router:
         self._ns = namespace().to_proto()
 
     async def _holders(self, prompt: list[int]) -> tuple[dict[str, int], float]:
-        async with channel(self._fleet.control_plane.address, self._fleet.admin_key) as ch:
+        async with channel(self._fleet.control_plane.address, self._fleet.admin_key, self._fleet.client_tls()) as ch:
             started = time.perf_counter()
             reply = await cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
                 namespace=self._ns, token_ids=prompt, media=[common_pb2.MEDIUM_CPU]), timeout=5)
@@ -323,7 +324,8 @@ def main(argv: list[str]) -> int:
             with Progress("starting Redis, the control plane and two data planes"):
                 fleet.start()
             say(f"  control plane {fleet.control_plane.address}; data planes "
-                + ", ".join(f"{n} {p.address}" for n, p in fleet.data_planes.items()))
+                + ", ".join(f"{n} {p.address}" for n, p in fleet.data_planes.items())
+                + f"; every gRPC link mutual TLS (CA in {fleet.tls.directory})")
             connector = {"model": MODEL_NAME, "weight_version": WEIGHT_VERSION}
             # vLLM's own prefix cache is off: every reused token goes through kvmesh's tiers, so hit rates and
             # TTFTs are the fleet cache's, not an engine re-serving what it computed itself.

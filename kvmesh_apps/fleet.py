@@ -14,6 +14,10 @@ Redis passwords and the grant-signing key as they are, the tenant if it exists, 
 the control plane still knows for its node; the ACL file is rewritten to agree with the passwords,
 keeping the tenant users Redis saved in it.
 
+Every gRPC link is mutual TLS with a CA of the fleet's own in ``<workdir>/tls``
+(:mod:`kvmesh_apps.fleet_tls`; kept on a restart in the same workdir); ``tls=False`` runs them in
+plaintext. Clients of the fleet get their TLS from :meth:`Fleet.client_tls`.
+
 Every service serves Prometheus metrics on a free loopback port (:meth:`Fleet.metrics`).
 With a ``tether`` (``kvmesh up``) the children end whenever this process ends, SIGKILL included
 (:class:`kvmesh_apps.procs.Tether`), and a :class:`kvmesh_apps.reaper.Reaper` removes the
@@ -33,9 +37,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvmesh.channels import channel
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.errors import Unauthenticated
 from kvmesh_apps.engine_host import EngineProcess
+from kvmesh_apps.fleet_tls import ADMIN, FleetTLS
 from kvmesh_apps.procs import ServiceProcess, Tether, stop_all
 from kvmesh_apps.reaper import Reaper
 from kvmesh_apps.redis_server import RedisServer, fleet_users, write_secret
@@ -51,7 +56,8 @@ class Fleet:
 
     def __init__(self, workdir: Path, data_planes: int, admin_key: str, *, tenant: str = "demo",
                  block_bytes: int = DEFAULT_BLOCK_BYTES, block_tokens: int = 0, capacity: str = "256MiB",
-                 trace_dir: Path | None = None, tether: Tether | None = None, stop_timeout_s: float = 10.0) -> None:
+                 trace_dir: Path | None = None, tether: Tether | None = None, stop_timeout_s: float = 10.0,
+                 tls: bool = True) -> None:
         self.workdir = Path(workdir)
         self.admin_key = admin_key
         self.tenant = tenant
@@ -71,6 +77,8 @@ class Fleet:
         self.node_keys: dict[str, str] = {}
         self.engines: dict[str, EngineProcess] = {}
         self._wanted_data_planes = data_planes
+        self._wanted_tls = tls
+        self.tls: FleetTLS | None = None  # made by start()
 
     def _grant_key_file(self) -> Path:
         """The control plane's grant-signing key, generated on first start (mode 0600) and kept in the workdir."""
@@ -83,6 +91,9 @@ class Fleet:
 
     def start(self) -> "Fleet":
         try:
+            nodes = [f"dp{i}" for i in range(1, self._wanted_data_planes + 1)]
+            if self._wanted_tls:
+                self.tls = FleetTLS.ensure(self.workdir / "tls", nodes)
             tmpfs = "/dev/shm" if Path("/dev/shm").is_dir() else None
             self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-", dir=tmpfs))
             if self.tether is not None:
@@ -95,10 +106,10 @@ class Fleet:
                 ["control-plane", "--listen", "127.0.0.1:0", "--redis-url", self.redis.url,
                  "--redis-username", cp_user.name, "--redis-password-file", str(cp_user.password_file),
                  "--redis-acl-username", acl_user.name, "--redis-acl-password-file", str(acl_user.password_file),
-                 "--admin-key-file", str(self.admin_key_file), "--grant-key-file", str(self._grant_key_file())],
+                 "--admin-key-file", str(self.admin_key_file), "--grant-key-file", str(self._grant_key_file()),
+                 *(self.tls.control_plane_flags() if self.tls else [])],
                 "control-plane", "control-plane")
             if self._wanted_data_planes and importlib.util.find_spec("data_plane.server") is not None:
-                nodes = [f"dp{i}" for i in range(1, self._wanted_data_planes + 1)]
                 self.node_keys = asyncio.run(self._provision(nodes))
                 for node, key in self.node_keys.items():
                     write_secret(self.node_key_file(node), key)
@@ -112,7 +123,7 @@ class Fleet:
     async def _provision(self, nodes: list[str]) -> dict[str, str]:
         """The tenant (created unless it exists) and a node key per data plane: the one in its key file when the
         control plane still knows it for that node (a restart), else a new one (admin API)."""
-        async with channel(self.control_plane.address, self.admin_key) as ch:
+        async with channel(self.control_plane.address, self.admin_key, self.client_tls()) as ch:
             admin = ta_grpc.TenantAdminStub(ch)
             tenants = await admin.ListTenants(ta_pb.ListTenantsRequest())
             if self.tenant not in {t.tenant_id for t in tenants.tenants}:
@@ -157,6 +168,7 @@ class Fleet:
                 "--block-bytes", str(self.block_bytes), "--block-tokens", str(self.block_tokens),
                 "--no-lock-memory"]
         args += ["--api-key-file", str(self.node_key_file(node))]
+        args += self.tls.data_plane_flags(node) if self.tls else []
         env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
         return self._start_service(args, node, f"data-plane-{node}", env)
 
@@ -192,7 +204,8 @@ class Fleet:
         """
         return {"data_plane_address": self.data_planes[node].address, "api_key_file": str(self.node_key_file(node)),
                 "control_plane_address": self.control_plane.address, "tenant": self.tenant,
-                "weight_version": "random-init", **overrides}
+                "weight_version": "random-init", **(self.tls.connector_settings(node) if self.tls else {}),
+                **overrides}
 
     def start_engine(self, name: str, model: Path, node: str | None, **spec: Any) -> EngineProcess:
         """Launch engine ``name`` on ``model`` attached to ``node`` (None: no connector); returns at once.
@@ -233,6 +246,11 @@ class Fleet:
     def node_key_file(self, node: str) -> Path:
         return self.secrets_dir / f"{node}.key"
 
+    def client_tls(self, name: str = ADMIN) -> ClientTLS | None:
+        """How a client reaches the fleet's services: ``name``'s certificate (``admin``, a node id for that data
+        plane's own, ``engine-<node>``), or None (plaintext) for a fleet started with ``tls=False``."""
+        return self.tls.client(name) if self.tls else None
+
     def _trace_env(self, process: str) -> dict[str, str]:
         if self.trace_dir is None:
             return {}
@@ -260,4 +278,5 @@ class Fleet:
             "workdir": str(self.workdir),
             "shm_dir": str(self.shm_dir or ""),
             "metrics": self.metrics(),
+            "tls": self.tls.describe(list(self.data_planes)) if self.tls else None,
         }

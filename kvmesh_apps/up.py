@@ -4,8 +4,11 @@ Starts a :class:`kvmesh_apps.fleet.Fleet`: Redis (AOF on, in ``--workdir``, pass
 generated, no password-less user), the control plane, a tenant and ``--data-planes``
 data-plane nodes with their node keys, on free loopback ports; prints their addresses, their
 Prometheus endpoints and the files holding the keys (never a secret itself), and stops
-everything on Ctrl-C, SIGTERM or SIGHUP. Engines are not started: the printed ``vllm serve``
-line attaches one to a data plane. ``--json`` prints the same as one JSON line.
+everything on Ctrl-C, SIGTERM or SIGHUP. Every gRPC link is mutual TLS with a CA generated in
+``<workdir>/tls`` (kvmesh_apps.fleet_tls); ``--insecure-plaintext`` turns TLS off. Engines are not
+started: the printed ``vllm serve`` line attaches one to a data plane, and the printed ``kvmesh
+admin`` line reaches the control plane, both with the TLS files they need. ``--json`` prints the
+same as one JSON line (with the CA and certificate paths).
 
 The work directory (default :func:`kvmesh_apps.up_workdir.default_workdir`) is locked while a
 fleet runs in it (a second ``up`` there is refused in one line) and reused by the next start:
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 from dataclasses import dataclass
@@ -42,14 +46,6 @@ DEFAULT_CAPACITY = "256MiB"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPTED = 130
 SERVICE_STOP_S = 0.5  # each service's bound after SIGTERM, then SIGKILL (a started one needs 0.1-0.5 s when loaded)
-
-ENGINE_HINT = (
-    "vllm serve {model}{dtype} --block-size {block_tokens} --kv-transfer-config "
-    "'{{\"kv_connector\":\"KvmeshConnector\",\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"recompute\","
-    "\"kv_connector_extra_config\":{{\"data_plane_address\":\"{address}\",\"api_key_file\":\"{key_file}\","
-    "\"control_plane_address\":\"{cp}\",\"tenant\":\"{tenant}\",\"auto_source\":true}}}}'"
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Slots:
@@ -113,6 +109,31 @@ def resolve_slots(args: argparse.Namespace) -> Slots:
     return Slots(block_bytes, block_tokens, capacity, model, shape)
 
 
+def engine_hint(slots: Slots, info: dict, node: str) -> str:
+    """The ``vllm serve`` line that attaches an engine to data plane ``node`` of the fleet ``info`` describes
+    (:meth:`Fleet.addresses`), with the engine's TLS files when the fleet runs TLS."""
+    tls = info.get("tls")
+    extra = {"data_plane_address": info["data_planes"][node], "api_key_file": info["node_key_files"][node],
+             "control_plane_address": info["control_plane"], "tenant": info["tenant"], "auto_source": True}
+    if tls:
+        engine = tls["engines"][node]
+        extra.update(tls_ca_file=tls["ca_file"], tls_cert_file=engine["cert_file"], tls_key_file=engine["key_file"])
+    config = {"kv_connector": "KvmeshConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": extra}
+    return (f"vllm serve {shlex.quote(str(slots.model or 'MODEL'))}{slots.engine_flags()} --block-size "
+            f"{slots.block_tokens} --kv-transfer-config {shlex.quote(json.dumps(config, separators=(',', ':')))}")
+
+
+def admin_hint(info: dict) -> str:
+    """A ``kvmesh admin`` command that works against the fleet ``info`` describes, as printed."""
+    tls = info.get("tls")
+    flags = ["--control-plane", info["control_plane"], "--key-file", info["admin_key_file"]]
+    if tls:
+        flags += ["--tls-ca-file", tls["ca_file"], "--tls-cert-file", tls["admin"]["cert_file"],
+                  "--tls-key-file", tls["admin"]["key_file"]]
+    return shlex.join(["kvmesh", "admin", *flags, "tenants", "list"])
+
+
 def _parser() -> Parser:
     parser = Parser(prog="kvmesh up", description=__doc__.split("\n")[0])
     parser.add_argument("--data-planes", type=int, default=2)
@@ -131,6 +152,8 @@ def _parser() -> Parser:
                         help=f"bytes of one block across all layers (default: derived from --model, else "
                              f"{DEFAULT_BLOCK_BYTES})")
     parser.add_argument("--capacity", default=DEFAULT_CAPACITY, help="CPU tier of each data plane, e.g. 1GiB")
+    parser.add_argument("--insecure-plaintext", action="store_true", help="run every gRPC link in plaintext "
+                        "(default: mutual TLS with a CA generated in <workdir>/tls)")
     return parser
 
 
@@ -157,12 +180,14 @@ def _print_fleet(info: dict, slots: Slots, workdir: Path) -> None:
     for node, address in info["data_planes"].items():
         print(f"data plane     {node} {address}")
         print(f"  metrics:     {metrics.get(node, 'off')}")
-        hint = ENGINE_HINT.format(model=slots.model or "MODEL", dtype=slots.engine_flags(),
-                                  block_tokens=slots.block_tokens, address=address,
-                                  key_file=info["node_key_files"][node], cp=info["control_plane"],
-                                  tenant=info["tenant"])
-        print(f"  engine:      {hint}")
+        print(f"  engine:      {engine_hint(slots, info, node)}")
     print(f"admin key      in {info['admin_key_file']}")
+    print(f"  admin:       {admin_hint(info)}")
+    if info["tls"]:
+        where = Path(info["tls"]["ca_file"]).parent
+        print(f"tls            every gRPC link is mutual TLS; CA and certificates in {where}")
+    else:
+        print("tls            OFF (--insecure-plaintext): every gRPC link is plaintext")
     print(f"redis user     {info['redis_user']}, password in {info['redis_password_file']}")
     print(f"state, logs    {workdir} (kept: the next start here reuses it)\nCtrl-C stops everything.", flush=True)
 
@@ -183,7 +208,7 @@ def main(argv: list[str]) -> int:
         key = admin_key(workdir, os.environ.get("KVMESH_ADMIN_KEY"))
         fleet = Fleet(workdir, args.data_planes, key, block_bytes=slots.block_bytes, block_tokens=slots.block_tokens,
                       capacity=str(slots.capacity_bytes), tether=Tether(hold_fds=(lock.fd,)),
-                      stop_timeout_s=SERVICE_STOP_S)
+                      stop_timeout_s=SERVICE_STOP_S, tls=not args.insecure_plaintext)
         fleet.start()
         started = True
         info = {**fleet.addresses(), "capacity_bytes": slots.capacity_bytes}

@@ -140,7 +140,8 @@ async def replay_real(fleet: Fleet, engines: dict[str, EngineProcess], ns: Names
             backlog[name][1] -= planned
             ttft.append(1000.0 * (started - arrived + reply["elapsed_s"]))
 
-    async with SchedulerClient(fleet.control_plane.address, ns, api_key=fleet.admin_key) as client:
+    async with SchedulerClient(fleet.control_plane.address, ns, api_key=fleet.admin_key,
+                               tls=fleet.client_tls()) as client:
         await client.report_stats(
             engines=[EngineSample(e, figures["prefill_tokens_per_s"]) for e in engines],
             links=[LinkSample(a, b, figures["pull_bytes_per_s"]) for a in NODES.values() for b in NODES.values()

@@ -1,10 +1,12 @@
-"""`kvmesh up`: starts the local topology, every service answers gRPC health, Ctrl-C stops it all; slot sizes
-from --model or --block-bytes, bad input refused with one line and exit status 2."""
+"""`kvmesh up`: starts the local topology, every service answers gRPC health (over mutual TLS; plaintext only with
+--insecure-plaintext), Ctrl-C stops it all; slot sizes from --model or --block-bytes, bad input refused with one line
+and exit status 2."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,12 +16,23 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_connector.config import KV_LAYOUT
+from kvmesh.namespace import CacheConfig, Namespace
+
 from data_plane.client import DataPlaneClient
+from kvmesh.channels import ClientTLS
 from kvmesh_apps import up
 
 
-def serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def admin_tls(info: dict) -> ClientTLS | None:
+    """The admin's certificate from ``kvmesh up --json`` (None: the fleet runs plaintext)."""
+    tls = info["tls"]
+    return ClientTLS(tls["ca_file"], tls["admin"]["cert_file"], tls["admin"]["key_file"]) if tls else None
+
+
+def serving(address: str, tls: ClientTLS | None) -> bool:
+    channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls.credentials())
+    with channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -30,9 +43,14 @@ def test_up_starts_serves_and_stops(tmp_path):
     try:
         line = proc.stdout.readline()
         info = json.loads(line)
-        assert serving(info["control_plane"])
+        tls = info["tls"]  # mutual TLS by default; the paths of the CA and every certificate are listed
+        assert tls["ca_file"] == str(tmp_path / "tls" / "ca.crt")
+        assert set(tls["data_planes"]) == set(tls["engines"]) == {"dp1"}
+        for pair in [tls["admin"], tls["control_plane"], tls["data_planes"]["dp1"], tls["engines"]["dp1"]]:
+            assert Path(pair["cert_file"]).is_file() and Path(pair["key_file"]).is_file()
+        assert serving(info["control_plane"], admin_tls(info))
         for address in info["data_planes"].values():
-            assert serving(address)
+            assert serving(address, admin_tls(info))
         assert Path(info["admin_key_file"]).read_text().startswith("kvm_")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
@@ -41,6 +59,40 @@ def test_up_starts_serves_and_stops(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_insecure_plaintext_runs_every_link_in_plaintext(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh_apps.cli", "up", "--data-planes", "2", "--json",
+                             "--insecure-plaintext", "--workdir", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["tls"] is None and not (tmp_path / "tls").exists()
+        for address in [info["control_plane"], *info["data_planes"].values()]:
+            assert serving(address, None)
+
+        async def pull():  # the data planes reach the control plane and each other in plaintext
+            key1, key2 = (Path(info["node_key_files"][n]).read_text().strip() for n in ("dp1", "dp2"))
+            async with DataPlaneClient(info["data_planes"]["dp1"], key=key1) as dp1, \
+                    DataPlaneClient(info["data_planes"]["dp2"], key=key2) as dp2:
+                ns = _namespace(info)
+                hashes = [bytes([i]) * 32 for i in range(2)]
+                await dp1.reserve(ns, hashes)
+                await dp1.commit(ns, hashes)
+                return await dp2.pull(ns, hashes, "dp1", info["data_planes"]["dp1"], timeout_ms=10_000)
+
+        assert asyncio.run(pull()).pulled == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _namespace(info: dict) -> Namespace:
+    return Namespace(info["tenant"], "m", "r", CacheConfig(block_size=info["block_tokens"], kv_dtype="float32",
+                                                           kv_layout=KV_LAYOUT)).validate()
 
 
 # ---- slot size: derived from --model, explicit, or refused before anything starts ----
@@ -110,7 +162,7 @@ def test_model_sizes_the_slots_and_the_engine_hint(tmp_path) -> None:
 
         async def describe():
             key = Path(info["node_key_files"][node]).read_text().strip()
-            async with DataPlaneClient(address, key=key) as client:
+            async with DataPlaneClient(address, key=key, tls=admin_tls(info)) as client:
                 return await client.describe_tier()
 
         tier = asyncio.run(describe())
@@ -128,9 +180,17 @@ def test_the_printed_engine_line_names_the_model_dtype_and_block_size(tmp_path) 
     model = _model(tmp_path)
     args = up._parser().parse_args(["--model", str(model), "--block-tokens", "64"])
     slots = up.resolve_slots(args)
-    hint = up.ENGINE_HINT.format(model=slots.model, dtype=slots.engine_flags(), block_tokens=slots.block_tokens,
-                                 address="127.0.0.1:1", key_file="k", cp="127.0.0.1:2", tenant="t")
+    info = {"data_planes": {"dp1": "127.0.0.1:1"}, "node_key_files": {"dp1": "k"}, "control_plane": "127.0.0.1:2",
+            "tenant": "t", "tls": None}
+    hint = up.engine_hint(slots, info, "dp1")
     assert hint.startswith(f"vllm serve {model} --dtype bfloat16 --block-size 64 --kv-transfer-config ")
+    extra = json.loads(shlex.split(hint)[-1])["kv_connector_extra_config"]
+    assert extra == {"data_plane_address": "127.0.0.1:1", "api_key_file": "k", "control_plane_address": "127.0.0.1:2",
+                     "tenant": "t", "auto_source": True}
+    info["tls"] = {"ca_file": "/w/tls/ca.crt", "engines": {"dp1": {"cert_file": "/w/e.crt", "key_file": "/w/e.key"}}}
+    extra = json.loads(shlex.split(up.engine_hint(slots, info, "dp1"))[-1])["kv_connector_extra_config"]
+    assert (extra["tls_ca_file"], extra["tls_cert_file"], extra["tls_key_file"]) == (
+        "/w/tls/ca.crt", "/w/e.crt", "/w/e.key")
     kv = up._parser().parse_args(["--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "fp8"])
     assert up.resolve_slots(kv).engine_flags() == " --dtype float32 --kv-cache-dtype fp8"
     assert up.resolve_slots(kv).block_bytes == 2 * 3 * 32 * 1 * 32  # one byte per element

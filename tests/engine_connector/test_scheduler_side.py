@@ -61,7 +61,8 @@ def store(fleet: Fleet, node: str, hashes: list[bytes]) -> None:
     """Save blocks on ``node`` the way an engine does: Reserve, write the slots, Commit."""
 
     async def run() -> None:
-        async with DataPlaneClient(fleet.data_planes[node].address, key=fleet.node_keys[node]) as client:
+        async with DataPlaneClient(fleet.data_planes[node].address, key=fleet.node_keys[node],
+                                   tls=fleet.client_tls(f"engine-{node}")) as client:
             tier = SharedTier.open(await client.describe_tier())
             for i, slot in enumerate(await client.reserve(namespace(fleet), hashes)):
                 tier.slot(slot)[:] = np.uint8(i + 1)
@@ -79,7 +80,7 @@ def side(small_fleet: Fleet):
     def make(**overrides) -> SchedulerSide:
         extra = {**small_fleet.connector_config("dp2"), **overrides}
         config = ConnectorConfig.from_extra_config(extra)
-        link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address)
+        link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address, tls=config.tls())
         links.append(link)
         s = SchedulerSide(link, namespace(small_fleet), config, BS, can_load=True, can_save=True)
         s.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),)))

@@ -34,7 +34,8 @@ def _pinned_slots(fleet: Fleet, n: int, base: int) -> tuple[list[int], str]:
     hashes = BlockHasher().block_hashes(list(range(base * 1000, base * 1000 + 32 * n)), 32)
 
     async def run() -> tuple[list[int], str]:
-        async with DataPlaneClient(fleet.data_planes["dp2"].address, key=fleet.node_keys["dp2"]) as client:
+        async with DataPlaneClient(fleet.data_planes["dp2"].address, key=fleet.node_keys["dp2"],
+                                   tls=fleet.client_tls("engine-dp2")) as client:
             tier = SharedTier.open(await client.describe_tier())
             for i, slot in enumerate(await client.reserve(_ns(fleet), hashes)):
                 tier.slot(slot)[:] = np.uint8(base + i)
@@ -50,7 +51,8 @@ def worker(small_fleet: Fleet):
     made = []
 
     def make(shape: tuple[int, ...] = SHAPE, **kwargs) -> tuple[WorkerSide, torch.Tensor]:
-        link = NodeLink(small_fleet.data_planes["dp2"].address, small_fleet.node_keys["dp2"])
+        link = NodeLink(small_fleet.data_planes["dp2"].address, small_fleet.node_keys["dp2"],
+                        tls=small_fleet.client_tls("engine-dp2"))
         side = WorkerSide(link, _ns(small_fleet), EngineBlocks(shape[2], "/models/tiny", "float32"), **kwargs)
         made.append((side, link))
         cache = torch.zeros(shape)

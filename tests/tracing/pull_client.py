@@ -40,7 +40,7 @@ def main(args: dict) -> None:
     config = ConnectorConfig.from_extra_config(args["connector"])
     ns = Namespace(config.tenant, "tiny", "rev1", CacheConfig(block_size=BS, kv_dtype="float32",
                                                               kv_layout=KV_LAYOUT)).validate()
-    link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address)
+    link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address, tls=config.tls())
     side = SchedulerSide(link, ns, config, BS, can_load=True, can_save=True)
     side.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (list(range(1000)),)))
     request = Request("traced-1", [bytes.fromhex(h) for h in args["hashes"]], args["kv_transfer_params"])

@@ -44,7 +44,8 @@ def traced_pull(tmp_path_factory, admin_key):
         hashes = BlockHasher().block_hashes(list(range(8 * BS)), BS)
 
         async def seed() -> None:  # dp1 holds the prefix, as if its engine had computed it
-            async with DataPlaneClient(fleet.data_planes["dp1"].address, key=fleet.node_keys["dp1"]) as client:
+            async with DataPlaneClient(fleet.data_planes["dp1"].address, key=fleet.node_keys["dp1"],
+                                       tls=fleet.client_tls("engine-dp1")) as client:
                 tier = SharedTier.open(await client.describe_tier())
                 for slot in await client.reserve(ns, hashes):
                     tier.slot(slot)[:] = np.uint8(7)
@@ -53,7 +54,7 @@ def traced_pull(tmp_path_factory, admin_key):
 
         asyncio.run(seed())
         for address in [fleet.control_plane.address, *(p.address for p in fleet.data_planes.values())]:
-            with grpc.insecure_channel(address) as ch:  # orchestrators probe health: never traced
+            with grpc.secure_channel(address, fleet.client_tls().credentials()) as ch:  # health probes: never traced
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         host, port = fleet.data_planes["dp1"].address.rsplit(":", 1)
         args = {"connector": fleet.connector_config("dp2"), "hashes": [h.hex() for h in hashes],

@@ -1,0 +1,194 @@
+"""`kvmesh up` is secure by default, tried as an outsider on the same machine: every gRPC server of the fleet refuses a
+plaintext client, a client without a certificate and a client whose certificate another CA signed; the `kvmesh admin`
+line it prints works as printed, a scheduler and an engine's data-plane client work with the generated certificates,
+and the data planes pull from each other over mutual TLS. Its CA and keys are the workdir's owner's alone and appear in
+no log and on no output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from control_plane.scheduler_client import SchedulerClient
+from data_plane.client import DataPlaneClient, SharedTier
+from engine_connector.config import KV_LAYOUT
+from kvmesh.channels import ClientTLS, channel
+from kvmesh.hashing import BlockHasher
+from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh.v1 import common_pb2, control_plane_pb2_grpc as cp_grpc, data_plane_pb2_grpc as dp_grpc
+
+from tests.pki import certificate, write_pem
+
+pytestmark = pytest.mark.slow
+
+BLOCK_TOKENS = 32
+BLOCK_BYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """A `kvmesh up` fleet of two data planes, and what it printed: {"lines", "control_plane", "data_planes",
+    "engine": {node: extra config}, "admin": command line, "workdir"}."""
+    workdir = tmp_path_factory.mktemp("up")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh_apps.cli", "up", "--data-planes", "2", "--workdir",
+                             str(workdir), "--block-bytes", str(BLOCK_BYTES), "--capacity", "1MiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("Ctrl-C stops everything"):
+                break
+        text = "\n".join(lines)
+        assert "Ctrl-C stops everything" in text, text
+        printed = {"lines": lines, "workdir": workdir, "data_planes": {}, "engine": {}}
+        for line in lines:
+            if line.startswith("control plane"):
+                printed["control_plane"] = line.split()[-1]
+            elif line.startswith("data plane"):
+                node, address = line.split()[-2:]
+                printed["data_planes"][node] = address
+            elif line.strip().startswith("engine:"):
+                config = json.loads(shlex.split(line.split("--kv-transfer-config", 1)[1])[0])
+                extra = config["kv_connector_extra_config"]
+                printed["engine"][next(n for n, a in printed["data_planes"].items()
+                                       if a == extra["data_plane_address"])] = extra
+            elif line.strip().startswith("admin:"):
+                printed["admin"] = line.split("admin:", 1)[1].strip()
+        yield printed
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory) -> tuple[str, str, str]:
+    """Another CA, and a client certificate and key it signed: (ca file, cert file, key file)."""
+    directory = tmp_path_factory.mktemp("foreign-pki")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvmesh local fleet CA forged")])
+    ca_file = write_pem(directory, "ca", certificate("kvmesh local fleet CA forged", name, key, key, ca=True))[0]
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    return (ca_file, *write_pem(directory, "admin", certificate("admin", name, key, leaf_key), leaf_key))
+
+
+def _servers(fleet) -> list[tuple[str, object, dict]]:
+    """(address, stub class, engine settings whose node key and certificate it accepts) of every gRPC server of
+    the fleet: a data plane's local API takes its own node's key."""
+    engines = fleet["engine"]
+    return [(fleet["control_plane"], cp_grpc.ControlPlaneStub, engines["dp1"]),
+            *((address, dp_grpc.DataPlaneStub, engines[node]) for node, address in fleet["data_planes"].items())]
+
+
+async def _ping(address: str, stub_class, tls: ClientTLS | None, key: str) -> None:
+    """One authenticated RPC: the control plane's or a data plane's Ping."""
+    async with channel(address, key, tls) as ch:
+        await stub_class(ch).Ping(common_pb2.PingRequest(), timeout=10)
+
+
+def _engine_tls(extra: dict) -> ClientTLS:
+    return ClientTLS(extra["tls_ca_file"], extra["tls_cert_file"], extra["tls_key_file"])
+
+
+async def test_every_server_refuses_plaintext_and_certificates_of_another_ca(fleet, foreign):
+    foreign_ca, foreign_cert, foreign_key = foreign
+    assert len(_servers(fleet)) == 3
+    for address, stub, extra in _servers(fleet):
+        key = Path(extra["api_key_file"]).read_text().strip()
+        ours = _engine_tls(extra)
+        for why, tls in [("plaintext", None),
+                         ("no client certificate", ClientTLS(ours.ca_file)),
+                         ("a client certificate of another CA", ClientTLS(ours.ca_file, foreign_cert, foreign_key)),
+                         ("trusting another CA", ClientTLS(foreign_ca, ours.cert_file, ours.key_file))]:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _ping(address, stub, tls, key)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (address, why, refused.value)
+        await _ping(address, stub, ours, key)  # positive control: the fleet's own certificate, the same key
+
+
+def test_the_printed_admin_line_works_as_printed(fleet):
+    """Run through a shell exactly as printed (``kvmesh`` from this interpreter's environment)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    assert fleet["admin"].startswith("kvmesh admin ") and "--tls-cert-file" in fleet["admin"]
+    out = subprocess.run(["bash", "-c", fleet["admin"]], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [t["tenant_id"] for t in json.loads(out.stdout)["tenants"]] == ["demo"]
+    # Negative control: the same line without its TLS flags is refused in one line.
+    plain = re.sub(r" --tls-(ca|cert|key)-file \S+", "", fleet["admin"])
+    out = subprocess.run(["bash", "-c", plain], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode != 0 and "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+async def test_scheduler_and_engine_clients_work_with_the_generated_certificates(fleet):
+    """The printed engine settings (node key, TLS files) reach the data planes; a scheduler with the admin's
+    certificate reaches the control plane; dp2 pulls dp1's blocks (grant from the control plane, then dp1) over
+    mutual TLS."""
+    ns = Namespace("demo", "tiny", "rev1", CacheConfig(block_size=BLOCK_TOKENS, kv_dtype="float32",
+                                                       kv_layout=KV_LAYOUT)).validate()
+    hashes = BlockHasher().block_hashes(list(range(3 * BLOCK_TOKENS)), BLOCK_TOKENS)
+    e1, e2 = fleet["engine"]["dp1"], fleet["engine"]["dp2"]
+    key1, key2 = (Path(e["api_key_file"]).read_text().strip() for e in (e1, e2))
+    async with DataPlaneClient(e1["data_plane_address"], key=key1, tls=_engine_tls(e1)) as dp1, \
+            DataPlaneClient(e2["data_plane_address"], key=key2, tls=_engine_tls(e2)) as dp2:
+        tier = SharedTier.open(await dp1.describe_tier())
+        for i, slot in enumerate(await dp1.reserve(ns, hashes)):
+            tier.slot(slot)[:] = np.uint8(i + 1)
+        tier.close()
+        assert await dp1.commit(ns, hashes) == 3
+        result = await dp2.pull(ns, hashes, "dp1", e1["data_plane_address"], timeout_ms=10_000)
+        assert (result.pulled, result.refused) == (3, ""), result
+        tier = SharedTier.open(await dp2.describe_tier())
+        slots, lease = await dp2.acquire(ns, hashes, lease_ms=5_000)
+        assert [int(tier.slot(s)[0]) for s in slots] == [1, 2, 3]
+        tier.close()
+        await dp2.release(lease)
+    workdir = fleet["workdir"]
+    admin_key = (workdir / "secrets" / "admin.key").read_text().strip()
+    admin_tls = ClientTLS(e1["tls_ca_file"], str(workdir / "tls" / "admin.crt"), str(workdir / "tls" / "admin.key"))
+    async with SchedulerClient(fleet["control_plane"], ns, api_key=admin_key, tls=admin_tls) as scheduler:
+        deadline = time.monotonic() + 10
+        while True:  # tier changes reach the index asynchronously
+            match = await scheduler.lookup_prefix(block_hashes=hashes)
+            held = {h.node_id: h.leading_blocks for h in match.holders}
+            if held == {"dp1": 3, "dp2": 3} or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+    assert held == {"dp1": 3, "dp2": 3}
+
+
+def test_tls_files_are_the_owners_alone_and_private_keys_appear_nowhere_else(fleet):
+    directory = fleet["workdir"] / "tls"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    files = sorted(p.name for p in directory.iterdir())
+    assert {"ca.crt", "ca.key", "control-plane.key", "dp1.key", "dp2.key", "engine-dp1.key", "admin.key"} <= set(files)
+    for path in directory.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    keys = [p.read_text() for p in directory.glob("*.key")]
+    assert all("PRIVATE KEY" in k for k in keys)
+    printed = "\n".join(fleet["lines"])
+    logs = [p.read_text(errors="replace") for p in fleet["workdir"].glob("*.log")]
+    assert logs  # positive control: the services' logs are there to search
+    for body in (k.split("-----")[2] for k in keys):
+        assert body.strip() and body.strip().splitlines()[0] not in printed
+        assert not any(body.strip().splitlines()[0] in log for log in logs)
