@@ -134,10 +134,12 @@ def test_the_printed_admin_line_works_as_printed(fleet):
     out = subprocess.run(["bash", "-c", fleet["admin"]], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert [t["tenant_id"] for t in json.loads(out.stdout)["tenants"]] == ["demo"]
-    # Negative control: the same line without its TLS flags is refused in one line.
+    # Negative control: the same line without its TLS flags is refused, in one line that says what to give.
     plain = re.sub(r" --tls-(ca|cert|key)-file \S+", "", fleet["admin"])
     out = subprocess.run(["bash", "-c", plain], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode != 0 and "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("kvmesh admin:")]
+    assert out.returncode == 1 and len(said) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "UNAVAILABLE" in said[0] and "TLS" in said[0], said
 
 
 async def test_scheduler_and_engine_clients_work_with_the_generated_certificates(fleet):
