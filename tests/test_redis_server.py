@@ -94,7 +94,7 @@ def test_the_acl_file_stays_owner_only_once_a_tenant_is_saved(tmp_path, admin_ke
         assert "kvm-t-" not in acl_file.read_text()
         out = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "admin", "--control-plane",
                               fleet.control_plane.address, "--key-file", str(fleet.admin_key_file),
-                              "tenants", "create", "second"], capture_output=True, text=True, timeout=60)
+                              *fleet.tls.admin_flags(), "tenants", "create", "second"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "kvm-t-" in acl_file.read_text()  # the positive control: the file was rewritten with tenant users
         assert acl_file.stat().st_mode & 0o777 == 0o600
