@@ -68,10 +68,12 @@ async def _tenant_works(info: dict, scheduler_key: str) -> None:
 
 def test_restarts_in_its_workdir_after_every_way_of_stopping(tmp_path, ups) -> None:
     """SIGINT, SIGTERM, SIGHUP, SIGKILL in turn on one work directory: each time every child ends (by pid), the
-    /dev/shm directory is gone, and the next start serves the tenant and scheduler key made on the first."""
+    /dev/shm directory is gone, and the next start serves the tenant and scheduler key made on the first, with the
+    same TLS CA, certificates and keys."""
     proc, info = start_up(tmp_path, *ONE, started=ups)
     scheduler_key = asyncio.run(_create_tenant_and_key(info))
     node_key = Path(info["node_key_files"]["dp1"]).read_text()
+    tls_files = {p.name: p.read_bytes() for p in Path(info["tls"]["ca_file"]).parent.iterdir()}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL):
         kids = children(proc.pid)
         assert len(kids) == 4  # the reaper, Redis, the control plane, the data plane
@@ -84,6 +86,7 @@ def test_restarts_in_its_workdir_after_every_way_of_stopping(tmp_path, ups) -> N
         assert _all_healthy(info) and set(info["metrics"]) == {"control_plane", "dp1"}
         asyncio.run(_tenant_works(info, scheduler_key))
         assert Path(info["node_key_files"]["dp1"]).read_text() == node_key  # still valid: kept
+        assert {p.name: p.read_bytes() for p in Path(info["tls"]["ca_file"]).parent.iterdir()} == tls_files  # kept
     kids = children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
