@@ -47,6 +47,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPTED = 130
 SERVICE_STOP_S = 0.5  # each service's bound after SIGTERM, then SIGKILL (a started one needs 0.1-0.5 s when loaded)
 
+
 @dataclass(frozen=True, slots=True)
 class Slots:
     """The data planes' slot size and capacity, and the model they were derived from (if any)."""
