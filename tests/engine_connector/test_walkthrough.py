@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.channels import ClientTLS
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.redis_server import free_port
 
@@ -127,9 +128,11 @@ def test_scheduler_quick_start_routes_a_pull(walk):
     prompt = list(range(1000, 2024))
 
     async def holders(ns) -> dict[str, int]:
-        async with SchedulerClient(cp, ns, api_key=key) as client:
+        async with SchedulerClient(cp, ns, api_key=key, tls=tls) as client:
             return {h.node_id: h.leading_blocks for h in (await client.lookup_prefix(token_ids=prompt)).holders}
 
+    tls_dir = walk.dir / "fleet" / "tls"
+    tls = ClientTLS(str(tls_dir / "ca.crt"), str(tls_dir / "admin.crt"), str(tls_dir / "admin.key"))
     right = SchedulerClient.namespace_for(model, tenant="demo", block_size=32, kv_dtype="bfloat16")
     assert asyncio.run(holders(right.to_proto()))["dp1"] == 32  # the proto form is taken too
     for wrong in (Namespace("demo", model, "", CacheConfig(block_size=32, kv_dtype="bfloat16")),
@@ -138,6 +141,6 @@ def test_scheduler_quick_start_routes_a_pull(walk):
 
     # docs/api.md's example with the generated stub, the same key and namespace rule.
     (walk.dir / "lookup.py").write_text(doc_block("api-lookup-prefix"))
-    out = walk.bash(f"python lookup.py {cp} scheduler.key {model}", timeout=60)
+    out = walk.bash(f"python lookup.py {cp} scheduler.key {model} {walk.dir / 'fleet' / 'tls'}", timeout=60)
     # dp1 computed the prompt; dp2 holds it since engine 2 pulled it (31 blocks) and computed the last one
     assert {line.split()[0]: int(line.split()[2]) for line in out.splitlines()} == {"dp1": 32, "dp2": 32}, out
