@@ -35,6 +35,7 @@ from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall, encode_pu
 
 from data_plane.server import TRANSFERS_HEALTH
 
+from tests.agent_challenge import challenge_nonce_blocking, drop_notifications
 from tests.fuzz.conftest import BLOCK_BYTES, TENANT
 from tests.fuzz.proto_strategies import message
 from tests.fuzz.test_rpc_fuzz import FUZZ, _call, _check, tracebacks  # noqa: F401 - tracebacks: a fixture
@@ -67,9 +68,7 @@ class Peer:
                          local)[0] == grpc.StatusCode.OK
         assert self.call("Commit", pb.CommitRequest(namespace=NS.to_proto(), block_hashes=self.hashes),
                          local)[0] == grpc.StatusCode.OK
-        handshake = pb.ExchangeAgentMetadataRequest(node_id=self.node_id, block_bytes=BLOCK_BYTES,
-                                                    agent_metadata=self.agent.get_agent_metadata())
-        assert self.peer_call("ExchangeAgentMetadata", handshake) == (grpc.StatusCode.OK, "")
+        self.handshake()
 
     def claims(self, **fields) -> dict:
         now_ms = int(time.time() * 1000)
@@ -92,14 +91,29 @@ class Peer:
         proof = self.identity.proof(grant, PeerCall.of(method, request), SOURCE)
         return self.call(method, request, ((GRANT_METADATA, grant.decode()), (PROOF_METADATA, proof)))
 
+    def reply(self, method: str, request):
+        """The data plane's reply to a granted peer call that must succeed."""
+        proof = self.identity.proof(self.grant, PeerCall.of(method, request), SOURCE)
+        call = self.channel.unary_unary(f"/kvmesh.v1.DataPlane/{method}",
+                                        request_serializer=type(request).SerializeToString,
+                                        response_deserializer=getattr(pb, f"{method}Response").FromString)
+        return call(request, metadata=((GRANT_METADATA, self.grant.decode()), (PROOF_METADATA, proof)), timeout=15)
+
+    def handshake(self) -> None:
+        """The peer's whole handshake, as a data plane's: its agent's metadata, then the challenge that agent got
+        (only then does the data plane WRITE to it)."""
+        drop_notifications(self.agent)
+        hs = self.reply("ExchangeAgentMetadata", pb.ExchangeAgentMetadataRequest(
+            node_id=self.node_id, block_bytes=BLOCK_BYTES, agent_metadata=self.agent.get_agent_metadata()))
+        assert hs.agent_challenge_sent, hs
+        self.reply("ExchangeAgentMetadata", pb.ExchangeAgentMetadataRequest(
+            node_id=self.node_id, block_bytes=BLOCK_BYTES,
+            agent_challenge_answer=challenge_nonce_blocking(self.agent, hs.agent_name)))
+
     def lease(self) -> str:
         """A fresh lease on the committed blocks (a real granted Lookup)."""
         request = pb.LookupRequest(namespace=NS.to_proto(), block_hashes=self.hashes, lease_ms=5_000)
-        proof = self.identity.proof(self.grant, PeerCall.of("Lookup", request), SOURCE)
-        reply = self.channel.unary_unary("/kvmesh.v1.DataPlane/Lookup",
-                                         request_serializer=pb.LookupRequest.SerializeToString,
-                                         response_deserializer=pb.LookupResponse.FromString)(
-            request, metadata=((GRANT_METADATA, self.grant.decode()), (PROOF_METADATA, proof)), timeout=15)
+        reply = self.reply("Lookup", request)
         assert reply.lease_id, reply
         return reply.lease_id
 
@@ -175,10 +189,7 @@ def test_fuzzed_releases_and_handshakes_get_documented_statuses(peer, tracebacks
     code, details = peer.peer_call(method, request)
     _check(code, details, f"{method}({request})", tracebacks)
     assert not any(g in details for g in GATE), details
-    # the peer's own agent is loaded again (a fuzzed handshake may have replaced it) for the next examples
-    handshake = pb.ExchangeAgentMetadataRequest(node_id=peer.node_id, agent_metadata=peer.agent.get_agent_metadata(),
-                                                block_bytes=BLOCK_BYTES)
-    assert peer.peer_call("ExchangeAgentMetadata", handshake)[0] == grpc.StatusCode.OK
+    peer.handshake()  # the peer's own agent is loaded again (a fuzzed handshake may have replaced it)
 
 
 _JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),

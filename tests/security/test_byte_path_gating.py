@@ -33,6 +33,8 @@ from data_plane.server import TRANSFERS_HEALTH
 from data_plane.types import LookupStatus
 from kvmesh_apps.dp_process import DataPlaneProcess
 
+from tests.agent_challenge import handshake
+
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 BLOCK = 64 * 1024
@@ -146,19 +148,6 @@ async def addresses(fleet: Fleet, source: DataPlaneProcess, hashes: list[bytes])
         await oracle.release(answer.lease_id, grant=grant)
     assert answer.statuses == [LookupStatus.HIT] * len(hashes)
     return answer.addrs
-
-
-async def handshake(peer: DataPlaneClient, node_id: str, agent, grant: bytes):
-    """A consumer's whole handshake: hand over the agent's metadata, answer the challenge the source sent it."""
-    hs = await peer.exchange_agent_metadata(node_id, agent.get_agent_metadata(), BLOCK, grant=grant)
-    for _ in range(2_000 if hs.challenge_sent else 0):
-        notes = agent.get_new_notifs().get(hs.agent_name)
-        if notes:
-            await peer.exchange_agent_metadata(node_id, b"", BLOCK, grant=grant, challenge_answer=notes[-1])
-            return hs
-        await asyncio.sleep(0.005)
-    assert not hs.challenge_sent, "the source's challenge never reached the agent"
-    return hs
 
 
 def nixl_read(agent, buf: np.ndarray, peer: str, addrs: list[int]) -> str:
@@ -281,7 +270,7 @@ async def test_a_lease_is_sent_only_to_the_consumer_that_took_it_in_its_namespac
     victim_grant = fleet.grant(victim_id.public_key, "victim", "src-gated", TENANT_A)
     with nixl_agent_with_buffer("victim", N * BLOCK) as (victim_agent, victim_buf):
         async with as_peer(victim_id, gated) as victim, as_peer(me, gated) as peer:
-            await handshake(victim, "victim", victim_agent, victim_grant)
+            await handshake(victim, "victim", victim_agent, victim_grant, BLOCK)
             answer, _ = await victim.lookup(TENANT_A, hashes, lease_ms=60_000, grant=victim_grant)
             assert answer.statuses == [LookupStatus.HIT] * N and answer.lease_id
             stolen = answer.lease_id
@@ -289,7 +278,7 @@ async def test_a_lease_is_sent_only_to_the_consumer_that_took_it_in_its_namespac
             landing = [buf.ctypes.data + i * BLOCK for i in range(N)]
             grant_a = fleet.grant(me.public_key, "attacker", "src-gated", TENANT_A)  # another consumer of A
             grant_b = fleet.grant(me.public_key, "attacker", "src-gated", TENANT_B)  # another namespace
-            await handshake(peer, "attacker", agent, grant_a)
+            await handshake(peer, "attacker", agent, grant_a, BLOCK)
             assert await peer.send(TENANT_A, stolen, hashes, landing, grant=grant_a) == (0, BLOCK)
             assert await peer.send(TENANT_B, stolen, hashes, landing, grant=grant_b) == (0, BLOCK)
             assert await peer.send(TENANT_A, os.urandom(16).hex(), hashes, landing, grant=grant_a) == (0, BLOCK)

@@ -6,9 +6,10 @@
   the source's log, no credential needed to try. A local Pull carrying such a grant is refused on the consumer,
   before any source is dialed. Positive control: the same calls with the real grant are served.
 * A proof covers a digest of its request: an attacker who captured a consumer's grant and proof on the way (a
-  link without TLS) and races them with other arguments (its own NIXL agent in the handshake; its own landing
-  addresses in the send) is refused, and not one byte reaches it. Positive control: the consumer's own requests,
-  with those very proofs, go through afterwards and bring the source's bytes.
+  link without TLS) and races them with other arguments (its own NIXL agent in the handshake, another answer to
+  its challenge; its own landing addresses in the send) is refused, and not one byte reaches it. Positive
+  control: the consumer's own requests, with those very proofs, go through afterwards and bring the source's
+  bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.types import LookupStatus
 
+from tests.agent_challenge import challenge_nonce, drop_notifications
 from tests.security.test_byte_path_gating import (  # noqa: F401 - fleet, attacker: fixtures
     BLOCK, N, TENANT_A, as_peer, attacker, fleet, nixl_agent_with_buffer, peer_key_of, store,
 )
@@ -68,15 +70,20 @@ def malformed_grants(good: bytes) -> dict[str, bytes]:
     return cases
 
 
-async def raw(address: str, method: str, request, grant: bytes, proof: str):
-    """A peer call with exactly this grant and proof (what an attacker replays); the status and details."""
+async def raw_reply(address: str, method: str, request, grant: bytes, proof: str):
+    """A peer call with exactly this grant and proof (what an attacker replays); the status, details and reply."""
     async with grpc.aio.insecure_channel(address) as ch:
         try:
-            await getattr(dp_grpc.DataPlaneStub(ch), method)(
+            reply = await getattr(dp_grpc.DataPlaneStub(ch), method)(
                 request, metadata=((GRANT_METADATA, grant.decode()), (PROOF_METADATA, proof)), timeout=30)
         except grpc.aio.AioRpcError as exc:
-            return exc.code(), exc.details()
-    return grpc.StatusCode.OK, ""
+            return exc.code(), exc.details(), None
+    return grpc.StatusCode.OK, "", reply
+
+
+async def raw(address: str, method: str, request, grant: bytes, proof: str):
+    """:func:`raw_reply`'s status and details."""
+    return (await raw_reply(address, method, request, grant, proof))[:2]
 
 
 def tracebacks(proc) -> list[str]:
@@ -156,8 +163,21 @@ async def test_a_captured_proof_raced_with_other_arguments_is_refused(fleet, att
                                                      block_bytes=BLOCK)
         code, details = await raw(source.address, "ExchangeAgentMetadata", swapped, grant, handshake_proof)
         assert code == grpc.StatusCode.PERMISSION_DENIED and "does not verify" in details, (code, details)
-        assert await raw(source.address, "ExchangeAgentMetadata", handshake, grant, handshake_proof) == \
-            (grpc.StatusCode.OK, ""), "the victim's own handshake, with that proof"
+        drop_notifications(victim_agent)
+        code, details, reply = await raw_reply(source.address, "ExchangeAgentMetadata", handshake, grant,
+                                               handshake_proof)
+        assert (code, details) == (grpc.StatusCode.OK, ""), "the victim's own handshake, with that proof"
+        # The victim answers the challenge its agent received (the handshake's second call), as a data plane does.
+        answer = dp_pb.ExchangeAgentMetadataRequest(
+            node_id="victim", block_bytes=BLOCK,
+            agent_challenge_answer=await challenge_nonce(victim_agent, reply.agent_name))
+        answer_proof = proof("ExchangeAgentMetadata", answer)
+        raced = dp_pb.ExchangeAgentMetadataRequest(node_id="victim", block_bytes=BLOCK,
+                                                   agent_challenge_answer=os.urandom(32).hex().encode())
+        code, details = await raw(source.address, "ExchangeAgentMetadata", raced, grant, answer_proof)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "does not verify" in details, (code, details)
+        assert await raw(source.address, "ExchangeAgentMetadata", answer, grant, answer_proof) == \
+            (grpc.StatusCode.OK, ""), "the victim's own answer, with that proof"
 
         async with as_peer(victim_id, source) as victim:
             answer, _ = await victim.lookup(TENANT_A, hashes, lease_ms=60_000, grant=grant)

@@ -31,6 +31,7 @@ from data_plane.config import DataPlaneConfig
 from data_plane.server import serve
 from data_plane.types import LookupStatus
 
+from tests.agent_challenge import handshake
 from tests.security.test_byte_path_gating import BLOCK, TENANT_A, as_peer, nixl_agent_with_buffer, store
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -73,7 +74,7 @@ async def peer(source):
     grant = source.grant(me, "peer")
     with nixl_agent_with_buffer("peer", N * BLOCK) as (agent, buf):
         async with as_peer(me, source) as client:
-            await client.exchange_agent_metadata("peer", agent.get_agent_metadata(), BLOCK, grant=grant)
+            await handshake(client, "peer", agent, grant, BLOCK)
             yield client, grant, buf
 
 

@@ -45,6 +45,8 @@ from control_plane.server import serve as serve_control_plane
 from data_plane.client import DataPlaneClient, SharedTier
 from kvmesh_apps.dp_process import DataPlaneProcess
 
+from tests.agent_challenge import handshake
+
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 BLOCK = 64 * 1024
@@ -183,18 +185,6 @@ def nixl_write(agent, buf: np.ndarray, peer: str, addr: int) -> str:
     return state
 
 
-async def handshake(peer: DataPlaneClient, node_id: str, agent, grant: bytes) -> None:
-    """A consumer's whole handshake: hand over the agent's metadata, answer the challenge the source sent it."""
-    hs = await peer.exchange_agent_metadata(node_id, agent.get_agent_metadata(), BLOCK, grant=grant)
-    for _ in range(2_000 if hs.challenge_sent else 0):
-        notes = agent.get_new_notifs().get(hs.agent_name)
-        if notes:
-            await peer.exchange_agent_metadata(node_id, b"", BLOCK, grant=grant, challenge_answer=notes[-1])
-            return
-        await asyncio.sleep(0.005)
-    assert not hs.challenge_sent, "the source's challenge never reached the agent"
-
-
 def renamed(metadata: bytes, name: str) -> bytes:
     """``metadata`` with its agent name replaced: another agent's worker address and memory under ``name``."""
     length = struct.unpack_from("<Q", metadata, len(b"nixlSerDes|Agent"))[0]
@@ -278,7 +268,7 @@ async def test_node_b_cannot_have_dp1_write_over_tenant_as_block_on_dp2(world, r
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
         with nixl_agent(f"node-b-{uuid.uuid4().hex[:8]}", N * BLOCK) as (agent, buf):
-            await handshake(peer, "node-b", agent, grant)
+            await handshake(peer, "node-b", agent, grant, BLOCK)
             own = buf.ctypes.data
             for landing in ([target], [own + 64]):  # dp2's memory; not a whole slot of its own
                 answer, _ = await peer.lookup(NS_B, b_hashes[:1], lease_ms=30_000, grant=grant)
@@ -307,7 +297,7 @@ async def test_a_handshake_replaces_only_the_callers_own_endpoint(world, rogue):
             async with as_peer(me, dp1) as peer:
                 with contextlib.suppress(grpc.aio.AioRpcError):  # refused: see the test above
                     await peer.exchange_agent_metadata("node-b", metadata, BLOCK, grant=grant)
-                await handshake(peer, "node-b", agent, grant)  # control: node-b handshakes as itself
+                await handshake(peer, "node-b", agent, grant, BLOCK)  # control: node-b handshakes as itself
         result = await local.pull(NS_A, later, "dp1", dp1.address)
         assert result.pulled == N, "dp2's endpoint at dp1 survived node-b's handshakes"
 

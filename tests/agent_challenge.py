@@ -1,0 +1,58 @@
+"""A test's own NIXL agent answering a source's handshake challenge, the way a data plane does it
+(data_plane/peers.py, ``_handshake``).
+
+A handshake takes two ExchangeAgentMetadata calls: the first hands over the agent's metadata, and the source
+sends that agent a NIXL notification holding a nonce; the second returns the nonce (``agent_challenge_answer``),
+and only then does the source WRITE to that agent. Stale notifications (earlier handshakes') are dropped before
+the first call, so the nonce taken is this handshake's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from data_plane.client import DataPlaneClient, PeerHandshake
+
+CHALLENGE_WAIT_S = 10.0
+_POLL_S = 0.005
+
+
+def drop_notifications(agent) -> None:
+    """Takes whatever ``agent`` received so far: a challenge of an earlier handshake is not the next one's."""
+    agent.get_new_notifs()
+
+
+def _taken(agent, sender: str) -> bytes | None:
+    notes = agent.get_new_notifs().get(sender)
+    return notes[-1] if notes else None
+
+
+async def challenge_nonce(agent, sender: str, timeout_s: float = CHALLENGE_WAIT_S) -> bytes:
+    """The nonce agent ``sender`` (the source's) sent ``agent``, awaited without blocking the event loop (the
+    source may be served on it)."""
+    deadline = time.monotonic() + timeout_s
+    while (nonce := _taken(agent, sender)) is None:
+        assert time.monotonic() < deadline, f"the challenge of agent {sender!r} never reached the agent"
+        await asyncio.sleep(_POLL_S)
+    return nonce
+
+
+def challenge_nonce_blocking(agent, sender: str, timeout_s: float = CHALLENGE_WAIT_S) -> bytes:
+    """:func:`challenge_nonce` for a caller with no event loop (the source served on another thread)."""
+    deadline = time.monotonic() + timeout_s
+    while (nonce := _taken(agent, sender)) is None:
+        assert time.monotonic() < deadline, f"the challenge of agent {sender!r} never reached the agent"
+        time.sleep(_POLL_S)
+    return nonce
+
+
+async def handshake(peer: DataPlaneClient, node_id: str, agent, grant: bytes, block_bytes: int) -> PeerHandshake:
+    """A consumer's whole handshake with ``peer``'s source: hand over ``agent``'s metadata as node ``node_id``,
+    answer the challenge the source sent it. The first call's answer."""
+    drop_notifications(agent)
+    hs = await peer.exchange_agent_metadata(node_id, agent.get_agent_metadata(), block_bytes, grant=grant)
+    if hs.challenge_sent:
+        await peer.exchange_agent_metadata(node_id, b"", block_bytes, grant=grant,
+                                           challenge_answer=await challenge_nonce(agent, hs.agent_name))
+    return hs
