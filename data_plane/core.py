@@ -20,12 +20,9 @@ other threads are NIXL's (inside :class:`~data_plane.transfer.Transport`).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import secrets
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Iterator
 
 import grpc
@@ -49,7 +46,7 @@ from data_plane.events import EventSink, NoEvents
 from data_plane.eviction import BlockInfo, EvictionPolicy
 from data_plane.leases import Clock, LeaseTable, SystemClock
 from data_plane.metrics import DataPlaneMetrics
-from data_plane.nixl_metadata import AgentMetadata
+from data_plane.peer_agents import PeerAgents
 from data_plane.peers import Peer, PeerPool, PeerProof
 from data_plane.reclaim import Quarantine, Reclaimer, Verdict
 from data_plane.shm import SharedRegion
@@ -71,16 +68,6 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 _REFUSED_BEFORE_WRITE = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
                          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-CHALLENGE_TTL_S = 30.0  # how long a handed-over agent waits for its challenge's answer
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingAgent:
-    agent: AgentMetadata
-    nonce: bytes
-    expires: float  # time.monotonic()
 
 
 def _scope(ns: Namespace, epoch: Epoch) -> str:
@@ -148,8 +135,7 @@ class DataPlaneCore:
         self.epochs = TenantEpochs()
         self.metrics = metrics or DataPlaneMetrics()
         self._peers = PeerPool(self.node_id, transport, self.block_bytes, peer_proof, peer_tls)
-        self._peer_agents: dict[str, AgentMetadata] = {}  # node id -> the agent of its (answered) handshake
-        self._pending: dict[str, _PendingAgent] = {}  # node id -> the agent it handed over, not answered yet
+        self._agents = PeerAgents(self.transport)  # the consumers' NIXL agents sends WRITE to (handshakes)
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
         # blocks an in-flight pull is bringing (claimed before its first await, so a concurrent pull or a
         # peer's Lookup waits for them instead of fetching them again); resolved when the pull settles them
@@ -511,49 +497,13 @@ class DataPlaneCore:
             if agent.node_id != node_id or agent.name == self.transport.agent_name:
                 raise PermissionDenied(f"the agent metadata describes agent {agent.name!r}, not one of node "
                                        f"{node_id!r}: a node hands over its own agent's metadata only")
-            self._challenge(node_id, metadata, agent)
+            self._agents.challenge(node_id, metadata, agent)
             challenged = True
         elif challenge_answer:
-            self._answer(node_id, challenge_answer)
+            self._agents.answer(node_id, challenge_answer)
         # Without serve_peer_reads the caller gets no rkey of this node: bytes leave only by send().
         return (self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b"",
                 challenged)
-
-    def _challenge(self, node_id: str, metadata: bytes, agent: AgentMetadata) -> None:
-        """Loads ``agent`` (pending) and sends it a nonce. A node handshakes again after a failure: the same
-        agent's old endpoint goes now, so the next WRITE builds a fresh connection instead of reusing one that
-        may be stalled; another (a new incarnation's) replaces the old one only once answered."""
-        self._drop_pending(node_id)
-        active = self._peer_agents.get(node_id)
-        if active is not None and active.name == agent.name:
-            del self._peer_agents[node_id]
-            self.transport.remove_peer(active.name)
-        self.transport.add_peer(metadata)
-        nonce = secrets.token_hex(16).encode()
-        self._pending[node_id] = _PendingAgent(agent, nonce, time.monotonic() + CHALLENGE_TTL_S)
-        try:
-            self.transport.notify(agent.name, nonce)
-        except Unavailable:
-            self._drop_pending(node_id)
-            raise
-
-    def _answer(self, node_id: str, answer: bytes) -> None:
-        pending = self._pending.get(node_id)
-        if pending is None or time.monotonic() > pending.expires or not hmac.compare_digest(answer, pending.nonce):
-            self._drop_pending(node_id)
-            raise PermissionDenied(f"the agent challenge answer of node {node_id!r} is not what this node sent "
-                                   "its agent: hand over the agent's metadata again")
-        del self._pending[node_id]
-        old = self._peer_agents.get(node_id)
-        self._peer_agents[node_id] = pending.agent
-        if old is not None and old.name != pending.agent.name:
-            self.transport.remove_peer(old.name)
-
-    def _drop_pending(self, node_id: str) -> None:
-        pending = self._pending.pop(node_id, None)
-        active = self._peer_agents.get(node_id)
-        if pending is not None and (active is None or active.name != pending.agent.name):
-            self.transport.remove_peer(pending.agent.name)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
                      lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),
@@ -647,7 +597,7 @@ class DataPlaneCore:
         try:
             if n > len(blocks) or any(b.key.block_hash != h for b, h in zip(blocks, hashes)):
                 raise InvalidArgument(f"block_hashes are not the leading blocks of lease {lease_id}")
-            agent = self._peer_agents.get(consumer_node_id)
+            agent = self._agents.get(consumer_node_id)
             if agent is None:
                 raise FailedPrecondition(f"node {consumer_node_id!r} has not handshaken with this node: call "
                                          "ExchangeAgentMetadata first")
@@ -1069,8 +1019,7 @@ class DataPlaneCore:
                 await asyncio.wait(busy, timeout=self.config.max_pull_timeout_ms / 1000)
             if self._pulls or self._sends or self._writing or not await self.transport.rotate():
                 return False
-            self._peer_agents.clear()  # their agents (and the challenged ones) were loaded into the old one
-            self._pending.clear()
+            self._agents.forget_all()  # their agents (and the challenged ones) were loaded into the old one
             await self._peers.close()  # this node's metadata changed: every source gets the new one
             return True
         finally:

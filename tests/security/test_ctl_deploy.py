@@ -4,7 +4,6 @@ command line, in a log, on stdout or in Redis, and the control plane's Redis use
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import redis.exceptions
 from control_plane.config import ControlPlaneConfig
 from tenancy import api_keys
 from tenancy.redis_acl import tenant_password
+from tests.deploy.up_fleet import stop_all_ups
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +30,7 @@ def up(tmp_path_factory):
         info = json.loads(line)
         yield proc, info, workdir, line
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all_ups([proc])
 
 
 def _secrets(info, workdir: Path) -> dict[str, str]:

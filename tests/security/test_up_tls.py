@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import stat
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from kvmesh.hashing import BlockHasher
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2_grpc as cp_grpc, data_plane_pb2_grpc as dp_grpc
 
+from tests.deploy.up_fleet import stop_all_ups
 from tests.pki import certificate, write_pem
 
 pytestmark = pytest.mark.slow
@@ -73,13 +73,7 @@ def fleet(tmp_path_factory):
                 printed["admin"] = line.split("admin:", 1)[1].strip()
         yield printed
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all_ups([proc])
 
 
 @pytest.fixture(scope="module")
