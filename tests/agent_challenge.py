@@ -1,4 +1,4 @@
-"""A test's own NIXL agent answering a source's handshake challenge, the way a data plane does it
+"""A test's own NIXL agent (:func:`nixl_agent_with_buffer`) answering a source's handshake challenge, the way a data plane does it
 (data_plane/peers.py, ``_handshake``).
 
 A handshake takes two ExchangeAgentMetadata calls: the first hands over the agent's metadata, and the source
@@ -10,11 +10,17 @@ the first call, so the nonce taken is this handshake's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+import uuid
+
+import numpy as np
 
 from data_plane.client import DataPlaneClient, PeerHandshake
 
 CHALLENGE_WAIT_S = 10.0
+UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL over UCX tcp on loopback
 _POLL_S = 0.005
 
 
@@ -56,3 +62,24 @@ async def handshake(peer: DataPlaneClient, node_id: str, agent, grant: bytes, bl
         await peer.exchange_agent_metadata(node_id, b"", block_bytes, grant=grant,
                                            challenge_answer=await challenge_nonce(agent, hs.agent_name))
     return hs
+
+
+@contextlib.contextmanager
+def nixl_agent_with_buffer(role: str, nbytes: int):
+    """A NIXL agent in this process, on UCX over tcp, with a registered buffer of ``nbytes`` (zeroed)."""
+    saved = {k: os.environ.get(k) for k in UCX_TCP}
+    os.environ.update(UCX_TCP)
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(f"{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))  # <node id>-<incarnation>
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    try:
+        yield agent, buf
+    finally:
+        agent.deregister_memory(reg)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

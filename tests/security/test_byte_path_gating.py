@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import os
 import shutil
 import time
@@ -33,7 +32,7 @@ from data_plane.server import TRANSFERS_HEALTH
 from data_plane.types import LookupStatus
 from kvmesh_apps.dp_process import DataPlaneProcess
 
-from tests.agent_challenge import handshake
+from tests.agent_challenge import UCX_TCP, handshake, nixl_agent_with_buffer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -41,7 +40,6 @@ BLOCK = 64 * 1024
 N = 4
 TENANT_A = Namespace("tenant-a", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
 TENANT_B = Namespace("tenant-b", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
-UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 class Fleet:
@@ -97,27 +95,6 @@ def fleet():
         if proc.proc.poll() is None:
             proc.stop()
     shutil.rmtree(shm_dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def nixl_agent_with_buffer(role: str, nbytes: int):
-    """A NIXL agent in this process, on UCX over tcp, with a registered buffer of ``nbytes`` (zeroed)."""
-    saved = {k: os.environ.get(k) for k in UCX_TCP}
-    os.environ.update(UCX_TCP)
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    agent = nixl_agent(f"{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))  # <node id>-<incarnation>
-    buf = np.zeros(nbytes, dtype=np.uint8)
-    reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    try:
-        yield agent, buf
-    finally:
-        agent.deregister_memory(reg)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ from control_plane.server import serve as serve_control_plane
 from data_plane.client import DataPlaneClient, SharedTier
 from kvmesh_apps.dp_process import DataPlaneProcess
 
-from tests.agent_challenge import handshake
+from tests.agent_challenge import UCX_TCP, handshake, nixl_agent_with_buffer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -53,7 +53,6 @@ BLOCK = 64 * 1024
 N = 2
 NS_A = Namespace("tenant-a", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
 NS_B = Namespace("tenant-b", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
-UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 class RogueDataPlane(dp_grpc.DataPlaneServicer):
@@ -151,27 +150,6 @@ async def rogue(world):
     await server.stop()
 
 
-@contextlib.contextmanager
-def nixl_agent(name: str, nbytes: int):
-    """A NIXL agent in this process (UCX on tcp) with a registered, zeroed buffer of ``nbytes``."""
-    saved = {k: os.environ.get(k) for k in UCX_TCP}
-    os.environ.update(UCX_TCP)
-    from nixl._api import nixl_agent as make_agent, nixl_agent_config
-
-    agent = make_agent(name, nixl_agent_config(backends=["UCX"]))
-    buf = np.zeros(nbytes, dtype=np.uint8)
-    reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    try:
-        yield agent, buf
-    finally:
-        agent.deregister_memory(reg)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def nixl_write(agent, buf: np.ndarray, peer: str, addr: int) -> str:
     """The attacker's one-sided WRITE of its buffer's first block to ``addr`` of ``peer``: the final state."""
     handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(buf.ctypes.data, BLOCK, 0)], "DRAM"),
@@ -267,7 +245,7 @@ async def test_node_b_cannot_have_dp1_write_over_tenant_as_block_on_dp2(world, r
             await peer.send(NS_B, answer.lease_id, b_hashes[:1], [target], grant=grant)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
-        with nixl_agent(f"node-b-{uuid.uuid4().hex[:8]}", N * BLOCK) as (agent, buf):
+        with nixl_agent_with_buffer("node-b", N * BLOCK) as (agent, buf):
             await handshake(peer, "node-b", agent, grant, BLOCK)
             own = buf.ctypes.data
             for landing in ([target], [own + 64]):  # dp2's memory; not a whole slot of its own
@@ -293,7 +271,7 @@ async def test_a_handshake_replaces_only_the_callers_own_endpoint(world, rogue):
         metadata = await dp2_hands_node_b_its_metadata(dp2, rogue)
         me = NodeIdentity()
         grant = await world.grant("node-b", NS_B, "dp1", me.public_key)
-        with nixl_agent(f"node-b-{uuid.uuid4().hex[:8]}", BLOCK) as (agent, _):
+        with nixl_agent_with_buffer("node-b", BLOCK) as (agent, _):
             async with as_peer(me, dp1) as peer:
                 with contextlib.suppress(grpc.aio.AioRpcError):  # refused: see the test above
                     await peer.exchange_agent_metadata("node-b", metadata, BLOCK, grant=grant)
@@ -311,7 +289,7 @@ async def test_bytes_written_into_a_committed_slot_from_outside_are_never_served
     assert seen == a_bytes, "control: A's engine on dp2 reads A's committed blocks"
     metadata = await dp2_hands_node_b_its_metadata(dp2, rogue)
     evil = os.urandom(BLOCK)
-    with nixl_agent(f"node-b-{uuid.uuid4().hex[:8]}", BLOCK) as (agent, buf):
+    with nixl_agent_with_buffer("node-b", BLOCK) as (agent, buf):
         buf[:] = np.frombuffer(evil, dtype=np.uint8)
         remote = agent.add_remote_agent(metadata)
         assert nixl_write(agent, buf, remote, tier_base(metadata) + slots[1] * BLOCK) == "DONE"
