@@ -53,6 +53,7 @@ class PeerHandshake:
     agent_metadata: bytes
     block_bytes: int
     challenge_sent: bool = False  # answer with what this node's agent received from agent_name
+    challenge_digest: bytes = b""  # SHA-256 of that notification (an earlier handshake's late one does not match)
 
 
 
@@ -152,7 +153,8 @@ class DataPlaneClient:
                                                   agent_challenge_answer=challenge_answer)
         r = await self._stub.ExchangeAgentMetadata(request, timeout=timeout,
                                                    metadata=self._peer(grant, "ExchangeAgentMetadata", request))
-        return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes, r.agent_challenge_sent)
+        return PeerHandshake(r.node_id, r.agent_name, r.agent_metadata, r.block_bytes, r.agent_challenge_sent,
+                             r.agent_challenge_digest)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer_node_id: str = "",
                      pending_wait_ms: int = 0, lease_ms: int = 0, media: Iterable[Medium] | None = None,

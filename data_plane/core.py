@@ -470,9 +470,9 @@ class DataPlaneCore:
     # ---- peer API ----
 
     async def exchange_metadata(self, node_id: str, metadata: bytes, block_bytes: int, timeout_s: float = 10.0,
-                                challenge_answer: bytes = b"") -> tuple[str, bytes, bool]:
+                                challenge_answer: bytes = b"") -> tuple[str, bytes, bytes]:
         """One call of a consumer's handshake: this node's agent name, its metadata (serve_peer_reads only) and
-        whether the caller's agent was sent a challenge. Waits at most ``timeout_s`` for this node's own agent
+        the SHA-256 of the challenge the caller's agent was sent (empty: none). Waits at most ``timeout_s`` for this node's own agent
         (Unavailable: still starting).
 
         The agent handed over is the one this node WRITEs ``node_id``'s blocks to, so it must be ``node_id``'s
@@ -491,19 +491,18 @@ class DataPlaneCore:
         if metadata and challenge_answer:
             raise InvalidArgument("a handshake call carries agent_metadata or agent_challenge_answer, not both")
         await self.transport.ready(timeout_s)
-        challenged = False
+        digest = b""
         if metadata:
             agent = self.transport.describe_peer(metadata)
             if agent.node_id != node_id or agent.name == self.transport.agent_name:
                 raise PermissionDenied(f"the agent metadata describes agent {agent.name!r}, not one of node "
                                        f"{node_id!r}: a node hands over its own agent's metadata only")
-            self._agents.challenge(node_id, metadata, agent)
-            challenged = True
+            digest = self._agents.challenge(node_id, metadata, agent)
         elif challenge_answer:
             self._agents.answer(node_id, challenge_answer)
         # Without serve_peer_reads the caller gets no rkey of this node: bytes leave only by send().
         return (self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b"",
-                challenged)
+                digest)
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
                      lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),

@@ -11,6 +11,7 @@ Threading model: the data plane's event loop only (no locks).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 import time
@@ -43,8 +44,9 @@ class PeerAgents:
         """The agent sends to ``node_id`` WRITE to (None: no answered handshake)."""
         return self._active.get(node_id)
 
-    def challenge(self, node_id: str, metadata: bytes, agent: AgentMetadata) -> None:
-        """Loads ``agent`` (pending) and sends it a nonce. A node handshakes again after a failure: the same
+    def challenge(self, node_id: str, metadata: bytes, agent: AgentMetadata) -> bytes:
+        """Loads ``agent`` (pending) and sends it a nonce; returns the nonce's SHA-256 (the consumer tells this
+        challenge's notification from a late one of an earlier handshake by it). A node handshakes again after a failure: the same
         agent's old endpoint goes now, so the next WRITE builds a fresh connection instead of reusing one that
         may be stalled; another (a new incarnation's) replaces the old one only once answered."""
         self._drop_pending(node_id)
@@ -60,6 +62,7 @@ class PeerAgents:
         except Unavailable:
             self._drop_pending(node_id)
             raise
+        return hashlib.sha256(nonce).digest()
 
     def answer(self, node_id: str, answer: bytes) -> None:
         """The consumer's answer: its pending agent becomes its endpoint (PermissionDenied unless ``answer`` is the

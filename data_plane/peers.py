@@ -106,7 +106,8 @@ class PeerPool:
                 raise PermissionDenied(f"peer {address} (node {node_id}) names agent {hs.agent_name!r} as its own: "
                                        "its challenge is not answered")
             if hs.challenge_sent:
-                nonce = await self._transport.notification(hs.agent_name, max(0.0, deadline - time.monotonic()))
+                nonce = await self._transport.notification(hs.agent_name, max(0.0, deadline - time.monotonic()),
+                                                           hs.challenge_digest)
                 if nonce is None:
                     raise Unavailable(f"peer {address} loaded this node's agent but no challenge reached it in time")
                 await client.exchange_agent_metadata(self._node_id, b"", self._block_bytes,

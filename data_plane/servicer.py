@@ -42,12 +42,12 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         if grant is not None and grant.consumer_node_id != request.node_id:
             raise PermissionDenied(f"the grant was issued to node {grant.consumer_node_id!r}, "
                                    f"not {request.node_id!r}")
-        name, metadata, challenged = await self._core.exchange_metadata(
+        name, metadata, digest = await self._core.exchange_metadata(
             request.node_id, request.agent_metadata, request.block_bytes, context.time_remaining() or 10.0,
             request.agent_challenge_answer)
         return pb.ExchangeAgentMetadataResponse(node_id=self._core.node_id, agent_name=name,
                                                 agent_metadata=metadata, block_bytes=self._core.block_bytes,
-                                                agent_challenge_sent=challenged)
+                                                agent_challenge_sent=bool(digest), agent_challenge_digest=digest)
 
     @grpc_errors
     async def Lookup(self, request, context):

@@ -49,6 +49,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import threading
 import time
@@ -149,9 +150,10 @@ class Transport(abc.ABC):
         agent's worker address, whoever handed over the metadata). Unavailable when it cannot be sent."""
 
     @abc.abstractmethod
-    async def notification(self, sender: str, timeout_s: float) -> bytes | None:
+    async def notification(self, sender: str, timeout_s: float, digest: bytes = b"") -> bytes | None:
         """The latest notification this node's agent received from agent ``sender`` (taken), waiting at most
-        ``timeout_s`` for one; None if none came."""
+        ``timeout_s`` for one; None if none came. With ``digest``, only one whose SHA-256 it is (an earlier
+        one arriving late is not taken for it)."""
 
     @abc.abstractmethod
     def remove_peer(self, agent_name: str) -> None:
@@ -287,7 +289,7 @@ class NixlTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes
             raise Unavailable(f"cannot notify agent {agent_name!r}: {exc}") from None
 
-    async def notification(self, sender: str, timeout_s: float) -> bytes | None:
+    async def notification(self, sender: str, timeout_s: float, digest: bytes = b"") -> bytes | None:
         agent = self._ready_agent()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -296,9 +298,11 @@ class NixlTransport(Transport):
                     if len(self._notes) >= _MAX_NOTES and name not in self._notes:
                         self._notes.pop(next(iter(self._notes)))  # the oldest sender's: nobody took it
                     self._notes[name] = messages[-1]
-            note = self._notes.pop(sender, None)
-            if note is not None or time.monotonic() >= deadline:
-                return note
+            note = self._notes.get(sender)
+            if note is not None and (not digest or hashlib.sha256(note).digest() == digest):
+                return self._notes.pop(sender)
+            if time.monotonic() >= deadline:
+                return None
             await asyncio.sleep(_NOTE_POLL_S)
 
     def remove_peer(self, agent_name: str) -> None:

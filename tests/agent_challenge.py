@@ -4,13 +4,15 @@
 A handshake takes two ExchangeAgentMetadata calls: the first hands over the agent's metadata, and the source
 sends that agent a NIXL notification holding a nonce; the second returns the nonce (``agent_challenge_answer``),
 and only then does the source WRITE to that agent. Stale notifications (earlier handshakes') are dropped before
-the first call, so the nonce taken is this handshake's.
+the first call, and the nonce taken is the one whose SHA-256 the source returned (a late one of an earlier
+handshake is not it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import time
 import uuid
@@ -29,25 +31,26 @@ def drop_notifications(agent) -> None:
     agent.get_new_notifs()
 
 
-def _taken(agent, sender: str) -> bytes | None:
-    notes = agent.get_new_notifs().get(sender)
-    return notes[-1] if notes else None
+def _taken(agent, sender: str, digest: bytes) -> bytes | None:
+    notes = agent.get_new_notifs().get(sender) or []
+    return next((n for n in notes if not digest or hashlib.sha256(n).digest() == digest), None)
 
 
-async def challenge_nonce(agent, sender: str, timeout_s: float = CHALLENGE_WAIT_S) -> bytes:
-    """The nonce agent ``sender`` (the source's) sent ``agent``, awaited without blocking the event loop (the
-    source may be served on it)."""
+async def challenge_nonce(agent, sender: str, digest: bytes = b"", timeout_s: float = CHALLENGE_WAIT_S) -> bytes:
+    """The nonce agent ``sender`` (the source's) sent ``agent`` (the one hashing to ``digest``, the handshake
+    reply's ``agent_challenge_digest``), awaited without blocking the event loop (the source may be served on it)."""
     deadline = time.monotonic() + timeout_s
-    while (nonce := _taken(agent, sender)) is None:
+    while (nonce := _taken(agent, sender, digest)) is None:
         assert time.monotonic() < deadline, f"the challenge of agent {sender!r} never reached the agent"
         await asyncio.sleep(_POLL_S)
     return nonce
 
 
-def challenge_nonce_blocking(agent, sender: str, timeout_s: float = CHALLENGE_WAIT_S) -> bytes:
+def challenge_nonce_blocking(agent, sender: str, digest: bytes = b"",
+                             timeout_s: float = CHALLENGE_WAIT_S) -> bytes:
     """:func:`challenge_nonce` for a caller with no event loop (the source served on another thread)."""
     deadline = time.monotonic() + timeout_s
-    while (nonce := _taken(agent, sender)) is None:
+    while (nonce := _taken(agent, sender, digest)) is None:
         assert time.monotonic() < deadline, f"the challenge of agent {sender!r} never reached the agent"
         time.sleep(_POLL_S)
     return nonce
@@ -59,8 +62,8 @@ async def handshake(peer: DataPlaneClient, node_id: str, agent, grant: bytes, bl
     drop_notifications(agent)
     hs = await peer.exchange_agent_metadata(node_id, agent.get_agent_metadata(), block_bytes, grant=grant)
     if hs.challenge_sent:
-        await peer.exchange_agent_metadata(node_id, b"", block_bytes, grant=grant,
-                                           challenge_answer=await challenge_nonce(agent, hs.agent_name))
+        nonce = await challenge_nonce(agent, hs.agent_name, hs.challenge_digest)
+        await peer.exchange_agent_metadata(node_id, b"", block_bytes, grant=grant, challenge_answer=nonce)
     return hs
 
 

@@ -32,18 +32,20 @@ class ExchangeAgentMetadataRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., agent_challenge_answer: _Optional[bytes] = ...) -> None: ...
 
 class ExchangeAgentMetadataResponse(_message.Message):
-    __slots__ = ("node_id", "agent_name", "agent_metadata", "block_bytes", "agent_challenge_sent")
+    __slots__ = ("node_id", "agent_name", "agent_metadata", "block_bytes", "agent_challenge_sent", "agent_challenge_digest")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     AGENT_CHALLENGE_SENT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CHALLENGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_name: str
     agent_metadata: bytes
     block_bytes: int
     agent_challenge_sent: bool
-    def __init__(self, node_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., agent_challenge_sent: _Optional[bool] = ...) -> None: ...
+    agent_challenge_digest: bytes
+    def __init__(self, node_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., agent_challenge_sent: _Optional[bool] = ..., agent_challenge_digest: _Optional[bytes] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("addr", "length", "device_id")

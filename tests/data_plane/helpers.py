@@ -39,8 +39,8 @@ class WrappedTransport(Transport):
     def notify(self, agent_name, message):
         self._real.notify(agent_name, message)
 
-    async def notification(self, sender, timeout_s):
-        return await self._real.notification(sender, timeout_s)
+    async def notification(self, sender, timeout_s, digest=b""):
+        return await self._real.notification(sender, timeout_s, digest)
 
     def remove_peer(self, agent_name):
         self._real.remove_peer(agent_name)

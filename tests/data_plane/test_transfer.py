@@ -3,6 +3,8 @@ closes its peer's endpoint so the next use needs a new handshake; a transfer tha
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,17 @@ async def test_a_peer_removed_during_a_transfer_is_closed_after_it(pair):
     src.add_peer(dst.metadata())  # re-added before the deferred close: usable
     await src.write(peer, [src_region.offset(2)], [dst_region.base_addr + dst_region.offset(2)], BLOCK, 30.0)
     assert np.all(dst_region.slot(2) == 5)
+
+
+async def test_a_late_notification_of_an_earlier_handshake_is_not_taken_for_this_one(pair):
+    """A handshake retried after its first challenge was late: the first nonce may arrive after the second call
+    began to wait; only the nonce whose SHA-256 the source returned answers it."""
+    src, dst, _ = pair
+    dst_peer = src.add_peer(dst.metadata())
+    src.notify(dst_peer, b"nonce-of-the-earlier-handshake")
+    fresh = b"nonce-of-this-handshake"
+    assert await dst.notification(src.agent_name, 2.0, hashlib.sha256(fresh).digest()) is None  # the old one waits
+    assert await dst.notification(src.agent_name, 2.0) == b"nonce-of-the-earlier-handshake"  # control: no digest
+    src.notify(dst_peer, b"nonce-of-the-earlier-handshake")
+    src.notify(dst_peer, fresh)
+    assert await dst.notification(src.agent_name, 10.0, hashlib.sha256(fresh).digest()) == fresh

@@ -108,7 +108,7 @@ class Peer:
         assert hs.agent_challenge_sent, hs
         self.reply("ExchangeAgentMetadata", pb.ExchangeAgentMetadataRequest(
             node_id=self.node_id, block_bytes=BLOCK_BYTES,
-            agent_challenge_answer=challenge_nonce_blocking(self.agent, hs.agent_name)))
+            agent_challenge_answer=challenge_nonce_blocking(self.agent, hs.agent_name, hs.agent_challenge_digest)))
 
     def lease(self) -> str:
         """A fresh lease on the committed blocks (a real granted Lookup)."""
