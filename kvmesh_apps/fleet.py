@@ -33,6 +33,7 @@ import asyncio
 import importlib.util
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,18 @@ class Fleet:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
         if self.reaper is not None:
             self.reaper.finish()
+
+    def exited(self) -> str | None:
+        """The first service that is no longer running, said in one line (its exit status and log), or None."""
+        services = [("redis", self.redis.proc, self.redis.workdir / "redis.log")]
+        if self.control_plane is not None:
+            services.append(("control plane", self.control_plane.proc, self.control_plane.log_path))
+        services += [(f"data plane {node}", dp.proc, dp.log_path) for node, dp in self.data_planes.items()]
+        for name, proc, log_path in services:
+            if proc is not None and (code := proc.poll()) is not None:
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+                return f"{name} stopped ({how}); its log: {log_path}"
+        return None
 
     def __enter__(self) -> "Fleet":
         return self.start()

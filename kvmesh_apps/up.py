@@ -12,7 +12,9 @@ same as one JSON line (with the CA and certificate paths).
 
 The work directory (default :func:`kvmesh_apps.up_workdir.default_workdir`) is locked while a
 fleet runs in it (a second ``up`` there is refused in one line) and reused by the next start:
-secrets, tenant and block map survive. The children are tethered to this process
+secrets, tenant and block map survive. A service that stops by itself while the fleet runs (crashed, killed)
+stops the whole fleet: ``up`` says which one, how it ended and where its log is, in one line, and exits with
+status 1 (a fleet missing a part is not left looking healthy). The children are tethered to this process
 (:class:`kvmesh_apps.procs.Tether`): however it ends, SIGKILL included, they end too.
 
 A data-plane slot holds exactly one engine KV block (all layers), and the connector refuses
@@ -30,6 +32,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +51,8 @@ DEFAULT_BLOCK_TOKENS = 32
 DEFAULT_CAPACITY = "256MiB"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPTED = 130
+SERVICE_STOPPED = 1
+SUPERVISE_EVERY_S = 0.5
 SERVICE_STOP_S = 0.5  # each service's bound after SIGTERM, then SIGKILL (a started one needs 0.1-0.5 s when loaded)
 
 
@@ -207,6 +212,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, _stop_signal)
     fleet: Fleet | None = None
     started = False
+    stopped_service: str | None = None
     try:
         lock = WorkdirLock(workdir)
         key = admin_key(workdir, os.environ.get("KVMESH_ADMIN_KEY"))
@@ -222,8 +228,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps(info), flush=True)
         else:
             _print_fleet(info, slots, workdir)
-        while True:
-            signal.pause()
+        while (stopped_service := fleet.exited()) is None:
+            time.sleep(SUPERVISE_EVERY_S)  # a stop signal raises _Stopped from inside the sleep
     except _Stopped as stopped:
         if started:
             return 0
@@ -232,5 +238,8 @@ def main(argv: list[str]) -> int:
         _ignore_stop_signals()
         if fleet is not None:
             fleet.stop()
+    if stopped_service is not None:
+        print(f"kvmesh up: {stopped_service}: stopped the fleet", file=sys.stderr, flush=True)
+        return SERVICE_STOPPED
     print(interrupted, file=sys.stderr, flush=True)
     return INTERRUPTED

@@ -180,3 +180,26 @@ def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path, ups) ->
     other = _run_up(ups, "--workdir", str(tmp_path), env={**os.environ, "KVMESH_ADMIN_KEY": api_keys.new_key()[1]})
     assert other.returncode == 1 and other.stderr.count("\n") == 1 and "KVMESH_ADMIN_KEY differs" in other.stderr
     assert (tmp_path / "secrets" / "admin.key").read_text() == first and not (tmp_path / "redis").exists()
+
+
+@pytest.mark.parametrize("victim", ["data plane dp1", "control plane", "redis"])
+def test_a_service_that_dies_stops_the_fleet_with_one_line_naming_it(tmp_path, ups, victim) -> None:
+    """A crashed part is not left looking healthy: up names it, how it ended and its log, stops the rest, exits 1;
+    and the work directory starts again."""
+    proc, info = start_up(tmp_path, "--data-planes", "1", started=ups)
+    kids = children(proc.pid)
+    marks = {"data plane dp1": " data-plane --node-id dp1 ", "control plane": " control-plane ", "redis": "-server "}
+    pid = next(p for p in kids if marks[victim] in Path(f"/proc/{p}/cmdline").read_text().replace("\0", " "))
+    os.kill(pid, signal.SIGKILL)
+    proc.wait(15)
+    err = proc.stderr.read()
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvmesh up: {victim} stopped (killed by SIGKILL)"), err
+    assert "its log: " in lines[0] and "stopped the fleet" in lines[0], err
+    wait_gone(kids, 10)
+    again, info = start_up(tmp_path, "--data-planes", "1", started=ups)  # the workdir starts again
+    assert _all_healthy(info)
+    again.send_signal(signal.SIGTERM)
+    again.wait(10)
+
