@@ -6,7 +6,8 @@ background task sends numbered batches over ``StreamEvents`` and keeps each
 batch until it is acked.
 
 Failure policy
-- Control plane unreachable: retry every ``retry_s``; unacked batches are resent
+- Control plane unreachable: retry every ``retry_s``; unacked batches are resent. Logged once when it
+  starts, then at most every ``OUTAGE_LOG_EVERY_S`` while it lasts, and once when it answers again
   with their original seq (the server treats replays as duplicates).
 - Key refused (UNAUTHENTICATED, PERMISSION_DENIED): retried like an outage, unless
   ``stop_on_refusal``: then the publisher stops and ``refusal`` holds the error.
@@ -26,6 +27,7 @@ import collections
 import enum
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -40,6 +42,8 @@ from control_plane import wire
 from control_plane.model import Cleared, Medium, NodeInfo, Removed, Stored
 
 log = logging.getLogger(__name__)
+
+OUTAGE_LOG_EVERY_S = 30.0
 
 __all__ = ["EventPublisher", "NodeInfo"]
 
@@ -64,6 +68,34 @@ class _Change:
 
 class _Resync(Exception):
     """The control plane no longer trusts this incarnation's stream."""
+
+
+class _OutageLog:
+    """A control-plane outage in a few log lines, not one per retry: when it starts, every
+    :data:`OUTAGE_LOG_EVERY_S` while it lasts (how long, how many tries) and when it ends."""
+
+    def __init__(self, retry_s: float) -> None:
+        self._retry_s = retry_s
+        self._since: float | None = None
+        self._logged = 0.0
+        self._tries = 0
+
+    def failed(self, code: str) -> None:
+        now = time.monotonic()
+        self._tries += 1
+        if self._since is None:
+            self._since = self._logged = now
+            log.warning("control plane unreachable (%s); retrying every %.1fs", code, self._retry_s)
+        elif now - self._logged >= OUTAGE_LOG_EVERY_S:
+            self._logged = now
+            log.warning("control plane still unreachable (%s) after %.0fs and %d tries; retrying every %.1fs",
+                        code, now - self._since, self._tries, self._retry_s)
+
+    def answered(self) -> None:
+        if self._since is not None:
+            log.warning("control plane reachable again after %.1fs and %d tries", time.monotonic() - self._since,
+                        self._tries)
+            self._since, self._tries = None, 0
 
 
 class EventPublisher:
@@ -93,6 +125,7 @@ class EventPublisher:
         self._seq = 0
         self._lease_ms = 10_000
         self._need_register = True
+        self._outage = _OutageLog(retry_s)
 
     # -- producer side (any thread) ---------------------------------------------
 
@@ -161,6 +194,7 @@ class EventPublisher:
     async def _register(self) -> None:
         node = wire.node_info_to_pb(self._node)
         reply = await self._stub.RegisterNode(pb.RegisterNodeRequest(node=node), metadata=self._metadata)
+        self._outage.answered()
         self.incarnation, self._lease_ms, self._seq = reply.incarnation, reply.lease_ms, reply.next_seq - 1
         # The snapshot is the truth now: it supersedes unacked batches. Queued
         # changes are kept and replayed after it: each is the latest for its block.
@@ -186,7 +220,7 @@ class EventPublisher:
                     self._need_register = True
                     self._wake.set()
                 else:
-                    log.warning("heartbeat failed: %s", exc.details())
+                    self._outage.failed(exc.code().name)  # the same outage as the stream's, logged with it
 
     async def _run(self) -> None:
         while True:
@@ -204,7 +238,7 @@ class EventPublisher:
                     self.refusal = exc
                     return
                 else:
-                    log.warning("control plane unreachable (%s); retrying in %.1fs", exc.code().name, self._retry_s)
+                    self._outage.failed(exc.code().name)
                     await asyncio.sleep(self._retry_s)
 
     def _next_batch(self) -> pb.EventBatch | None:
@@ -256,6 +290,7 @@ class EventPublisher:
         self._wake.set()
         try:
             async for ack in call:
+                self._outage.answered()
                 if ack.status == pb.ACK_STATUS_RESYNC_REQUIRED:
                     raise _Resync()
                 while self._unacked and self._unacked[0].seq <= ack.seq:
