@@ -497,6 +497,7 @@ class DataPlaneCore:
             if agent.node_id != node_id or agent.name == self.transport.agent_name:
                 raise PermissionDenied(f"the agent metadata describes agent {agent.name!r}, not one of node "
                                        f"{node_id!r}: a node hands over its own agent's metadata only")
+            await self.transport.vet_peer(metadata, timeout_s)
             digest = self._agents.challenge(node_id, metadata, agent)
         elif challenge_answer:
             self._agents.answer(node_id, challenge_answer)

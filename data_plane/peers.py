@@ -85,10 +85,12 @@ class PeerPool:
                     described = self._transport.describe_peer(hs.agent_metadata)
                     if described.node_id != node_id:
                         raise InvalidArgument(f"it describes agent {described.name!r}, not one of node {node_id!r}")
+                    await self._transport.vet_peer(hs.agent_metadata, max(0.0, deadline - time.monotonic()))
                     agent = self._transport.add_peer(hs.agent_metadata)
-                except InvalidArgument as exc:
+                except (InvalidArgument, Unavailable) as exc:
                     await client.close()
-                    raise Unavailable(f"peer {address} handed out agent metadata this node refuses: {exc}") from None
+                    raise Unavailable(f"peer {address} handed out agent metadata this node does not load: {exc}") \
+                        from None
             peer = Peer(address, hs.node_id, agent, client, hs.agent_name)
             self._peers[address] = peer
             return peer

@@ -57,6 +57,7 @@ import numpy as np
 
 from kvmesh.errors import InvalidArgument, Unavailable
 
+from data_plane.metadata_vetting import MetadataVetter
 from data_plane.nixl_metadata import AgentMetadata, agent_name, read_agent_metadata
 from data_plane.shm import SharedRegion
 
@@ -141,8 +142,13 @@ class Transport(abc.ABC):
         InvalidArgument when it is not exactly what an agent of this transport hands out."""
 
     @abc.abstractmethod
+    async def vet_peer(self, metadata: bytes, timeout_s: float) -> None:
+        """Checks that loading a peer's metadata (one :meth:`describe_peer` accepted) cannot bring this process
+        down; InvalidArgument when it would, Unavailable when the check did not end within ``timeout_s``."""
+
+    @abc.abstractmethod
     def add_peer(self, metadata: bytes) -> str:
-        """Loads a peer's metadata (one :meth:`describe_peer` accepted); returns its agent name. Idempotent."""
+        """Loads a peer's metadata (one :meth:`vet_peer` passed); returns its agent name. Idempotent."""
 
     @abc.abstractmethod
     def notify(self, agent_name: str, message: bytes) -> None:
@@ -202,6 +208,7 @@ class NixlTransport(Transport):
         self._unreleased = 0  # transfers NIXL could not release: they may move bytes until this process exits
         self._rotating = False
         self._built: concurrent.futures.Future = concurrent.futures.Future()
+        self._vetter = MetadataVetter()  # its own NIXL agent: started now, beside this one
         threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
 
     def _build(self, progress_wait_ms: int) -> None:
@@ -269,6 +276,9 @@ class NixlTransport(Transport):
 
     def describe_peer(self, metadata: bytes) -> AgentMetadata:
         return read_agent_metadata(metadata)
+
+    async def vet_peer(self, metadata: bytes, timeout_s: float) -> None:
+        await self._vetter.check(metadata, timeout_s)
 
     def add_peer(self, metadata: bytes) -> str:
         agent = self._ready_agent()
@@ -397,6 +407,7 @@ class NixlTransport(Transport):
             return False
 
     def close(self) -> None:
+        self._vetter.close()
         try:
             self._built.result()  # the region must not be unmapped while the agent registers it
         except Exception:  # noqa: BLE001 - nothing was registered

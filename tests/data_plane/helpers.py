@@ -33,6 +33,9 @@ class WrappedTransport(Transport):
     def describe_peer(self, metadata):
         return self._real.describe_peer(metadata)
 
+    async def vet_peer(self, metadata, timeout_s):
+        await self._real.vet_peer(metadata, timeout_s)
+
     def add_peer(self, metadata):
         return self._real.add_peer(metadata)
 

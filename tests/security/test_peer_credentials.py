@@ -29,7 +29,7 @@ from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.types import LookupStatus
 
-from tests.agent_challenge import challenge_nonce, drop_notifications
+from tests.agent_challenge import challenge_nonce, drop_notifications, handshake
 from tests.security.test_byte_path_gating import (  # noqa: F401 - fleet, attacker: fixtures
     BLOCK, N, TENANT_A, as_peer, attacker, fleet, nixl_agent_with_buffer, peer_key_of, store,
 )
@@ -196,3 +196,28 @@ async def test_a_captured_proof_raced_with_other_arguments_is_refused(fleet, att
         assert await raw(source.address, "Lookup", send, grant, send_proof) == (grpc.StatusCode.OK, "")
         assert [bytes(victim_buf[i * BLOCK:(i + 1) * BLOCK]) for i in range(N)] == secrets, \
             "positive control: the victim's own send, with the proof the attacker saw, brings the bytes"
+
+
+async def test_agent_metadata_that_crashes_nixl_is_refused_and_the_source_keeps_serving(fleet, attacker):
+    """One flipped byte in the UCX worker address (its version) aborts any process that loads it. A grant holder
+    handing such metadata over is refused (a throwaway process loaded it first and died), the source keeps
+    serving, and the same peer's real metadata then handshakes and is sent its blocks (positive control)."""
+    agent, buf = attacker
+    source = fleet.start("src-gated")
+    hashes, secrets = await store(source, TENANT_A)
+    me = NodeIdentity()
+    grant = fleet.grant(me.public_key, "attacker", "src-gated", TENANT_A)
+    crashing = bytearray(agent.get_agent_metadata())
+    crashing[crashing.index(b"UCX|c") + len(b"UCX|c") + 8] ^= 0xFF  # the connection info's first byte
+    async with as_peer(me, source) as peer:
+        for _ in range(2):  # a second try gets a fresh throwaway process, and the same answer
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await peer.exchange_agent_metadata("attacker", bytes(crashing), BLOCK, grant=grant)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert "crashed a NIXL agent" in refused.value.details()
+        assert source.proc.poll() is None, "the source is still running"
+        await handshake(peer, "attacker", agent, grant, BLOCK)  # the real metadata: served
+        answer, _ = await peer.lookup(TENANT_A, hashes, lease_ms=30_000, grant=grant)
+        landing = [buf.ctypes.data + i * BLOCK for i in range(N)]
+        assert await peer.send(TENANT_A, answer.lease_id, hashes, landing, grant=grant) == (N, BLOCK)
+    assert [bytes(buf[i * BLOCK:(i + 1) * BLOCK]) for i in range(N)] == secrets
