@@ -17,6 +17,7 @@ region in the engine process, so the engine reads and writes slots directly:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -184,6 +185,16 @@ class SharedTier:
         self._region = region
         self.block_bytes = region.block_bytes
         self.num_slots = region.num_slots
+        self._file = region.file_identity()
+
+    def replaced(self) -> bool:
+        """Whether the data plane's tier file is no longer the one mapped here: it restarted (a new file at the
+        path) or stopped (none). Slots it hands out are then slots of another file."""
+        try:
+            st = os.stat(self._region.path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self._file
 
     @classmethod
     def open(cls, description: TierDescription) -> "SharedTier":

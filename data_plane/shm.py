@@ -93,6 +93,11 @@ class SharedRegion:
         self.array[:: mmap.PAGESIZE] = 0  # fault every page in now rather than during a transfer
         return False
 
+    def file_identity(self) -> tuple[int, int]:
+        """(device, inode) of the file mapped: another file at the same path is another region."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
+
     def offset(self, slot: int) -> int:
         return slot * self.block_bytes
 

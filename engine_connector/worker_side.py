@@ -66,10 +66,14 @@ class WorkerSide:
         self._layout: PagedKVLayout | None = None
         self._failed_block_ids: set[int] = set()
         self._in_flight: list[_InFlight] = []
+        self._retired: list[SharedTier] = []  # mappings of a replaced tier, closed once no copy may read them
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Adopt vLLM's per-layer caches and map the node's tier; their block sizes must agree."""
         layout = PagedKVLayout(kv_caches)
+        self._layout, self._tier = layout, self._map_tier(layout)
+
+    def _map_tier(self, layout: PagedKVLayout) -> SharedTier:
         tier = SharedTier.open(self._link.describe_tier())
         try:
             self._blocks.check(self._link.data_plane_address, tier.block_bytes, layout.block_nbytes)
@@ -78,7 +82,26 @@ class WorkerSide:
             raise
         if layout.on_gpu and not pin_host_memory(tier.slot(0).ctypes.data, tier.num_slots * tier.block_bytes):
             logger.warning("could not page-lock the CPU tier for the GPU: host<->device copies are synchronous")
-        self._layout, self._tier = layout, tier
+        return tier
+
+    def _current_tier(self) -> bool:
+        """Whether the tier mapped here is the data plane's current one; if it was replaced (the data plane
+        restarted: its new tier is a new file, and slot numbers it hands out are slots of that file), maps the new
+        one for what comes next and answers False: slots this step was given may belong to either tier."""
+        layout, tier = self._require()
+        if not tier.replaced():
+            return True
+        try:
+            fresh = self._map_tier(layout)
+        except (grpc.aio.AioRpcError, TimeoutError, OSError, ValueError) as exc:  # the data plane is not back yet
+            logger.warning("the data plane's CPU tier was replaced and the new one cannot be mapped yet (%s): this "
+                           "step's loads recompute and its saves are skipped", exc)
+            return False
+        logger.warning("the data plane's CPU tier was replaced (the data plane restarted): mapped the new one; this "
+                       "step's loads recompute")
+        self._retired.append(tier)
+        self._tier = fresh
+        return False
 
     def load(self, meta: KvmeshConnectorMetadata) -> None:
         """Copy (or queue) ``meta.loads`` into the cache; remember blocks that could not be copied."""
@@ -86,6 +109,10 @@ class WorkerSide:
             for lease in meta.leases:
                 self._link.release(lease)
             return
+        if not self._current_tier():  # never read a slot out of a tier it may not belong to
+            self._failed_block_ids.update(load.block_id for load in meta.loads)
+            self._in_flight.append(_InFlight({load.req_id for load in meta.loads}, [], self._require()[0].fence()))
+            return  # the leases were the old data plane's: they ended with it
         layout, tier = self._require()
         started = time.perf_counter()
         loads = self._misplaced(meta.loads) if self._misplace else meta.loads
@@ -125,6 +152,9 @@ class WorkerSide:
             done |= step.req_ids
             for lease in step.leases:
                 self._link.release(lease)
+        if not self._in_flight:
+            while self._retired:
+                self._retired.pop().close()
         return done
 
     def save(self, meta: KvmeshConnectorMetadata) -> None:
@@ -153,6 +183,8 @@ class WorkerSide:
             "saved %d block(s) of %d request(s) in %.1f ms", len(written), len(meta.saves), elapsed_ms)
 
     def _save_run(self, run: SaveRun) -> list[bytes]:
+        if not self._current_tier() and self._require()[1].replaced():
+            return []  # no tier to write into: nothing is reserved
         layout, tier = self._require()
         try:
             slots = self._link.reserve(self._ns, run.block_hashes, max_offload_tokens=run.max_offload_tokens,
@@ -178,6 +210,8 @@ class WorkerSide:
         if self._tier is not None:
             self._tier.close()
             self._tier = None
+        while self._retired:
+            self._retired.pop().close()
 
     def _require(self) -> tuple[PagedKVLayout, SharedTier]:
         if self._layout is None or self._tier is None:

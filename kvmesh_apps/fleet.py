@@ -163,8 +163,8 @@ class Fleet:
         if self.reaper is not None and pid:
             self.reaper.watch(pid)
 
-    def _start_data_plane(self, node: str) -> ServiceProcess:
-        args = ["data-plane", "--node-id", node, "--listen", "127.0.0.1:0", "--control-plane-address",
+    def _start_data_plane(self, node: str, listen: str = "127.0.0.1:0") -> ServiceProcess:
+        args = ["data-plane", "--node-id", node, "--listen", listen, "--control-plane-address",
                 self.control_plane.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", self.capacity,
                 "--block-bytes", str(self.block_bytes), "--block-tokens", str(self.block_tokens),
                 "--no-lock-memory"]
@@ -172,6 +172,13 @@ class Fleet:
         args += self.tls.data_plane_flags(node) if self.tls else []
         env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
         return self._start_service(args, node, f"data-plane-{node}", env)
+
+    def restart_data_plane(self, node: str) -> None:
+        """Kills data plane ``node`` (as a crash would) and starts it again at the same address: a new
+        incarnation with a new, empty tier file."""
+        old = self.data_planes[node]
+        old.kill()
+        self.data_planes[node] = self._start_data_plane(node, listen=old.address)
 
     def stop(self) -> None:
         """Engines, then every data plane at once, the control plane and Redis; the shared-memory directory.

@@ -16,7 +16,7 @@ from kvmesh_apps.fleet import Fleet
 from data_plane.client import DataPlaneClient, SharedTier
 from engine_connector.block_shape import EngineBlocks, SlotSizeMismatch
 from engine_connector.config import KV_LAYOUT
-from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata
+from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata, SaveRun
 from engine_connector.node_link import NodeLink
 from engine_connector.worker_side import WorkerSide
 
@@ -98,6 +98,42 @@ def test_misplace_one_block_writes_the_middle_block_from_the_wrong_slot(small_fl
     bad.load(KvmeshConnectorMetadata(loads=loads, leases=[lease]))
     assert [_block_byte(good_cache, b) for b in range(4)] == [30, 31, 32, 33]  # positive control
     assert [_block_byte(bad_cache, b) for b in range(4)] == [30, 31, 31, 33]
+
+
+def test_a_restarted_data_plane_is_mapped_again_and_never_read_through_the_old_mapping(small_fleet: Fleet,
+                                                                                       worker) -> None:
+    """The data plane restarts under a running engine (a crash, then a supervisor): its tier is a new file. Loads
+    of the step that notices fail (recompute: their slots may be either tier's); the new tier is mapped, so the
+    next loads read the bytes the new data plane holds and saves land where it checksums them."""
+    side, cache = worker()
+    slots, lease = _pinned_slots(small_fleet, 2, base=40)
+    side.load(KvmeshConnectorMetadata(loads=[BlockLoad("r5", i, slot) for i, slot in enumerate(slots)],
+                                      leases=[lease]))
+    assert [_block_byte(cache, b) for b in (0, 1)] == [40, 41]  # positive control, before the restart
+    small_fleet.restart_data_plane("dp2")
+    slots, lease = _pinned_slots(small_fleet, 2, base=50)  # on the new data plane, perhaps the same slot numbers
+    side.load(KvmeshConnectorMetadata(loads=[BlockLoad("r6", 2 + i, slot) for i, slot in enumerate(slots)],
+                                      leases=[lease]))
+    assert side.take_failed_block_ids() == {2, 3} and side.take_finished_loads() >= {"r6"}
+    slots, lease = _pinned_slots(small_fleet, 2, base=60)
+    side.load(KvmeshConnectorMetadata(loads=[BlockLoad("r7", 4 + i, slot) for i, slot in enumerate(slots)],
+                                      leases=[lease]))
+    assert side.take_failed_block_ids() == set() and [_block_byte(cache, b) for b in (4, 5)] == [60, 61]
+    cache[6] = 0
+    cache[6].view(torch.uint8).fill_(77)
+    hashes = BlockHasher().block_hashes(list(range(7000, 7032)), 32)
+    side.save(KvmeshConnectorMetadata(saves=[SaveRun("r8", 0, [6], hashes)]))
+
+    async def saved() -> bytes:
+        async with DataPlaneClient(small_fleet.data_planes["dp2"].address, key=small_fleet.node_keys["dp2"],
+                                   tls=small_fleet.client_tls("engine-dp2")) as client:
+            slots, _ = await client.acquire(_ns(small_fleet), hashes, lease_ms=30_000)
+            tier = SharedTier.open(await client.describe_tier())
+            data = bytes(tier.slot(slots[0]))
+            tier.close()
+            return data
+
+    assert set(asyncio.run(saved())) == {77}, "the save landed in the new tier, where Commit checksummed it"
 
 
 def test_a_cache_whose_blocks_are_not_the_slot_size_is_refused_with_the_remedy(small_fleet: Fleet, worker) -> None:
