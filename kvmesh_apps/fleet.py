@@ -163,8 +163,8 @@ class Fleet:
         if self.reaper is not None and pid:
             self.reaper.watch(pid)
 
-    def _start_data_plane(self, node: str, listen: str = "127.0.0.1:0") -> ServiceProcess:
-        args = ["data-plane", "--node-id", node, "--listen", listen, "--control-plane-address",
+    def _start_data_plane(self, node: str) -> ServiceProcess:
+        args = ["data-plane", "--node-id", node, "--listen", "127.0.0.1:0", "--control-plane-address",
                 self.control_plane.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", self.capacity,
                 "--block-bytes", str(self.block_bytes), "--block-tokens", str(self.block_tokens),
                 "--no-lock-memory"]
@@ -176,9 +176,8 @@ class Fleet:
     def restart_data_plane(self, node: str) -> None:
         """Kills data plane ``node`` (as a crash would) and starts it again at the same address: a new
         incarnation with a new, empty tier file."""
-        old = self.data_planes[node]
-        old.kill()
-        self.data_planes[node] = self._start_data_plane(node, listen=old.address)
+        self.data_planes[node].kill()
+        self.start_again(f"data plane {node}")
 
     def stop(self) -> None:
         """Engines, then every data plane at once, the control plane and Redis; the shared-memory directory.
@@ -197,17 +196,34 @@ class Fleet:
         if self.reaper is not None:
             self.reaper.finish()
 
-    def exited(self) -> str | None:
-        """The first service that is no longer running, said in one line (its exit status and log), or None."""
+    def stopped_services(self) -> dict[str, tuple[str, Path]]:
+        """The services no longer running: name ("redis", "control plane", "data plane dp1") -> how it ended, in
+        words, and its log."""
         services = [("redis", self.redis.proc, self.redis.workdir / "redis.log")]
         if self.control_plane is not None:
             services.append(("control plane", self.control_plane.proc, self.control_plane.log_path))
         services += [(f"data plane {node}", dp.proc, dp.log_path) for node, dp in self.data_planes.items()]
+        stopped = {}
         for name, proc, log_path in services:
             if proc is not None and (code := proc.poll()) is not None:
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-                return f"{name} stopped ({how}); its log: {log_path}"
-        return None
+                stopped[name] = how, log_path
+        return stopped
+
+    def start_again(self, name: str) -> str:
+        """Starts service ``name`` (of :meth:`stopped_services`) again in place: the same address, metrics
+        address, data and keys (Redis from its append-only file; a data plane as a new incarnation with an empty
+        tier). Its address."""
+        if name == "redis":
+            self.redis.start()
+            self._watch(self.redis.proc.pid)
+            return self.redis.url
+        if name == "control plane":
+            self.control_plane = self.control_plane.again()
+            return self.control_plane.address
+        node = name.removeprefix("data plane ")
+        self.data_planes[node] = self.data_planes[node].again()
+        return self.data_planes[node].address
 
     def __enter__(self) -> "Fleet":
         return self.start()

@@ -118,10 +118,25 @@ class ServiceProcess:
     def stop(self, timeout: float = 10.0) -> None:
         stop_all([self], timeout)
 
+    def again(self) -> "ServiceProcess":
+        """A new process of the same command at the same address and metrics address (clients and scrapers keep
+        theirs), logging to the same file; started."""
+        args = list(self.args)
+        for flag, value in (("--listen", self.address), ("--metrics-listen", _host_port(self.metrics_url))):
+            if flag in args and value:
+                args[args.index(flag) + 1] = value
+        return ServiceProcess(args, env=self.env, log_path=self.log_path, prefix=self.prefix, tether=self.tether,
+                              on_spawn=self.on_spawn).start()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def _host_port(url: str) -> str:
+    """``host:port`` of an ``http://host:port/...`` URL ("" for "")."""
+    return url.split("//", 1)[1].split("/", 1)[0] if url else ""
 
 
 def _why(lines: list[str]) -> str:

@@ -12,9 +12,10 @@ same as one JSON line (with the CA and certificate paths).
 
 The work directory (default :func:`kvmesh_apps.up_workdir.default_workdir`) is locked while a
 fleet runs in it (a second ``up`` there is refused in one line) and reused by the next start:
-secrets, tenant and block map survive. A service that stops by itself while the fleet runs (crashed, killed)
-stops the whole fleet: ``up`` says which one, how it ended and where its log is, in one line, and exits with
-status 1 (a fleet missing a part is not left looking healthy). The children are tethered to this process
+secrets, tenant and block map survive. A service that stops by itself while the fleet runs (crashed, killed) is
+started again in place, as docker-compose.yml's ``restart: unless-stopped`` does (same address, metrics address,
+keys and data), with one line on stderr saying which, how it ended and where its log is; one that stops
+:data:`RESTARTS_ALLOWED` + 1 times within :data:`RESTART_WINDOW_S` stops the fleet (one line, exit status 1). The children are tethered to this process
 (:class:`kvmesh_apps.procs.Tether`): however it ends, SIGKILL included, they end too.
 
 A data-plane slot holds exactly one engine KV block (all layers), and the connector refuses
@@ -33,6 +34,7 @@ import shlex
 import signal
 import sys
 import time
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPTED = 130
 SERVICE_STOPPED = 1
 SUPERVISE_EVERY_S = 0.5
+RESTARTS_ALLOWED = 3  # per service within RESTART_WINDOW_S; one more stop is a crash loop
+RESTART_WINDOW_S = 60.0
 SERVICE_STOP_S = 0.5  # each service's bound after SIGTERM, then SIGKILL (a started one needs 0.1-0.5 s when loaded)
 
 
@@ -201,6 +205,25 @@ def _print_fleet(info: dict, slots: Slots, workdir: Path) -> None:
     print(f"state, logs    {workdir} (kept: the next start here reuses it)\nCtrl-C stops everything.", flush=True)
 
 
+def _supervise(fleet: Fleet) -> str:
+    """Starts again each service that stops by itself, until one is in a crash loop: that one, in words. A stop
+    signal raises _Stopped from inside the sleep."""
+    stops: dict[str, deque[float]] = defaultdict(deque)
+    while True:
+        for name, (how, log) in fleet.stopped_services().items():
+            now = time.monotonic()
+            recent = stops[name]
+            recent.append(now)
+            while recent[0] < now - RESTART_WINDOW_S:
+                recent.popleft()
+            if len(recent) > RESTARTS_ALLOWED:
+                return f"{name} stopped {len(recent)} times within {RESTART_WINDOW_S:.0f} s (last: {how}; its log: {log})"
+            address = fleet.start_again(name)
+            print(f"kvmesh up: {name} stopped ({how}); its log: {log}; started it again at {address}", file=sys.stderr,
+                  flush=True)
+        time.sleep(SUPERVISE_EVERY_S)
+
+
 def main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -228,8 +251,7 @@ def main(argv: list[str]) -> int:
             print(json.dumps(info), flush=True)
         else:
             _print_fleet(info, slots, workdir)
-        while (stopped_service := fleet.exited()) is None:
-            time.sleep(SUPERVISE_EVERY_S)  # a stop signal raises _Stopped from inside the sleep
+        stopped_service = _supervise(fleet)
     except _Stopped as stopped:
         if started:
             return 0

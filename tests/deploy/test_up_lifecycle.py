@@ -10,17 +10,20 @@ import asyncio
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvmesh.channels import channel
 from kvmesh.v1 import common_pb2, control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 from kvmesh_apps.redis_server import write_secret
+from kvmesh_apps.up import RESTARTS_ALLOWED
 from tenancy import api_keys
-from tests.deploy.up_fleet import UP, admin_channel, children, client_tls, healthy, start_up, stop_all_ups, wait_gone
+from tests.deploy.up_fleet import UP, admin_channel, alive, children, client_tls, healthy, start_up, stop_all_ups, wait_gone
 
 ONE = ("--data-planes", "1")
 
@@ -182,24 +185,60 @@ def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path, ups) ->
     assert (tmp_path / "secrets" / "admin.key").read_text() == first and not (tmp_path / "redis").exists()
 
 
+def _pid_of(up_pid: int, victim: str) -> int:
+    marks = {"data plane dp1": " data-plane --node-id dp1 ", "control plane": " control-plane ", "redis": "-server "}
+    return next(p for p in alive(children(up_pid))
+                if marks[victim] in Path(f"/proc/{p}/cmdline").read_text().replace("\0", " "))
+
+
+def _stderr_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    line = [""]
+    reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stderr.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert line[0], f"no line on up's stderr within {timeout}s"
+    return line[0].strip()
+
+
 @pytest.mark.parametrize("victim", ["data plane dp1", "control plane", "redis"])
-def test_a_service_that_dies_stops_the_fleet_with_one_line_naming_it(tmp_path, ups, victim) -> None:
-    """A crashed part is not left looking healthy: up names it, how it ended and its log, stops the rest, exits 1;
-    and the work directory starts again."""
+def test_a_service_that_dies_is_started_again_in_place_with_one_line_naming_it(tmp_path, ups, victim) -> None:
+    """As compose's restart: unless-stopped: the killed service comes back at the same address (clients keep
+    theirs), with its data and keys (the tenant and scheduler key created before work after), and up says so in
+    one line naming it, how it ended and its log."""
+    proc, info = start_up(tmp_path, "--data-planes", "1", started=ups)
+    scheduler_key = asyncio.run(_create_tenant_and_key(info))
+    os.kill(_pid_of(proc.pid, victim), signal.SIGKILL)
+    line = _stderr_line(proc)
+    assert line.startswith(f"kvmesh up: {victim} stopped (killed by SIGKILL); its log: "), line
+    assert line.endswith("; started it again at " + {"data plane dp1": info["data_planes"]["dp1"],
+                                                     "control plane": info["control_plane"],
+                                                     "redis": info["redis"]}[victim]), line
+    deadline = time.monotonic() + 30
+    while not _all_healthy(info):
+        assert time.monotonic() < deadline, "the fleet is not healthy again at its addresses"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while True:  # a control plane reconnects to a restarted Redis within its own bound
+        try:
+            asyncio.run(_tenant_works(info, scheduler_key))
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, "the tenant does not work again"
+            time.sleep(0.5)
+    assert proc.poll() is None
+
+
+def test_a_service_in_a_crash_loop_stops_the_fleet_with_one_line(tmp_path, ups) -> None:
     proc, info = start_up(tmp_path, "--data-planes", "1", started=ups)
     kids = children(proc.pid)
-    marks = {"data plane dp1": " data-plane --node-id dp1 ", "control plane": " control-plane ", "redis": "-server "}
-    pid = next(p for p in kids if marks[victim] in Path(f"/proc/{p}/cmdline").read_text().replace("\0", " "))
-    os.kill(pid, signal.SIGKILL)
-    proc.wait(15)
-    err = proc.stderr.read()
+    for _ in range(RESTARTS_ALLOWED):
+        os.kill(_pid_of(proc.pid, "data plane dp1"), signal.SIGKILL)
+        assert "started it again" in _stderr_line(proc)
+    os.kill(_pid_of(proc.pid, "data plane dp1"), signal.SIGKILL)
+    proc.wait(30)
+    err = proc.stderr.read().strip()
     assert proc.returncode == 1, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"kvmesh up: {victim} stopped (killed by SIGKILL)"), err
-    assert "its log: " in lines[0] and "stopped the fleet" in lines[0], err
+    assert err.count("\n") == 0 and err.startswith(
+        f"kvmesh up: data plane dp1 stopped {RESTARTS_ALLOWED + 1} times within 60 s (last: killed by SIGKILL; its log:"), err
+    assert err.endswith(": stopped the fleet"), err
     wait_gone(kids, 10)
-    again, info = start_up(tmp_path, "--data-planes", "1", started=ups)  # the workdir starts again
-    assert _all_healthy(info)
-    again.send_signal(signal.SIGTERM)
-    again.wait(10)
-
