@@ -204,6 +204,7 @@ def _replica_probe(redis_url: str, prompt_blocks: int, commands: multiprocessing
             t0 = time.perf_counter()
             match = replica.lookup(blocks_key, prompt)
             latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0)  # the replica's followers run between lookups (heartbeats keep leases live)
         results.put({"replica_lookup_p50_us": round(statistics.median(latencies) * 1e6, 1),
                      "replica_lookup_p99_us": round(_pct(latencies, 0.99) * 1e6, 1),
                      "replica_lookup_holders": len(match.holders), "replica_lookup_longest": match.longest})
