@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -460,6 +461,7 @@ def main(argv: list[str]) -> int:
     checkpoints = checkpoints_for(args.blocks, args.checkpoints)
     find_redis_server()  # no server binary: one line now, before anything starts
     rng = random.Random(args.seed)
+    started = time.perf_counter()
     result: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-scale-") as tmp:
         for shards in ([0, args.shards] if args.shards else [0]):
@@ -472,12 +474,13 @@ def main(argv: list[str]) -> int:
             finally:
                 backend.stop()
     single = result["redis"]
-    out = {"sizes": {k: {"lookup_p50_ms": v["lookup_p50_ms"], "lookup_p99_ms": v["lookup_p99_ms"]}
-                     for k, v in single["sizes"].items()},
+    out = {"sizes": single["sizes"],
            "redis_bytes_per_block": list(single["sizes"].values())[-1]["redis_bytes_per_block"],
            **result.pop("replica"),
            "failover_recovery_s": result.get("cluster", {}).get("failover_recovery_s"),
-           "backends": result}
+           "backends": result,
+           "bench_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+           "wall_s": round(time.perf_counter() - started)}
     if not args.json:
         print(json.dumps(out, indent=2))
     print(json.dumps(out))
