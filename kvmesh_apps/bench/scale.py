@@ -32,6 +32,7 @@ map: ``replica_resync_s`` and ``replica_bytes_per_block``; when this install has
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -50,12 +52,13 @@ import redis
 from redis.crc import key_slot
 
 from control_plane.config import ControlPlaneConfig
-from control_plane.model import ALL_TIERS, AckStatus, EventBatch, Medium, NodeInfo, Stored
+from control_plane.model import ALL_TIERS, Ack, AckStatus, EventBatch, Medium, NodeInfo, Stored
 from control_plane.redis_block_map import RedisBlockMap
 from kvmesh import errors
 from kvmesh.channels import channel
 from kvmesh.command_line import Parser, positive_float, positive_int
 from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh.redis_keys import Keys
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
 from kvmesh_apps.procs import ServiceProcess
@@ -69,6 +72,7 @@ TENANT = "scale"
 LEASE_MS = 24 * 3_600_000  # the simulated nodes never heartbeat: their lease outlasts the run
 CHECKPOINTS = (100_000, 1_000_000, 10_000_000)
 CLUSTER_SLOTS = 16384
+WRITE_ATTEMPTS = 3
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -117,20 +121,16 @@ def namespaces_for_epoch(count: int, shards: int, epoch: str) -> tuple[Namespace
     i = 0
     while any(len(found) < n for found, n in zip(per_shard, wanted)):
         ns = Namespace(TENANT, f"scale-model-{i}", "v1", CacheConfig(block_size=BLOCK_SIZE))
-        shard = shard_of(block_map_tag(ns, epoch), shards)
+        shard = shard_of(Keys().blocks(ns, epoch), shards)
         if len(per_shard[shard]) < wanted[shard]:
             per_shard[shard].append(ns)
         i += 1
     return tuple(per_shard[i % shards][i // shards] for i in range(count))
 
 
-def block_map_tag(ns: Namespace, epoch: str) -> str:
-    return f"t:{ns.tenant}:{ns.fingerprint}.{epoch}" if epoch else f"t:{ns.tenant}:{ns.fingerprint}"
-
-
-def shard_of(tag: str, shards: int) -> int:
-    """The shard of ``shards`` equal slot ranges that a key with hash tag ``tag`` falls on."""
-    return key_slot(tag.encode()) * shards // CLUSTER_SLOTS
+def shard_of(key: str, shards: int) -> int:
+    """The shard of ``shards`` equal slot ranges that ``key`` (its hash tag) falls on."""
+    return key_slot(key.encode()) * shards // CLUSTER_SLOTS
 
 
 # ---- the backends ----
@@ -140,6 +140,7 @@ class Backend:
     would build (tenant credentials and all)."""
 
     def __init__(self, workdir: Path, shards: int) -> None:
+        self.shards = shards
         self.cluster = shards > 0
         self.redis = (RedisCluster(workdir / "cluster", masters=shards, replicas=1) if self.cluster
                       else RedisServer(workdir / "redis", extra_args=["--appendonly", "no"]))
@@ -249,12 +250,24 @@ class Writer:
         self.incarnations: dict[int, int] = {}
         self.next_seq: dict[int, int] = {}
         self.prompts = 0  # prompts stored so far (prompts 0 .. prompts-1)
+        self.resends = 0  # batches sent again after the connection failed under them
 
     async def register(self) -> None:
         for n in range(self.layout.nodes):
             reg = await self.block_map.register_node(NodeInfo(
                 self.layout.node_id(n), f"10.{n // 250}.{n % 250}.1:7000"))
             self.incarnations[n], self.next_seq[n] = reg.incarnation, 1
+
+    async def _apply(self, batch: EventBatch) -> Ack:
+        """Applies ``batch``, sent again (as a node's publisher does) when the connection failed under it: setting
+        tier bits is idempotent and the sequence number is only taken at the end, so a resend is safe."""
+        for attempt in range(1, WRITE_ATTEMPTS):
+            try:
+                return await self.block_map.apply_batch(batch)
+            except errors.Unavailable:
+                self.resends += 1
+                await asyncio.sleep(0.1 * attempt)
+        return await self.block_map.apply_batch(batch)
 
     async def store_until(self, prompts: int, window: int) -> None:
         """Stores prompts up to ``prompts``, ``window`` at a time: each node's batches (one per prompt it holds)
@@ -274,7 +287,7 @@ class Writer:
                         batch = EventBatch(self.layout.node_id(n), self.incarnations[n], self.next_seq[n],
                                            self.layout.namespace(p),
                                            (Stored(hashes[p], Medium.CPU, BLOCK_SIZE),))
-                        ack = await self.block_map.apply_batch(batch)
+                        ack = await self._apply(batch)
                         if ack.status != AckStatus.APPLIED:
                             raise RuntimeError(f"{batch.node_id}: batch {batch.seq} answered {ack.status.name}")
                         self.next_seq[n] += 1
@@ -381,45 +394,54 @@ async def replica_figures(url: str, blocks: int) -> dict:
 
 # ---- the run ----
 
-async def run_backend(backend: Backend, args, checkpoints: list[int], rng: random.Random) -> dict:
+@contextlib.asynccontextmanager
+async def fleet(backend: Backend, *, namespaces: int, nodes: int, holders: int, prompt_blocks: int,
+                concurrency: int) -> AsyncIterator[tuple[Writer, Lookups]]:
+    """The tenant (created through the control plane), its namespaces (spread evenly over the shards), the nodes
+    registered; yields the map's writer and its lookups."""
     block_map, tenants = backend.block_map()
     try:
         async with channel(backend.cp.address, await scheduler_key(backend.cp.address, backend.admin_key)) as ch:
             epoch = (await tenants.redis_credentials(TENANT))[2]
-            layout = Layout(namespaces_for_epoch(args.namespaces, max(1, args.shards), epoch),
-                            args.nodes, args.holders, args.prompt_blocks)
-            writer = Writer(block_map, layout, args.concurrency)
+            layout = Layout(namespaces_for_epoch(namespaces, max(1, backend.shards), epoch), nodes, holders,
+                            prompt_blocks)
+            writer = Writer(block_map, layout, concurrency)
             await writer.register()
-            base = backend.used_memory()
-            lookups = Lookups(block_map, pb_grpc.ControlPlaneStub(ch), layout)
-            sizes, started = {}, time.perf_counter()
-            for checkpoint in checkpoints:
-                t0 = time.perf_counter()
-                await writer.store_until(layout.prompts_for(checkpoint), args.window)
-                stored = writer.prompts * layout.prompt_blocks
-                ingest_s = time.perf_counter() - t0
-                used = backend.used_memory()
-                sizes[str(checkpoint)] = {
-                    "blocks": stored,
-                    **await lookups.measure(writer.prompts, args.lookups, rng),
-                    "redis_bytes_per_block": round((used - base) / stored, 1),
-                    "redis_used_memory_bytes": used,
-                    "ingest_block_entries_per_s": round((stored - _prev(sizes)) * layout.holders / ingest_s),
-                }
-                print(f"{backend.name} {checkpoint}: {sizes[str(checkpoint)]}", file=sys.stderr, flush=True)
-            out = {"sizes": sizes, "build_s": round(time.perf_counter() - started, 1),
-                   "namespaces": len(layout.namespaces), "nodes": layout.nodes, "holders_per_block": layout.holders,
-                   "prompt_blocks": layout.prompt_blocks}
-            if backend.cluster:
-                replicas = backend.replicas()
-                out["shards"] = args.shards
-                out["replica_node_used_memory_bytes"] = backend.used_memory(replicas)
-                backend.wait_replicas_synced(args.failover_timeout_s)
-                out.update(await failover(backend, lookups, 0, args.failover_timeout_s))
-            return out
+            yield writer, Lookups(block_map, pb_grpc.ControlPlaneStub(ch), layout)
     finally:
         await block_map.close()
         await tenants.close()
+
+
+async def run_backend(backend: Backend, args, checkpoints: list[int], rng: random.Random) -> dict:
+    async with fleet(backend, namespaces=args.namespaces, nodes=args.nodes, holders=args.holders,
+                     prompt_blocks=args.prompt_blocks, concurrency=args.concurrency) as (writer, lookups):
+        layout = writer.layout
+        base = backend.used_memory()
+        sizes, started = {}, time.perf_counter()
+        for checkpoint in checkpoints:
+            t0 = time.perf_counter()
+            await writer.store_until(layout.prompts_for(checkpoint), args.window)
+            stored = writer.prompts * layout.prompt_blocks
+            ingest_s = time.perf_counter() - t0
+            used = backend.used_memory()
+            sizes[str(checkpoint)] = {
+                "blocks": stored,
+                **await lookups.measure(writer.prompts, args.lookups, rng),
+                "redis_bytes_per_block": round((used - base) / stored, 1),
+                "redis_used_memory_bytes": used,
+                "ingest_block_entries_per_s": round((stored - _prev(sizes)) * layout.holders / ingest_s),
+            }
+            print(f"{backend.name} {checkpoint}: {sizes[str(checkpoint)]}", file=sys.stderr, flush=True)
+        out = {"sizes": sizes, "build_s": round(time.perf_counter() - started, 1),
+               "namespaces": len(layout.namespaces), "nodes": layout.nodes, "holders_per_block": layout.holders,
+               "prompt_blocks": layout.prompt_blocks, "batches_resent": writer.resends}
+        if backend.cluster:
+            out["shards"] = backend.shards
+            out["replica_node_used_memory_bytes"] = backend.used_memory(backend.replicas())
+            backend.wait_replicas_synced(args.failover_timeout_s)
+            out.update(await failover(backend, lookups, 0, args.failover_timeout_s))
+        return out
 
 
 def _prev(sizes: dict) -> int:
@@ -431,9 +453,9 @@ def checkpoints_for(blocks: int, given: str | None) -> list[int]:
         try:
             points = sorted({int(x) for x in given.split(",") if x.strip()})
         except ValueError:
-            raise errors.InvalidArgument(f"--checkpoints {given!r} must be block counts separated by commas") from None
+            raise errors.InvalidArgument(f"--checkpoints {given!r} is not a list of block counts; give e.g. --checkpoints 100000,1000000") from None
         if not points or points[0] <= 0 or points[-1] > blocks:
-            raise errors.InvalidArgument(f"--checkpoints must be positive block counts no larger than --blocks {blocks}")
+            raise errors.InvalidArgument(f"--checkpoints {given!r} are not all in 1..{blocks}; give block counts up to --blocks")
         return points if points[-1] == blocks else [*points, blocks]
     return sorted({c for c in CHECKPOINTS if c < blocks} | {blocks})
 
@@ -455,9 +477,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.holders > args.nodes:
-        raise errors.InvalidArgument(f"--holders {args.holders} exceeds --nodes {args.nodes}")
-    if args.shards not in (0,) and args.shards < 3:
-        raise errors.InvalidArgument("--shards must be 0 (no cluster) or at least 3 (a Redis Cluster needs 3 primaries)")
+        raise errors.InvalidArgument(f"--holders {args.holders} exceeds --nodes {args.nodes}; give at most as many holders as nodes")
+    if 0 < args.shards < 3:
+        raise errors.InvalidArgument("--shards must be 0 (no cluster) or at least 3; a Redis Cluster needs 3 primaries")
     checkpoints = checkpoints_for(args.blocks, args.checkpoints)
     find_redis_server()  # no server binary: one line now, before anything starts
     rng = random.Random(args.seed)
