@@ -292,7 +292,9 @@ class Writer:
                             raise RuntimeError(f"{batch.node_id}: batch {batch.seq} answered {ack.status.name}")
                         self.next_seq[n] += 1
 
-            await asyncio.gather(*(node_batches(n, mine) for n, mine in per_node.items()))
+            async with asyncio.TaskGroup() as group:  # one failure cancels the others (no writes after close)
+                for n, mine in per_node.items():
+                    group.create_task(node_batches(n, mine))
             self.prompts = last
 
 
@@ -353,7 +355,8 @@ async def failover(backend: Backend, lookups: Lookups, p: int, timeout_s: float)
     killed = time.perf_counter()
     deadline = killed + timeout_s
 
-    async def until_answered(call) -> float:
+    async def until_answered(call) -> float | str:
+        """Seconds from the kill to the first correct answer, or (past the deadline) the last failure."""
         last = "no attempt"
         while time.perf_counter() < deadline:
             try:
@@ -362,10 +365,15 @@ async def failover(backend: Backend, lookups: Lookups, p: int, timeout_s: float)
             except Exception as exc:  # noqa: BLE001 - any failure is "not yet recovered"; the last one is named
                 last = f"{type(exc).__name__}: {str(exc)[:120]}"
                 await asyncio.sleep(0.05)
-        raise errors.Unavailable(f"lookups on the shard of primary 127.0.0.1:{victim.port} did not answer correctly "
-                                 f"within {timeout_s:g} s of killing it (last: {last}); is a replica of it running?")
+        return last
 
     direct_s, rpc_s = await asyncio.gather(until_answered(lookups.direct), until_answered(lookups.rpc))
+    for how, found in (("RedisBlockMap", direct_s), ("the control plane's LookupPrefix", rpc_s)):
+        if isinstance(found, str):
+            raise errors.Unavailable(
+                f"lookups through {how} on the shard of primary 127.0.0.1:{victim.port} did not answer correctly "
+                f"within {timeout_s:g} s of killing it (last: {found.splitlines()[0] if found else found}); "
+                "is a replica of it running?")
     return {"failover_recovery_s": direct_s, "failover_recovery_rpc_s": rpc_s,
             "failover_killed_primary": f"127.0.0.1:{victim.port}"}
 
@@ -380,19 +388,51 @@ def primary_for(backend: Backend, key: str) -> RedisServer:
     raise RuntimeError(f"no primary serves slot {slot}")
 
 
-# ---- the replica (control_plane.replica, when present) ----
+# ---- the in-memory replica (control_plane.replica) ----
 
-async def replica_figures(url: str, blocks: int) -> dict:
+async def replica_figures(url: str, lookups: Lookups, prompts: int, count: int, rng: random.Random) -> dict:
+    """A cold :class:`BlockMapReplica` resynced from ``url`` (the map as it stands): how long the resync took, its
+    memory per block (its own count, and this process's RSS growth as a cross-check) and the latency of whole-prompt
+    lookups answered from it (each checked). Null figures and ``replica_unavailable`` when this install has none."""
     try:
-        from control_plane.replica import BlockMapReplica  # noqa: F401 - built by issue 22 item 1
+        from control_plane.replica import BlockMapReplica
     except ImportError as exc:
         return {"replica_bytes_per_block": None, "replica_resync_s": None,
                 "replica_unavailable": f"control_plane.replica is not in this install ({exc})"}
-    return {"replica_bytes_per_block": None, "replica_resync_s": None,
-            "replica_unavailable": "not wired yet"}
+    replica = BlockMapReplica.from_url(url)
+    try:
+        rss0 = _rss_bytes()
+        t0 = time.perf_counter()
+        blocks = await replica.resync()
+        resync_s = time.perf_counter() - t0
+        rss = _rss_bytes() - rss0
+        latencies = []
+        for i in range(count + count // 10):
+            p = rng.randrange(prompts)
+            key, hashes = await lookups.block_map.blocks_key(lookups.layout.namespace(p)), lookups.layout.prompt(p)
+            t0 = time.perf_counter()
+            match = replica.lookup(key, hashes)
+            elapsed = time.perf_counter() - t0
+            if match is None:
+                raise RuntimeError(f"the replica is not in sync with {key} after its resync")
+            lookups.check(p, [(h.node_id, h.leading_blocks) for h in match.holders])
+            if i >= count // 10:
+                latencies.append(elapsed * 1e3)
+        return {"replica_resync_s": round(resync_s, 2), "replica_blocks": blocks,
+                "replica_bytes_per_block": round(replica.memory_bytes() / blocks, 1),
+                "replica_rss_bytes_per_block": round(rss / blocks, 1),
+                "replica_lookup_p50_ms": round(statistics.median(latencies), 3),
+                "replica_lookup_p99_ms": round(_pct(latencies, 0.99), 3)}
+    finally:
+        await replica.close()
 
 
-# ---- the run ----
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
 
 @contextlib.asynccontextmanager
 async def fleet(backend: Backend, *, namespaces: int, nodes: int, holders: int, prompt_blocks: int,
@@ -432,6 +472,9 @@ async def run_backend(backend: Backend, args, checkpoints: list[int], rng: rando
                 "redis_used_memory_bytes": used,
                 "ingest_block_entries_per_s": round((stored - _prev(sizes)) * layout.holders / ingest_s),
             }
+            if not backend.cluster:
+                sizes[str(checkpoint)].update(
+                    await replica_figures(backend.url, lookups, writer.prompts, args.lookups, rng))
             print(f"{backend.name} {checkpoint}: {sizes[str(checkpoint)]}", file=sys.stderr, flush=True)
         out = {"sizes": sizes, "build_s": round(time.perf_counter() - started, 1),
                "namespaces": len(layout.namespaces), "nodes": layout.nodes, "holders_per_block": layout.holders,
@@ -491,14 +534,12 @@ def main(argv: list[str]) -> int:
             try:
                 backend.start()
                 result[backend.name] = asyncio.run(run_backend(backend, args, checkpoints, rng))
-                if not shards:
-                    result["replica"] = asyncio.run(replica_figures(backend.url, checkpoints[-1]))
             finally:
                 backend.stop()
     single = result["redis"]
     out = {"sizes": single["sizes"],
            "redis_bytes_per_block": list(single["sizes"].values())[-1]["redis_bytes_per_block"],
-           **result.pop("replica"),
+           **{k: v for k, v in list(single["sizes"].values())[-1].items() if k.startswith("replica_")},
            "failover_recovery_s": result.get("cluster", {}).get("failover_recovery_s"),
            "backends": result,
            "bench_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
