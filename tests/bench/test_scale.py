@@ -41,6 +41,8 @@ def test_scale_bench_measures_both_backends_and_a_failover():
         assert sizes["4096"]["redis_used_memory_bytes"] > sizes["1024"]["redis_used_memory_bytes"]
     assert result["sizes"] == result["backends"]["redis"]["sizes"]
     assert result["redis_bytes_per_block"] == result["sizes"]["4096"]["redis_bytes_per_block"]
+    for backend in result["backends"].values():  # one node left and its entries were swept
+        assert backend["gc_swept_slots"] == 1 and backend["gc_sweep_s"] > 0
     cluster = result["backends"]["cluster"]
     assert cluster["shards"] == 3 and cluster["replica_node_used_memory_bytes"] > 0
     # the cluster's failure detection alone takes its node timeout (2 s); recovery is bounded by the run's wait
