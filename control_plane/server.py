@@ -86,7 +86,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     await tenants.drop_legacy_grant_key()  # the first Redis call: Redis down fails here, before any warning
     signer, grant_keys = config.grant_keys()
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
-                              tenant_credentials=tenants.redis_credentials, **redis_auth)
+                              tenant_credentials=tenants.redis_credentials, read_replica=config.read_replica,
+                              **redis_auth)
     block_map = MeteredBlockMap(redis_map, registry)
     denials = DenialAudit(tenants.audit)  # denied and unauthenticated calls: rate-limited, counted beyond
     authz = Authorizer(tenants, denials, config.policy_ttl_s)

@@ -1,8 +1,10 @@
 -- Sets (op 's') or clears (op 'r') tier bits of one node slot on runs of blocks,
 -- in order, so one batch of events is one call.
--- KEYS: namespace block hash
+-- When anything changed, the batch is appended to the namespace's change stream (read replicas replay it:
+-- control_plane/replica.py) under the next sequence number, as stream id "<seq>-0".
+-- KEYS: namespace block hash, its change stream, its change sequence counter
 -- ARGV: slot, hash_len, then per run: op, tier_mask, concatenated hashes
--- Returns the number of block entries changed.
+-- Returns {number of block entries changed, the change's sequence number (0: nothing changed)}.
 local slot = tonumber(ARGV[1])
 local hl = tonumber(ARGV[2])
 local changed = 0
@@ -50,4 +52,15 @@ for r = 3, #ARGV, 3 do
     end
   end
 end
-return changed
+if changed == 0 then
+  return {0, 0}
+end
+local seq = redis.call('INCR', KEYS[3])
+local t = redis.call('TIME')
+local record = {'t', 'a', 'ms', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 's', slot, 'hl', hl}
+for r = 3, #ARGV, 3 do
+  record[#record + 1] = tostring(r)
+  record[#record + 1] = ARGV[r] .. ARGV[r + 1] .. ARGV[r + 2]
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', 4096, seq .. '-0', unpack(record))
+return {changed, seq}
