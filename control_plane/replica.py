@@ -241,23 +241,19 @@ class BlockMapReplica:
         """The live-slot table as this replica has it (slot -> record)."""
         return self._slots
 
-    def subscribe(self, blocks_key: str) -> asyncio.Queue:
-        """A queue receiving a :class:`Change` after each change of the namespace (a load: ``keys`` None)."""
+    def subscribe(self, blocks_key: str, queue: asyncio.Queue) -> None:
+        """``queue`` receives a :class:`Change` after each change of the namespace (a load: ``keys`` None)."""
         self.follow(blocks_key)
-        queue: asyncio.Queue = asyncio.Queue()
         self._namespaces[blocks_key].subscribers.append(queue)
-        return queue
 
     def unsubscribe(self, blocks_key: str, queue: asyncio.Queue) -> None:
         state = self._namespaces.get(blocks_key)
         if state is not None and queue in state.subscribers:
             state.subscribers.remove(queue)
 
-    def slot_subscribe(self) -> asyncio.Queue:
-        """A queue receiving the list of slots changed after each live-slot change (None: after a load)."""
-        queue: asyncio.Queue = asyncio.Queue()
+    def slot_subscribe(self, queue: asyncio.Queue) -> None:
+        """``queue`` receives the list of slots changed after each live-slot change (None: after a load)."""
         self._slot_subscribers.append(queue)
-        return queue
 
     def slot_unsubscribe(self, queue: asyncio.Queue) -> None:
         if queue in self._slot_subscribers:

@@ -36,6 +36,7 @@ from control_plane.redis_block_map import RedisBlockMap
 from control_plane.routing.router import Router
 from control_plane.routing.stats import RedisStatsStore
 from control_plane.servicer import ControlPlaneServicer
+from control_plane.watch import BlockMapWatch
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,9 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     authz = Authorizer(tenants, denials, config.policy_ttl_s)
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
-    core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys)
+    watch = BlockMapWatch(redis_map.replica) if redis_map.replica is not None else None
+    core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys,
+                        watch=watch, blocks_key=redis_map.blocks_key)
     keys = KeyCache(tenants.get_key, config.auth_cache_ttl_s)
 
     def tenant_changed(tenant_id: str) -> None:
