@@ -134,8 +134,24 @@ class BlockTable:
         return out
 
     def vids(self, keys: np.ndarray) -> np.ndarray:
-        pos = self.find(keys)
-        return np.where(pos >= 0, self._vids[np.maximum(pos, 0)], 0).astype(np.uint32)
+        """The vid of each key (0: absent): :meth:`find` unrolled, on 1-D arrays only (no per-row reductions:
+        numpy's are slow on small arrays). Keys are never deleted (only their vid zeroed) until the table is
+        rebuilt, so an empty slot ends a key's probe sequence."""
+        mask = len(self._keys) - 1
+        pos = keys.view(np.int64) & mask
+        found = self._keys[pos]
+        hit = found == keys
+        out = self._vids[pos] * hit
+        todo = np.flatnonzero(~hit & (found != _EMPTY))
+        pos, want = pos[todo], keys[todo]
+        while todo.size:
+            pos = (pos + 1) & mask
+            found = self._keys[pos]
+            hit = found == want
+            out[todo[hit]] = self._vids[pos[hit]]
+            more = ~hit & (found != _EMPTY)
+            todo, pos, want = todo[more], pos[more], want[more]
+        return out
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, vids) of every present block."""

@@ -31,7 +31,7 @@ from tenancy.store import RedisTenantStore
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.core import ControlPlane
-from control_plane.metrics import MeteredBlockMap, RouteCollector
+from control_plane.metrics import MeteredBlockMap, ReplicaCollector, RouteCollector
 from control_plane.redis_block_map import RedisBlockMap
 from control_plane.routing.router import Router
 from control_plane.routing.stats import RedisStatsStore
@@ -113,6 +113,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
                        "kvmesh.v1.TenantAdmin"),
     ]
     registry.register(RouteCollector(core.router.counters))
+    if redis_map.replica is not None:
+        registry.register(ReplicaCollector(redis_map.replica))
     interceptors = [RpcMetricsInterceptor(registry, "control-plane"), auth]
     server = await start_server(config.listen, services, interceptors=interceptors, tls=tls)
     core.start_background()
