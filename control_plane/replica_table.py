@@ -23,6 +23,7 @@ import numpy as np
 from control_plane.model import Medium, NodePrefix, PrefixMatch
 
 _EMPTY = np.uint64(0)
+MEMO_LIMIT = 100_000  # remembered value transitions (a cache: cleared when full)
 
 
 def block_keys(block_hashes: list[bytes] | bytes, hash_len: int = 0) -> np.ndarray:
@@ -79,6 +80,8 @@ class Values:
         key = (vid, op, slot, mask)
         found = self._changed.get(key)
         if found is None:
+            if len(self._changed) >= MEMO_LIMIT:
+                self._changed.clear()
             out, seen = [], False
             for s, m in self._decoded[vid]:
                 if s == slot:
