@@ -58,10 +58,10 @@ async def two_tenants(control_plane, admin, ns):
     hs_a, hs_b = hashes(8, "acme-secret-prompt"), hashes(4, "bravo-prompt")
     await node_a.store(ns, hs_a)
     await node_b.store(ns_b, hs_b)
-    _, key_a = await core.tenants.issue_key(Role.SCHEDULER, tenant_id="acme")
+    key_a_record, key_a = await core.tenants.issue_key(Role.SCHEDULER, tenant_id="acme")
     _, key_b = await core.tenants.issue_key(Role.SCHEDULER, tenant_id="bravo")
     return dict(address=f"127.0.0.1:{control_plane.port}", ns_a=ns, ns_b=ns_b, node_a=node_a, hs_a=hs_a,
-                hs_b=hs_b, key_a=key_a, key_b=key_b)
+                hs_b=hs_b, key_a=key_a, key_b=key_b, key_a_id=key_a_record.key_id, core=core)
 
 
 async def test_a_scheduler_replica_follows_its_own_tenants_namespace(two_tenants):
@@ -103,3 +103,31 @@ async def test_a_scheduler_of_another_tenant_gets_nothing_of_it(two_tenants):
         await until(lambda: len(replica.lookup(t["hs_b"]).holders) == 2)
         assert replica.lookup(t["hs_a"]).holders == [] and replica.block_count() == 4
         assert replica.node_ids() == {"node-a", "node-b"}  # node-a is named as a holder of B's blocks only
+
+
+async def test_a_revoked_key_loses_its_replica(two_tenants):
+    """The watch checks the key again every policy_ttl_s: revoked, the stream ends and the client's lookups go
+    back to the server (which refuses them)."""
+    t = two_tenants
+    async with SchedulerClient(t["address"], t["ns_a"], api_key=t["key_a"]) as client:
+        await client.start_replica()
+        assert client.replica.synced and client.replica.lookup(t["hs_a"]).longest == 8  # positive control
+        await t["core"].tenants.revoke_key(t["key_a_id"])
+        await until(lambda: not client.replica.synced, timeout_s=15)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.lookup_prefix(block_hashes=t["hs_a"])
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_the_watch_names_only_nodes_the_tenants_policy_allows(two_tenants):
+    """node-a holds bravo's blocks, but bravo's policy allows node-b only: bravo's replica never learns node-a
+    (the other test shows node-a named when the policy allows it)."""
+    t = two_tenants
+    await t["core"].tenants.set_policy("bravo", TenantPolicy(allowed_nodes=("node-b",)))
+    t["core"].authz.forget("bravo")
+    await t["node_a"].store(t["ns_b"], t["hs_b"])
+    async with SchedulerClient(t["address"], t["ns_b"], api_key=t["key_b"]) as client:
+        await client.start_replica()
+        assert client.replica.node_ids() == {"node-b"}
+        match = await client.lookup_prefix(block_hashes=t["hs_b"])
+        assert [h.node_id for h in match.holders] == ["node-b"]
