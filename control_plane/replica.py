@@ -308,8 +308,9 @@ class BlockMapReplica:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a follower survives Redis outages and failovers
-                if not isinstance(exc, _TRANSIENT):
-                    log.warning("change stream %s failed; resyncing", stream.key, exc_info=True)
+                if not failures:  # once per run of failures (a tenant deleted meanwhile fails until closed)
+                    log.warning("change stream %s: %s; resyncing", stream.key, exc,
+                                exc_info=not isinstance(exc, _TRANSIENT))
                 self._out_of_sync(stream)
                 await asyncio.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
                 failures += 1
