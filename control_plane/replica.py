@@ -171,12 +171,13 @@ class BlockMapReplica:
 
     async def wait_applied(self, blocks_key: str, seq: int, timeout_s: float) -> bool:
         """Waits until the namespace's record ``seq`` is applied here (read-your-writes for this process);
-        True at once when the namespace is not followed. False: not within ``timeout_s``."""
+        True at once when the namespace is not followed or is loading (its lookups go to Redis meanwhile: a
+        write never waits for the load of a large namespace). False: not within ``timeout_s``."""
         state = self._namespaces.get(blocks_key)
-        if state is None or not seq:
+        if state is None or not seq or not state.synced:
             return True
         deadline = time.monotonic() + timeout_s
-        while state.seq < seq or not state.synced:
+        while state.seq < seq and state.synced:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -189,12 +190,12 @@ class BlockMapReplica:
 
     async def barrier(self, timeout_s: float) -> bool:
         """Waits until every live-slot change made so far is applied here (fencing is then visible)."""
-        if not self._started:
-            return True
-        seq = int(await self._redis.get(self._keys.slot_changes_seq) or 0)
         stream = self._slot_stream
+        if not self._started or not stream.synced:
+            return True  # not following, or loading (every lookup goes to Redis until it is done)
+        seq = int(await self._redis.get(self._keys.slot_changes_seq) or 0)
         deadline = time.monotonic() + timeout_s
-        while stream.seq < seq or not stream.synced:
+        while stream.seq < seq and stream.synced:
             if time.monotonic() >= deadline:
                 return False
             stream.applied.clear()
