@@ -17,7 +17,7 @@ import redis.exceptions
 from kvmesh.namespace import Namespace
 from kvmesh.redis_client import connect
 from kvmesh.redis_keys import Keys
-from kvmesh_apps.redis_server import RedisServer
+from kvmesh_apps.redis_server import RedisCluster, RedisServer
 
 from control_plane.model import ALL_TIERS, Cleared, EventBatch, Medium, NodeInfo, Removed, Stored
 from control_plane.redis_block_map import RedisBlockMap
@@ -214,3 +214,40 @@ async def test_replica_resyncs_after_a_redis_restart(tmp_path, key_prefix, ns):
 
 async def test_replica_resyncs_after_redis_lost_its_data(tmp_path, key_prefix, ns):
     await _restart_test(tmp_path, key_prefix, ns, lose_data=True)
+
+
+async def test_replica_resyncs_after_a_cluster_shard_fails_over(tmp_path, key_prefix, ns):
+    """The primary holding the namespace's slot dies; its replica takes over: the replica reloads from it and
+    follows the new primary (and it converges on lookup.lua's answers again)."""
+    cluster = RedisCluster(tmp_path / "cluster", masters=3, replicas=1).start()
+    bm = RedisBlockMap(cluster.seeds_url, lease_ms=60_000, key_prefix=key_prefix)
+    hs = hashes(24, "failover")
+    try:
+        a = await Node(bm, ns, 1).register()
+        await a.store(hs[:10])
+        replica = BlockMapReplica.from_url(cluster.seeds_url, key_prefix=key_prefix)
+        key = await bm.blocks_key(ns)
+        replica.follow(key)
+        assert await replica.wait_synced(key, 20)
+        await converged(bm, replica, ns, [hs])
+        await asyncio.sleep(0.5)  # the shard's replica has the writes (asynchronous replication)
+        raw = connect(cluster.seeds_url)
+        await raw.initialize()
+        port = raw.get_node_from_key(key).port
+        await raw.aclose()
+        next(n for n in cluster.nodes if n.port == port).stop()
+        deadline = time.monotonic() + 60
+        while True:  # the writer retries until the cluster has promoted the replica, as publishers do
+            try:
+                await a.store(hs[:20])
+                break
+            except Exception:  # noqa: BLE001 - connection errors, CLUSTERDOWN, moved slots while failing over
+                a.seq -= 1  # the same batch again
+                assert time.monotonic() < deadline, "the cluster did not fail over"
+                await asyncio.sleep(0.5)
+        await converged(bm, replica, ns, [hs, hs[:5]], timeout_s=30)
+        assert replica.lookup(key, hs).longest == 20 and replica.resyncs >= 1
+        await replica.close()
+    finally:
+        await bm.close()
+        cluster.stop()
