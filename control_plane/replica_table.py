@@ -238,16 +238,16 @@ class BlockTable:
         """lookup.lua's counts: slot -> [any, gpu, cpu, disk] leading blocks of ``keys`` on the tiers in mask
         ``tiers``, for the slots holding the first block."""
         vids = self.vids(keys)
-        absent = np.flatnonzero(vids == 0)
-        end = int(absent[0]) if absent.size else len(vids)
+        absent = vids == 0
+        end = int(absent.argmax()) if absent.any() else len(vids)
         if end == 0:
             return {}
         vids = vids[:end]
-        starts = np.flatnonzero(np.concatenate(([True], vids[1:] != vids[:-1])))
-        lengths = np.diff(np.append(starts, end))
+        starts = [0, *(np.flatnonzero(vids[1:] != vids[:-1]) + 1).tolist()]  # runs of one value: few, usually 1
+        runs = zip(vids[starts].tolist(), [b - a for a, b in zip(starts, [*starts[1:], end])])
         counts: dict[int, list[int]] = {}
         running: dict[int, list[bool]] = {}
-        for vid, times in zip(vids[starts].tolist(), lengths.tolist()):
+        for vid, times in runs:
             present = {s: m & tiers for s, m in self._values.entries(vid) if m & tiers}
             if not counts:
                 for s in present:
