@@ -41,7 +41,7 @@ if ARGV[1] == '0' or res[1] == '0' then
   local t = redis.call('TIME')
   local pairs_ = {}
   for i = 3, #ARGV do pairs_[#pairs_ + 1] = ARGV[i] end
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', 4096, seq .. '-0', 't', 'c',
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', 1024, seq .. '-0', 't', 'c',
              'ms', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'c', table.concat(pairs_, ','))
 end
 return res[1]

@@ -342,6 +342,8 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
             await asyncio.get_running_loop().run_in_executor(None, probe_results.get, True, 60)
             rate = await ingest(stub, fresh, bulk, args.batch_blocks)
             mem_after = r.info("memory")["used_memory"]
+            stream_bytes = sum(r.memory_usage(Keys.block_changes(k.decode()), samples=0) or 0
+                               for k in r.smembers(Keys().namespaces))
             probe_commands.put(len(prompt) + len(bulk))
             replica = await asyncio.get_running_loop().run_in_executor(None, probe_results.get, True, 180)
             nodes.check()
@@ -365,6 +367,8 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
         "ingest_blocks_per_s": round(rate),
         "ingest_batch_blocks": args.batch_blocks,
         "redis_bytes_per_block": round((mem_after - mem_before) / args.blocks, 1),
+        "redis_change_stream_bytes": stream_bytes,  # the replicas' change stream (MAXLEN ~1024 records) in that
+        "redis_bytes_per_block_without_change_stream": round((mem_after - mem_before - stream_bytes) / args.blocks, 1),
         "indexed_blocks": args.blocks,
         "holders_per_block": args.nodes,
         **replica_lookups,
