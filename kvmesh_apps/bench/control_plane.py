@@ -367,7 +367,7 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
         "ingest_blocks_per_s": round(rate),
         "ingest_batch_blocks": args.batch_blocks,
         "redis_bytes_per_block": round((mem_after - mem_before) / args.blocks, 1),
-        "redis_change_stream_bytes": stream_bytes,  # the replicas' change stream (MAXLEN ~1024 records) in that
+        "redis_change_stream_bytes": stream_bytes,  # the replicas' change stream (MAXLEN ~1024 records)
         "redis_bytes_per_block_without_change_stream": round((mem_after - mem_before - stream_bytes) / args.blocks, 1),
         "indexed_blocks": args.blocks,
         "holders_per_block": args.nodes,
