@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
@@ -57,6 +57,15 @@ class BlockMapUpdate:
         return self
 
 
+@dataclass
+class _Named:
+    """What one subscriber was told: the slot records sent, and every slot its values reference (a slot whose
+    record arrives after the values naming it is sent then)."""
+
+    records: dict[int, SlotRecord] = field(default_factory=dict)
+    referenced: set[int] = field(default_factory=set)
+
+
 class _Check:
     """Queue marker: time to check the subscriber's rights again."""
 
@@ -84,9 +93,9 @@ class BlockMapWatch:
                 allowed[record.node_id] = await allows(record.node_id)
             return allowed[record.node_id]
 
-        sent: dict[int, SlotRecord] = {}
+        named = _Named()
         try:
-            async for update in self._snapshot(blocks_key, sent, may_name):
+            async for update in self._snapshot(blocks_key, named, may_name):
                 yield update
             next_check = time.monotonic() + recheck_s
             while True:
@@ -103,25 +112,25 @@ class BlockMapWatch:
                     items.append(None)  # re-decide every holder sent under the policy of now
                     next_check = time.monotonic() + recheck_s
                 if any(isinstance(i, Change) and i.keys is None for i in items) or not replica.in_sync(blocks_key):
-                    sent.clear()
-                    async for update in self._snapshot(blocks_key, sent, may_name):
+                    named = _Named()
+                    async for update in self._snapshot(blocks_key, named, may_name):
                         yield update
                     continue
-                update = await self._changes(blocks_key, items, sent, may_name)
+                update = await self._changes(blocks_key, items, named, may_name)
                 if update is not None:
                     yield update
         finally:
             replica.unsubscribe(blocks_key, queue)
             replica.slot_unsubscribe(queue)
 
-    async def _snapshot(self, blocks_key, sent, may_name) -> AsyncIterator[BlockMapUpdate]:
+    async def _snapshot(self, blocks_key, named: _Named, may_name) -> AsyncIterator[BlockMapUpdate]:
         replica = self._replica
         if not await replica.wait_synced(blocks_key, self._sync_timeout_s):
             raise Unavailable("the control plane's replica could not load this namespace in time; retry")
         keys, vids = replica.table(blocks_key).items()
         distinct, index = np.unique(vids, return_inverse=True)
         values = tuple(replica.values.value(int(v)) for v in distinct)
-        holders = await self._new_holders(distinct, sent, may_name)
+        holders = await self._new_holders(distinct, named, may_name)
         now = replica.now_ms()
         count = len(keys)
         for start in range(0, max(count, 1), SNAPSHOT_CHUNK):
@@ -130,39 +139,40 @@ class BlockMapWatch:
                                  keys=keys[start:end].astype("<u8").tobytes(), values=values,
                                  value_index=index[start:end].astype("<u4").tobytes(), server_time_ms=now)
 
-    async def _new_holders(self, vids, sent, may_name) -> tuple[Holder, ...]:
+    async def _new_holders(self, vids, named: _Named, may_name) -> tuple[Holder, ...]:
         """Records of the slots in values ``vids`` not sent yet, if live and allowed."""
         replica = self._replica
         out = []
         for vid in vids.tolist():
             for slot, _ in replica.values.entries(vid):
+                named.referenced.add(slot)
                 record = replica.slots.get(slot)
-                if slot not in sent and record is not None and await may_name(record):
-                    sent[slot] = record
+                if slot not in named.records and record is not None and await may_name(record):
+                    named.records[slot] = record
                     out.append(Holder(slot, record))
         return tuple(out)
 
-    async def _changes(self, blocks_key, items, sent, may_name) -> BlockMapUpdate | None:
+    async def _changes(self, blocks_key, items, named: _Named, may_name) -> BlockMapUpdate | None:
         replica = self._replica
         holders = []
         slot_items = [i for i in items if i is None or isinstance(i, list)]
-        changed_slots = set(sent) if any(i is None for i in slot_items) else \
-            {s for i in slot_items for s in i if s in sent}
+        changed_slots = set(named.referenced) if any(i is None for i in slot_items) else \
+            {s for i in slot_items for s in i if s in named.referenced}
         for slot in changed_slots:
-            record = replica.slots.get(slot)
-            if record == sent[slot]:
+            record, previous = replica.slots.get(slot), named.records.get(slot)
+            if record == previous:
                 continue
             if record is not None and await may_name(record):
-                sent[slot] = record
+                named.records[slot] = record
                 holders.append(Holder(slot, record))
-            else:
-                del sent[slot]
+            elif previous is not None:
+                del named.records[slot]
                 holders.append(Holder(slot, None))
         key_items = [i.keys for i in items if isinstance(i, Change) and i.keys is not None]
         keys = np.unique(np.concatenate(key_items)) if key_items else np.zeros(0, np.uint64)
         vids = replica.table(blocks_key).vids(keys)
         distinct, index = np.unique(vids, return_inverse=True)
-        holders += await self._new_holders(distinct, sent, may_name)
+        holders += await self._new_holders(distinct, named, may_name)
         if not holders and not keys.size:
             return None
         return BlockMapUpdate(holders=tuple(holders), keys=keys.astype("<u8").tobytes(),

@@ -131,3 +131,43 @@ async def test_the_watch_names_only_nodes_the_tenants_policy_allows(two_tenants)
         assert client.replica.node_ids() == {"node-b"}
         match = await client.lookup_prefix(block_hashes=t["hs_b"])
         assert [h.node_id for h in match.holders] == ["node-b"]
+
+
+async def test_the_scheduler_replica_converges_on_the_servers_answers(two_tenants, admin):
+    """Stores, removals and re-registrations (fencing) after the snapshot: the scheduler's in-process answers
+    end equal to the server's LookupPrefix."""
+    import random
+
+    from control_plane.model import Removed
+
+    t, rng = two_tenants, random.Random(5)
+    core, ns = t["core"], t["ns_a"]
+    nodes = [t["node_a"], *[await Node(core, admin, f"node-{i}", 7200 + i).register() for i in range(3)]]
+    prompts = [hashes(24, f"conv{p}") for p in range(3)]
+    async with SchedulerClient(t["address"], ns, api_key=t["key_a"]) as client:
+        await client.start_replica()
+        for _ in range(40):
+            node, prompt = rng.choice(nodes), rng.choice(prompts)
+            kind = rng.random()
+            if kind < 0.6:
+                await node.store(ns, prompt[:rng.randint(1, 24)])
+            elif kind < 0.85:
+                node.seq += 1
+                await core.apply_batch(admin, EventBatch(node.info.node_id, node.inc, node.seq, ns,
+                                                         (Removed(tuple(prompt[rng.randint(0, 23):]), None),), False))
+            else:
+                await node.register()
+                node.seq = 0
+
+        def summary(match):
+            return sorted((h.node_id, h.leading_blocks) for h in match.holders)
+
+        deadline = time.monotonic() + 10
+        while True:
+            server = [summary(await core.lookup_prefix(admin, ns, p, [], None, 7)) for p in prompts]
+            mine = [summary(client.replica.lookup(p)) for p in prompts]
+            if mine == server:
+                break
+            assert time.monotonic() < deadline, f"scheduler replica {mine} != server {server}"
+            await asyncio.sleep(0.05)
+        assert any(server)  # positive control: something is held
