@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import random
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import redis.exceptions
 from kvmesh.namespace import Namespace
 from kvmesh.redis_client import connect
 from kvmesh.redis_keys import Keys
-from kvmesh_apps.redis_server import RedisCluster, RedisServer
+from kvmesh_apps.redis_server import RedisCluster, RedisServer, cli_for, find_redis_server
 
 from control_plane.model import ALL_TIERS, Cleared, EventBatch, Medium, NodeInfo, Removed, Stored
 from control_plane.redis_block_map import RedisBlockMap
@@ -235,15 +236,26 @@ async def test_replica_resyncs_after_a_cluster_shard_fails_over(tmp_path, key_pr
         await raw.initialize()
         port = raw.get_node_from_key(key).port
         await raw.aclose()
-        next(n for n in cluster.nodes if n.port == port).stop()
-        deadline = time.monotonic() + 60
-        while True:  # the writer retries until the cluster has promoted the replica, as publishers do
+        dead = next(n for n in cluster.nodes if n.port == port)
+        dead.stop()
+        survivor = next(n for n in cluster.nodes if n is not dead)
+        deadline = time.monotonic() + 90
+        while True:  # the shard's replica is promoted (slow on a loaded machine: elections time out and retry)
+            info = subprocess.run([cli_for(find_redis_server()), "-p", str(survivor.port), "cluster", "info"],
+                                  capture_output=True, text=True).stdout
+            if "cluster_state:ok" in info:
+                break
+            assert time.monotonic() < deadline, "the cluster did not fail over"
+            await asyncio.sleep(0.5)
+        await bm.close()  # a writer that starts after the failover (the replica under test recovers by itself)
+        bm = a.bm = RedisBlockMap(cluster.seeds_url, lease_ms=60_000, key_prefix=key_prefix)
+        while True:
             try:
                 await a.store(hs[:20])
                 break
-            except Exception:  # noqa: BLE001 - connection errors, CLUSTERDOWN, moved slots while failing over
+            except Exception:  # noqa: BLE001 - moved slots, connections to the dead node, until it settles
                 a.seq -= 1  # the same batch again
-                assert time.monotonic() < deadline, "the cluster did not fail over"
+                assert time.monotonic() < deadline, "the cluster did not accept writes after failing over"
                 await asyncio.sleep(0.5)
         await converged(bm, replica, ns, [hs, hs[:5]], timeout_s=30)
         assert replica.lookup(key, hs).longest == 20 and replica.resyncs >= 1
