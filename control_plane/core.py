@@ -12,12 +12,15 @@ import functools
 import logging
 import time
 
-from kvmesh.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from typing import AsyncIterator
+
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
 from tenancy.authz import Authorizer
 from tenancy.grants import Grant, GrantSigner, RouteToken
 from tenancy.peer_proof import encode_public_key
+from tenancy.auth import BOOTSTRAP_KEY_ID
 from tenancy.model import Principal, Role
 from tenancy.store import RedisTenantStore
 
@@ -28,6 +31,7 @@ from control_plane.model import (
 )
 from control_plane.routing.router import Router
 from control_plane.routing.types import RouteDecision, RouteRequest, StatsReport
+from control_plane.watch import BlockMapUpdate, BlockMapWatch
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +52,10 @@ class BatchRefused(Exception):
 class ControlPlane:
     def __init__(self, block_map: BlockMap, config: ControlPlaneConfig, tenants: RedisTenantStore,
                  authz: Authorizer, signer: GrantSigner, router: Router,
-                 grant_public_keys: list[bytes] | None = None) -> None:
-        """``grant_public_keys``: every key grants may be verified with (default: the signer's only)."""
+                 grant_public_keys: list[bytes] | None = None, watch: BlockMapWatch | None = None,
+                 blocks_key=None) -> None:
+        """``grant_public_keys``: every key grants may be verified with (default: the signer's only).
+        ``watch`` and ``blocks_key`` (namespace -> its block-map key): serve WatchBlockMap from a replica."""
         self.block_map = block_map
         self.grant_public_keys = grant_public_keys or [signer.public_key]
         self.router = router
@@ -58,6 +64,8 @@ class ControlPlane:
         self.authz = authz
         self.signer = signer
         self._gc_task: asyncio.Task | None = None
+        self._watch = watch
+        self._blocks_key = blocks_key
 
     # -- nodes -----------------------------------------------------------------
 
@@ -164,6 +172,34 @@ class ControlPlane:
         if token_ids:
             match = PrefixMatch(match.blocks_queried, match.holders, block_hashes)
         return match
+
+    async def watch_block_map(self, principal: Principal, ns: Namespace) -> AsyncIterator[BlockMapUpdate]:
+        """``ns``'s block map for a subscriber's replica, if the principal may read ``ns``'s tenant (checked
+        again every policy_ttl_s, with the key's revocation); holders limited by the tenant's node policy."""
+        ns.validate()
+        if self._watch is None:
+            raise FailedPrecondition("this control plane runs without read_replica: WatchBlockMap is off")
+        if not await self._may_watch(principal, ns.tenant):
+            raise await self.authz.deny(principal, "WatchBlockMap", ns.tenant,
+                                        f"this key may not read tenant {ns.tenant!r}")
+
+        async def allows(node_id: str) -> bool:
+            tenant = await self.authz.tenant(ns.tenant)
+            return tenant is not None and await self._allows(tenant.policy, node_id)
+
+        async def still_allowed() -> bool:
+            return await self._may_watch(principal, ns.tenant, recheck_key=True)
+
+        blocks_key = await self._blocks_key(ns)
+        async for update in self._watch.updates(blocks_key, allows, still_allowed, max(self.config.policy_ttl_s, 0.5)):
+            yield update
+
+    async def _may_watch(self, principal: Principal, tenant_id: str, recheck_key: bool = False) -> bool:
+        if recheck_key and principal.key_id != BOOTSTRAP_KEY_ID:
+            key = await self.tenants.get_key(principal.key_id)
+            if key is None or key.revoked:
+                return False
+        return await self.authz.tenant(tenant_id) is not None and await self.authz.may_read(principal, tenant_id)
 
     async def issue_pull_grant(self, principal: Principal, ns: Namespace, source_node_id: str,
                                consumer_public_key: bytes) -> tuple[bytes, int, str]:

@@ -17,6 +17,7 @@ from kvmesh.namespace import Namespace
 
 from control_plane.block_map import BlockMap
 from control_plane.model import Ack, Cleared, EventBatch, Medium, PrefixMatch, Stored
+from control_plane.replica import BlockMapReplica
 from control_plane.routing.router import RouteCounters
 
 
@@ -112,3 +113,24 @@ class RouteCollector:
                                   value=self._c.blocks_missed)
         yield GaugeMetricFamily("kvmesh_cp_stale_route_rate", "stale routes / pulls reported",
                                 value=self._c.stale_route_rate)
+
+
+class ReplicaCollector:
+    """Exports the in-memory replica's size, lag and resyncs (control_plane/replica.py)."""
+
+    def __init__(self, replica: BlockMapReplica) -> None:
+        self._replica = replica
+
+    def collect(self):
+        r = self._replica
+        yield GaugeMetricFamily("kvmesh_cp_replica_blocks", "blocks held by the in-memory replica",
+                                value=r.block_count())
+        yield GaugeMetricFamily("kvmesh_cp_replica_bytes", "memory of the replica's tables and interned values",
+                                value=r.memory_bytes())
+        lag = sorted(r.lag_ms)
+        p99 = lag[min(len(lag) - 1, int(0.99 * len(lag)))] / 1000 if lag else 0.0
+        yield GaugeMetricFamily("kvmesh_cp_replica_lag_p99_seconds",
+                                "p99 of the replica's lag behind Redis over its last 10,000 changes applied",
+                                value=p99)
+        yield CounterMetricFamily("kvmesh_cp_replica_resyncs", "replica reloads after a gap in a change stream, "
+                                  "a counter gone back or a Redis failure", value=r.resyncs)

@@ -25,6 +25,7 @@ from kvmesh.redis_client import SOCKET_TIMEOUT_S, Coalescer, connect, failed_ins
 from redis.asyncio.cluster import RedisCluster
 
 from control_plane.block_map import BlockMap
+from control_plane.replica import BlockMapReplica
 from kvmesh.redis_keys import Keys
 from control_plane.model import (
     ALL_TIERS, Ack, AckStatus, Cleared, EventBatch, Medium, NodeInfo, NodePrefix, NodeStatus,
@@ -37,6 +38,7 @@ MAX_SLOTS = 8192  # entries are 2 bytes: 13 bits of slot, 3 of tiers
 SWEEP_CHUNK = 1000
 GC_LOCK_MS = 30_000
 GC_HINT = "gc_interval_s"
+REPLICA_WAIT_S = 0.5  # a write waits this long for this process's replica to show it (read-your-writes)
 RETIRE_AFTER_S = 2 * SOCKET_TIMEOUT_S  # a dropped tenant client outlives the calls still on it  # a node may retire 16 slots (prelude.lua) per garbage collection
 _SCRIPTS = ("register", "heartbeat", "deregister", "begin_batch", "end_batch", "apply", "rotate",
             "lookup", "sweep", "reap", "unlock")
@@ -64,11 +66,15 @@ TenantCredentials = Callable[[str, bool], Awaitable[tuple[str, str, str]]]
 
 class RedisBlockMap(BlockMap):
     """``tenant_credentials`` (tenant -> Redis ACL user and password), when given, makes every
-    read and write of a tenant's block map go through that tenant's own Redis user."""
+    read and write of a tenant's block map go through that tenant's own Redis user.
+
+    ``read_replica``: lookups answer from an in-memory :class:`BlockMapReplica` of the namespaces looked up
+    (the first lookups of a namespace, and all while it resyncs, run lookup.lua). This process's own writes
+    are visible to its next lookups: a write returns once its replica has applied it (or REPLICA_WAIT_S)."""
 
     def __init__(self, url: str, *, lease_ms: int = 10_000, key_prefix: str = "kvm",
                  username: str | None = None, password: str | None = None,
-                 tenant_credentials: TenantCredentials | None = None) -> None:
+                 tenant_credentials: TenantCredentials | None = None, read_replica: bool = False) -> None:
         self._url = url
         self._redis = connect(url, username=username, password=password)
         self._tenant_credentials = tenant_credentials
@@ -85,6 +91,16 @@ class RedisBlockMap(BlockMap):
         self._known_ns: set[tuple[str, str]] = set()
         self._replica_id = uuid.uuid4().hex
         self._cluster = isinstance(self._redis, RedisCluster)
+        self.replica = (BlockMapReplica(self._redis, self._keys, client_for=self._reader)
+                        if read_replica else None)
+
+    async def _reader(self, tenant: str):
+        return (await self._tenant(tenant))[0]
+
+    async def _fenced(self) -> None:
+        """After a change of the live-slot table: this process's replica shows it before the call returns."""
+        if self.replica is not None:
+            await self.replica.barrier(REPLICA_WAIT_S)
 
     # -- scripts ---------------------------------------------------------------
 
@@ -201,10 +217,14 @@ class RedisBlockMap(BlockMap):
         k = self._keys
         return [k.node(node_id), k.slots, k.dead_slots, k.slot_cursor]
 
+    def _logged(self, keys: list[str]) -> list[str]:
+        """``keys`` and the live-slot change stream's keys (prelude.lua's ``log_slot`` takes the last two)."""
+        return [*keys, *self._keys.slot_log]
+
     async def register_node(self, node: NodeInfo) -> Registration:
         k = self._keys
         inc, slot = await self._eval(
-            "register", [*self._reg_keys(node.node_id), k.nodes],
+            "register", self._logged([*self._reg_keys(node.node_id), k.nodes]),
             [node.node_id, node.data_plane_address, node.pool, json.dumps(node.labels, sort_keys=True),
              self._lease_ms, MAX_SLOTS],
         )
@@ -214,6 +234,7 @@ class RedisBlockMap(BlockMap):
                 f"(every {GC_HINT}); try again later")
         if int(slot) < 0:
             raise errors.ResourceExhausted(f"no free node slot: {MAX_SLOTS} node incarnations are live or unswept")
+        await self._fenced()
         return Registration(incarnation=int(inc), lease_ms=self._lease_ms)
 
     @staticmethod
@@ -235,15 +256,17 @@ class RedisBlockMap(BlockMap):
 
     async def heartbeat(self, node_id: str, incarnation: int) -> int:
         k = self._keys
-        reply = await self._eval("heartbeat", [k.node(node_id), k.slots], [incarnation, self._lease_ms])
+        reply = await self._eval("heartbeat", self._logged([k.node(node_id), k.slots]),
+                                 [incarnation, self._lease_ms])
         self._raise_for(reply, node_id)
         return self._lease_ms
 
     async def deregister_node(self, node_id: str, incarnation: int) -> None:
         k = self._keys
-        reply = await self._eval("deregister", [k.node(node_id), k.slots, k.dead_slots, k.nodes],
+        reply = await self._eval("deregister", self._logged([k.node(node_id), k.slots, k.dead_slots, k.nodes]),
                                  [node_id, incarnation])
         self._raise_for(reply, node_id)
+        await self._fenced()
 
     async def list_nodes(self) -> list[NodeStatus]:
         ids = sorted(_s(m) for m in await self._redis.smembers(self._keys.nodes))
@@ -276,7 +299,7 @@ class RedisBlockMap(BlockMap):
 
     async def _begin(self, batch: EventBatch, reset: bool) -> int | Ack:
         """The sequence decision (begin_batch.lua): the slot to apply under, or the Ack to answer now."""
-        reply = await self._eval("begin_batch", self._reg_keys(batch.node_id),
+        reply = await self._eval("begin_batch", self._logged(self._reg_keys(batch.node_id)),
                                  [batch.incarnation, batch.seq, 1 if reset else 0, MAX_SLOTS])
         status = _s(reply[0])
         if status == "duplicate":
@@ -285,6 +308,8 @@ class RedisBlockMap(BlockMap):
             return Ack(batch.seq, AckStatus.RESYNC_REQUIRED, expected_seq=int(reply[1]))
         if status != "apply":
             self._raise_for(reply, batch.node_id)
+        if reset:
+            await self._fenced()
         return int(reply[1])
 
     async def apply_batch(self, batch: EventBatch) -> Ack:
@@ -297,10 +322,12 @@ class RedisBlockMap(BlockMap):
         await self._remember_namespace(batch.node_id, ns_key)
         hash_len = batch.namespace.cache_config.hash_algo.digest_size
         runs: list = []
+        seq = 0
         for event in batch.events:
             if isinstance(event, Cleared):
                 if runs:
-                    await self._eval("apply", [ns_key], [slot, hash_len, *runs], tenant)
+                    seq = (await self._eval("apply", self._keys.change_log(ns_key), [slot, hash_len, *runs],
+                                            tenant))[1] or seq
                     runs = []
                 slot = await self._clear(batch.node_id, slot, event.medium)
                 continue
@@ -308,7 +335,9 @@ class RedisBlockMap(BlockMap):
             mask = event.medium.bit if event.medium is not None else ALL_TIERS
             runs += [op, mask, b"".join(event.block_hashes)]
         if runs:
-            await self._eval("apply", [ns_key], [slot, hash_len, *runs], tenant)
+            seq = (await self._eval("apply", self._keys.change_log(ns_key), [slot, hash_len, *runs], tenant))[1] or seq
+        if self.replica is not None and seq:
+            await self.replica.wait_applied(ns_key, int(seq), REPLICA_WAIT_S)
         await self._eval("end_batch", [k.node(batch.node_id)], [batch.incarnation, batch.seq])
         return Ack(batch.seq, AckStatus.APPLIED, blocks_applied=batch.block_count)
 
@@ -322,12 +351,13 @@ class RedisBlockMap(BlockMap):
     async def _clear(self, node_id: str, slot: int, medium: Medium | None) -> int:
         """AllBlocksCleared: every tier fences by rotating the slot; one tier is swept."""
         if medium is None:
-            new_slot = int(await self._eval("rotate", self._reg_keys(node_id), [MAX_SLOTS]))
+            new_slot = int(await self._eval("rotate", self._logged(self._reg_keys(node_id)), [MAX_SLOTS]))
             if new_slot == -2:
                 raise errors.ResourceExhausted(
                     f"node {node_id!r} retired too many slots: they await garbage collection (every {GC_HINT})")
             if new_slot < 0:
                 raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
+            await self._fenced()
             return new_slot
         async for ns_key in self._redis.sscan_iter(self._keys.node_namespaces(node_id)):
             await self._sweep(_s(ns_key), {slot: medium.bit})
@@ -339,9 +369,12 @@ class RedisBlockMap(BlockMap):
             args += [s, mask]
         cursor = "0"
         while True:
-            cursor = _s(await self._eval("sweep", [ns_key], [cursor, SWEEP_CHUNK, *args]))
+            cursor = _s(await self._eval("sweep", self._keys.change_log(ns_key), [cursor, SWEEP_CHUNK, *args]))
             if cursor == "0":
-                return
+                break
+        if self.replica is not None and self.replica.table(ns_key) is not None:
+            seq = int(await self._redis.get(Keys.block_changes_seq(ns_key)) or 0)
+            await self.replica.wait_applied(ns_key, seq, REPLICA_WAIT_S)
 
     # -- lookup ------------------------------------------------------------------
 
@@ -349,6 +382,11 @@ class RedisBlockMap(BlockMap):
         if not block_hashes:
             return PrefixMatch(0, [], [])
         blocks_key = await self.blocks_key(ns)
+        if self.replica is not None:
+            match = self.replica.lookup(blocks_key, block_hashes, tiers)
+            if match is not None:
+                return match
+            self.replica.follow(blocks_key, ns.tenant)
         args = [ns.cache_config.hash_algo.digest_size, b"".join(block_hashes), tiers]
         tenant = ns.tenant
         if self._cluster:  # the live-slot table is in another slot: fetch it concurrently
@@ -392,7 +430,7 @@ class RedisBlockMap(BlockMap):
         if not await self._redis.set(k.gc_lock, self._replica_id, nx=True, px=GC_LOCK_MS):
             return 0  # another replica is collecting; it owns slot reuse until it is done
         try:
-            await self._eval("reap", [k.slots, k.dead_slots], [k.node_prefix])
+            await self._eval("reap", self._logged([k.slots, k.dead_slots]), [k.node_prefix])
             dead = [int(_s(s)) for s in await self._redis.smembers(k.dead_slots)]
             if not dead:
                 return 0
@@ -420,6 +458,8 @@ class RedisBlockMap(BlockMap):
         return int(size), sum(1 for v in present if v is None)
 
     async def close(self) -> None:
+        if self.replica is not None:
+            await self.replica.close()
         for task, client in list(self._retiring.items()):
             task.cancel()
             await client.aclose()

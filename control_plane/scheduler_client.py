@@ -25,6 +25,12 @@ A scheduler that only needs prefix lookups, at a high rate, calls
 the lookups share one ``LookupPrefixStream`` the client keeps open (answers in
 request order), which costs the control plane about half a unary call each
 (docs/scheduling.md).
+
+A scheduler that looks up more often still keeps the namespace's block map in memory:
+``await client.start_replica()`` opens ``WatchBlockMap`` (the server sends this tenant's namespace only: a
+snapshot, then its changes) and from then on ``lookup_prefix`` answers in-process, without a round trip,
+while the replica is in sync (it falls back to the stream while it reconnects). A replica's answer may be
+behind the control plane's by its lag: a stale holder costs at most a MISS at that source.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from kvmesh.namespace import VLLM_DEFAULT_HASH_ALGO, Namespace, engine_namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
 from control_plane import wire as cp_wire
-from control_plane.model import Medium, PrefixMatch
+from control_plane.watch import ReplicaView
+from control_plane.model import Medium, PrefixMatch, tier_mask
 from control_plane.routing import wire
 from control_plane.routing.types import (
     Candidate, EngineSample, LinkSample, Policy, PullOutcome, RouteDecision, RouteRequest, StatsReport,
@@ -71,6 +78,8 @@ class SchedulerClient:
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout = timeout_s
         self._lookups: _LookupStream | None = None
+        self._replica: ReplicaView | None = None
+        self._watching: asyncio.Task | None = None
 
     @staticmethod
     def namespace_for(model: str, *, block_size: int, kv_dtype: str, tenant: str = "default",
@@ -117,6 +126,8 @@ class SchedulerClient:
         it ends); concurrent callers pipeline on it. A lookup the server refuses raises its status; the
         lookups sent after it on the same stream, which the server never answered, are sent once more as
         unary ``LookupPrefix`` calls."""
+        if self._replica is not None and self._replica.synced:
+            return self._local_lookup(token_ids, block_hashes, extras, media)
         request = cp_wire.lookup_request_to_pb(self.namespace, block_hashes, token_ids, extras, media)
         if self._lookups is None or self._lookups.ended:
             self._lookups = _LookupStream(self._stub, self._metadata)
@@ -126,7 +137,60 @@ class SchedulerClient:
             reply = await self._stub.LookupPrefix(request, metadata=self._metadata, timeout=self._timeout)
         return cp_wire.prefix_match(reply)
 
+    async def start_replica(self, timeout_s: float = 10.0) -> None:
+        """Keeps the namespace's block map in memory (``WatchBlockMap``); returns once the snapshot is in. The
+        server's refusal (PERMISSION_DENIED: this key may not read the namespace's tenant) is raised here; a
+        stream that ends later is opened again (a new snapshot)."""
+        if self._watching is not None:
+            return
+        self._replica = view = ReplicaView()
+        first: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._watching = asyncio.ensure_future(self._watch(view, first))
+        try:
+            await asyncio.wait_for(asyncio.shield(first), timeout_s)
+        except BaseException:
+            await self._stop_replica()
+            raise
+
+    @property
+    def replica(self) -> ReplicaView | None:
+        """The in-memory replica (:meth:`start_replica`), or None."""
+        return self._replica
+
+    def _local_lookup(self, token_ids, block_hashes, extras, media) -> PrefixMatch:
+        hashed = list(block_hashes)
+        if token_ids:
+            cfg = self.namespace.cache_config
+            hashed = cfg.hasher().block_hashes(list(token_ids), cfg.block_size, extras)
+        match = self._replica.lookup(hashed, tier_mask(list(media)))
+        return PrefixMatch(match.blocks_queried, match.holders, hashed if token_ids else [])
+
+    async def _watch(self, view: ReplicaView, first: asyncio.Future) -> None:
+        request = pb.WatchBlockMapRequest(namespace=self.namespace.to_proto())
+        delay = 0.1
+        while True:
+            try:
+                async for msg in self._stub.WatchBlockMap(request, metadata=self._metadata):
+                    view.apply(cp_wire.block_map_update(msg))
+                    delay = 0.1
+                    if view.synced and not first.done():
+                        first.set_result(None)
+            except grpc.aio.AioRpcError as exc:
+                if not first.done():
+                    first.set_exception(exc)
+                    return
+            view.synced = False  # lookups go to the server until the next snapshot is in
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _stop_replica(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+        self._watching = self._replica = None
+
     async def close(self) -> None:
+        await self._stop_replica()
         if self._lookups is not None:
             await self._lookups.close()
         await self._channel.close()

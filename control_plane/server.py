@@ -31,11 +31,12 @@ from tenancy.store import RedisTenantStore
 
 from control_plane.config import ControlPlaneConfig
 from control_plane.core import ControlPlane
-from control_plane.metrics import MeteredBlockMap, RouteCollector
+from control_plane.metrics import MeteredBlockMap, ReplicaCollector, RouteCollector
 from control_plane.redis_block_map import RedisBlockMap
 from control_plane.routing.router import Router
 from control_plane.routing.stats import RedisStatsStore
 from control_plane.servicer import ControlPlaneServicer
+from control_plane.watch import BlockMapWatch
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +87,16 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     await tenants.drop_legacy_grant_key()  # the first Redis call: Redis down fails here, before any warning
     signer, grant_keys = config.grant_keys()
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
-                              tenant_credentials=tenants.redis_credentials, **redis_auth)
+                              tenant_credentials=tenants.redis_credentials, read_replica=config.read_replica,
+                              **redis_auth)
     block_map = MeteredBlockMap(redis_map, registry)
     denials = DenialAudit(tenants.audit)  # denied and unauthenticated calls: rate-limited, counted beyond
     authz = Authorizer(tenants, denials, config.policy_ttl_s)
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, **redis_auth)
-    core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys)
+    watch = BlockMapWatch(redis_map.replica) if redis_map.replica is not None else None
+    core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys,
+                        watch=watch, blocks_key=redis_map.blocks_key)
     keys = KeyCache(tenants.get_key, config.auth_cache_ttl_s)
 
     def tenant_changed(tenant_id: str) -> None:
@@ -109,6 +113,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
                        "kvmesh.v1.TenantAdmin"),
     ]
     registry.register(RouteCollector(core.router.counters))
+    if redis_map.replica is not None:
+        registry.register(ReplicaCollector(redis_map.replica))
     interceptors = [RpcMetricsInterceptor(registry, "control-plane"), auth]
     server = await start_server(config.listen, services, interceptors=interceptors, tls=tls)
     core.start_background()

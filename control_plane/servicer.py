@@ -130,6 +130,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         await self._core.report_stats(current_principal(), routing_wire.stats_report(request))
         return pb.ReportStatsResponse()
 
+    @grpc_errors
+    async def WatchBlockMap(self, request, context):
+        ns = wire.namespace(request.namespace, request.HasField("namespace"))
+        async for update in self._core.watch_block_map(current_principal(), ns):
+            yield wire.block_map_update_to_pb(update)
+
     async def Ping(self, request, context):
         return common_pb2.PingResponse()
 

@@ -7,6 +7,8 @@ from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 
+from control_plane.replica_table import SlotRecord
+from control_plane.watch import BlockMapUpdate, Holder
 from control_plane.model import (
     Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus, PrefixMatch, Removed,
     Stored,
@@ -135,3 +137,23 @@ def lookup_request_to_pb(ns: Namespace, block_hashes, token_ids, extras_: Extras
                                                                lora_path=extras_.lora_path,
                                                                cache_salt=extras_.cache_salt),
                                   media=[int(m) for m in media])
+
+
+def block_map_update_to_pb(update: BlockMapUpdate) -> pb.BlockMapUpdate:
+    reply = pb.BlockMapUpdate(reset=update.reset, synced=update.synced, keys=update.keys, values=update.values,
+                              value_index=update.value_index, server_time_unix_ms=update.server_time_ms)
+    for h in update.holders:
+        if h.record is None:
+            reply.holders.add(slot=h.slot, removed=True)
+        else:
+            reply.holders.add(slot=h.slot, node_id=h.record.node_id, data_plane_address=h.record.address,
+                              lease_until_unix_ms=h.record.lease_until_ms)
+    return reply
+
+
+def block_map_update(msg: pb.BlockMapUpdate) -> BlockMapUpdate:
+    holders = tuple(Holder(h.slot, None if h.removed else SlotRecord(h.node_id, 0, h.lease_until_unix_ms,
+                                                                      h.data_plane_address))
+                    for h in msg.holders)
+    return BlockMapUpdate(msg.reset, msg.synced, holders, msg.keys, tuple(msg.values), msg.value_index,
+                          msg.server_time_unix_ms).validate()

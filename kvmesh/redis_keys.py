@@ -54,6 +54,20 @@ class Keys:
         return f"{self._reg}:node-ns:{node_id}"
 
     @property
+    def slot_changes(self) -> str:
+        """Stream of live-slot table changes (id ``<seq>-0``; fields ``s`` slot, ``r`` record, "" removed)."""
+        return f"{self._reg}:slot-changes"
+
+    @property
+    def slot_changes_seq(self) -> str:
+        return f"{self._reg}:slot-changes-seq"
+
+    @property
+    def slot_log(self) -> list[str]:
+        """The two keys every live-slot-table script takes last (prelude.lua's ``log_slot``)."""
+        return [self.slot_changes, self.slot_changes_seq]
+
+    @property
     def gc_lock(self) -> str:
         return f"{self._reg}:gc-lock"
 
@@ -66,3 +80,22 @@ class Keys:
         from ever reading its deleted predecessor's keys."""
         tag = f"{ns.fingerprint}.{epoch}" if epoch else ns.fingerprint
         return f"{self.tenant_prefix(ns.tenant)}{tag}}}:blocks"
+
+    @staticmethod
+    def block_changes(blocks_key: str) -> str:
+        """The change stream of the block map at ``blocks_key`` (same hash tag: one cluster slot)."""
+        return blocks_key.removesuffix(":blocks") + ":changes"
+
+    @staticmethod
+    def block_changes_seq(blocks_key: str) -> str:
+        return blocks_key.removesuffix(":blocks") + ":changes-seq"
+
+    def change_log(self, blocks_key: str) -> list[str]:
+        """The keys apply.lua and sweep.lua take: the block map, its change stream, its sequence counter."""
+        return [blocks_key, self.block_changes(blocks_key), self.block_changes_seq(blocks_key)]
+
+    @staticmethod
+    def tenant_of(blocks_key: str) -> str:
+        """The tenant of a namespace's block-map key (``<prefix>:{t:<tenant>:<fingerprint>...}:blocks``)."""
+        inner = blocks_key[blocks_key.index("{t:") + 3:blocks_key.index("}")]
+        return inner.rsplit(":", 1)[0]

@@ -28,7 +28,8 @@ from kvmesh.redis_keys import Keys
 # (no SCAN / KEYS / RANDOMKEY: they list every tenant's key names; no SCRIPT / FUNCTION: FLUSH empties
 # the cache every replica relies on; no pub/sub, no admin commands).
 TENANT_COMMANDS = ("auth", "hello", "ping", "select", "client|setname", "time", "evalsha", "evalsha_ro",
-                   "hget", "hmget", "hset", "hdel", "hlen", "hgetall", "hscan")
+                   "hget", "hmget", "hset", "hdel", "hlen", "hgetall", "hscan",
+                   "incr", "get", "xadd", "xread")  # the change stream: apply.lua, sweep.lua, read replicas
 
 CLUSTER_COMMANDS = ["cluster|slots", "cluster|shards", "cluster|nodes", "cluster|myid", "readonly", "command"]
 

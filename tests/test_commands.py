@@ -28,8 +28,14 @@ def test_bench_control_plane_ends_with_its_json(monkeypatch):
     for key in ("bare_grpc_noop_p50_ms", "bare_grpc_cpu_ms_per_noop", "bare_grpc_redis_call_p50_ms",
                 "bare_grpc_cpu_ms_per_redis_call", "health_check_p50_ms",
                 "control_plane_cpu_ms_per_health_check", "lookup_1_block_p50_ms",
-                "control_plane_cpu_ms_per_1_block_lookup", "redis_ms_per_1_block_lookup"):
+                "control_plane_cpu_ms_per_1_block_lookup", "replica_lookup_p50_us", "replica_bytes_per_block",
+                "replica_lag_samples"):
         assert result[key] > 0, key
+    # Lookups answer from the control plane's in-memory replica: Redis runs no lookup script for them.
+    assert result["redis_ms_per_1_block_lookup"] >= 0 and result["redis_ms_per_lookup"] >= 0
+    assert result["replica_lag_p99_ms"] >= 0
+    assert result["replica_lookup_holders"] == 8 and result["replica_lookup_longest"] == 1024
+    assert result["replica_blocks"] == 1024 + 2000
     assert result["auth_cost_p50_ms"] == pytest.approx(result["noop_rpc_p50_ms"] - result["health_check_p50_ms"],
                                                        abs=0.002)
     assert result["lookup_1_block_over_noop_p50"] > 0

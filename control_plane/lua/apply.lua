@@ -1,15 +1,20 @@
 -- Sets (op 's') or clears (op 'r') tier bits of one node slot on runs of blocks,
 -- in order, so one batch of events is one call.
--- KEYS: namespace block hash
+-- When anything changed, the batch is appended to the namespace's change stream (read replicas replay it:
+-- control_plane/replica.py) under the next sequence number, as stream id "<seq>-0": per run, the 8-byte keys
+-- (first 8 bytes of the hash: what replicas index by) of the blocks that changed, in order.
+-- KEYS: namespace block hash, its change stream, its change sequence counter
 -- ARGV: slot, hash_len, then per run: op, tier_mask, concatenated hashes
--- Returns the number of block entries changed.
+-- Returns {number of block entries changed, the change's sequence number (0: nothing changed)}.
 local slot = tonumber(ARGV[1])
 local hl = tonumber(ARGV[2])
 local changed = 0
+local record_runs = {}
 for r = 3, #ARGV, 3 do
   local op = ARGV[r]
   local mask = tonumber(ARGV[r + 1])
   local blob = ARGV[r + 2]
+  local run_keys = {}
   for i = 1, #blob, hl do
     local h = string.sub(blob, i, i + hl - 1)
     local v = redis.call('HGET', KEYS[1], h)
@@ -42,6 +47,7 @@ for r = 3, #ARGV, 3 do
     end
     if dirty then
       changed = changed + 1
+      run_keys[#run_keys + 1] = string.sub(h, 1, 8)
       if #out == 0 then
         redis.call('HDEL', KEYS[1], h)
       else
@@ -49,5 +55,19 @@ for r = 3, #ARGV, 3 do
       end
     end
   end
+  if #run_keys > 0 then
+    record_runs[#record_runs + 1] = ARGV[r] .. ARGV[r + 1] .. table.concat(run_keys)
+  end
 end
-return changed
+if changed == 0 then
+  return {0, 0}
+end
+local seq = redis.call('INCR', KEYS[3])
+local t = redis.call('TIME')
+local record = {'t', 'a', 'ms', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 's', slot, 'hl', 8}
+for i, run in ipairs(record_runs) do
+  record[#record + 1] = tostring(i)
+  record[#record + 1] = run
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', 1024, seq .. '-0', unpack(record))
+return {changed, seq}

@@ -1,5 +1,5 @@
 -- Decides what to do with a node's event batch, before anything is applied.
--- KEYS: node hash, slots hash, dead set, slot cursor
+-- KEYS: node hash, slots hash, dead set, slot cursor, slot change stream, its counter
 -- ARGV: incarnation, seq, reset (0/1), max_slots
 -- Returns {'apply', slot} | {'duplicate'} | {'gap', expected} | {'unknown'}
 --       | {'stale', current} | {'expired'} | {'noslot'}
@@ -29,7 +29,7 @@ if ARGV[3] == '1' then
   if s == nil then
     return {'noslot'}
   end
-  redis.call('HSET', KEYS[2], s, slot_record(node[5], node[1], node[3], node[6]))
+  set_slot(KEYS[2], s, slot_record(node[5], node[1], node[3], node[6]))
   redis.call('HSET', KEYS[1], 'last_seq', seq - 1)
   return {'apply', s}
 end

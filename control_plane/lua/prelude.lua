@@ -3,6 +3,13 @@
 -- entry = slot * 8 + tier_mask (GPU=1, CPU=2, DISK=4), big-endian.
 redis.replicate_commands()
 
+-- Every change of the live-slot table is appended to the slot change stream (read replicas follow it):
+-- the two last KEYS of every script that includes this prelude are that stream and its sequence counter.
+local function log_slot(slot, record)
+  local seq = redis.call('INCR', KEYS[#KEYS])
+  redis.call('XADD', KEYS[#KEYS - 1], 'MAXLEN', '~', 10000, seq .. '-0', 's', slot, 'r', record)
+end
+
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -37,6 +44,7 @@ local function rotate_slot(node_key, slots_key, dead_key, cursor_key, max_slots)
       return false
     end
     redis.call('HDEL', slots_key, old)
+    log_slot(old, '')
     redis.call('SADD', dead_key, old)
     redis.call('HINCRBY', node_key, 'retired', 1)
   end
@@ -52,4 +60,10 @@ end
 -- The slots-hash value: what a lookup needs to know about a live slot.
 local function slot_record(node_id, incarnation, lease_until, address)
   return node_id .. '\t' .. incarnation .. '\t' .. lease_until .. '\t' .. address
+end
+
+-- Sets a live slot's record (and logs it).
+local function set_slot(slots_key, slot, record)
+  redis.call('HSET', slots_key, slot, record)
+  log_slot(slot, record)
 end

@@ -1,5 +1,5 @@
 -- Registers a node: new incarnation, new slot, fresh lease, seq restarts at 1.
--- KEYS: node hash, slots hash, dead set, slot cursor, nodes set
+-- KEYS: node hash, slots hash, dead set, slot cursor, nodes set, slot change stream, its counter
 -- ARGV: node_id, address, pool, labels_json, lease_ms, max_slots
 -- Returns {incarnation, slot}, {incarnation, -1} when no slot is free, {0, -2} when the node
 -- retired too many slots since the last garbage collection (nothing changed).
@@ -17,5 +17,5 @@ redis.call('SADD', KEYS[5], ARGV[1])
 if s == nil then
   return {inc, -1}
 end
-redis.call('HSET', KEYS[2], s, slot_record(ARGV[1], inc, lease_until, ARGV[2]))
+set_slot(KEYS[2], s, slot_record(ARGV[1], inc, lease_until, ARGV[2]))
 return {inc, s}

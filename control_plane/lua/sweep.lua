@@ -1,6 +1,9 @@
 -- Removes tier bits of given slots from one chunk of a namespace's blocks.
 -- Used to garbage-collect retired slots and to clear one tier of a node.
--- KEYS: namespace block hash   ARGV: cursor, count, slot, mask, slot, mask, ...
+-- The clear is appended to the namespace's change stream on the first chunk and again on the last (a replica
+-- that loaded the hash while a sweep was under way then still drops the bits; clearing twice is harmless).
+-- KEYS: namespace block hash, its change stream, its change sequence counter
+-- ARGV: cursor, count, slot, mask, slot, mask, ...
 -- Returns the next HSCAN cursor ("0" when the namespace is done).
 local clear = {}
 for i = 3, #ARGV, 2 do
@@ -32,5 +35,13 @@ for i = 1, #fields, 2 do
   if dirty then
     if #out == 0 then redis.call('HDEL', KEYS[1], h) else redis.call('HSET', KEYS[1], h, table.concat(out)) end
   end
+end
+if ARGV[1] == '0' or res[1] == '0' then
+  local seq = redis.call('INCR', KEYS[3])
+  local t = redis.call('TIME')
+  local pairs_ = {}
+  for i = 3, #ARGV do pairs_[#pairs_ + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', 1024, seq .. '-0', 't', 'c',
+             'ms', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'c', table.concat(pairs_, ','))
 end
 return res[1]

@@ -452,3 +452,41 @@ class TenantLimits(_message.Message):
     max_cpu_tier_bytes_per_node: int
     tenant_epoch: str
     def __init__(self, max_cpu_tier_bytes_per_node: _Optional[int] = ..., tenant_epoch: _Optional[str] = ...) -> None: ...
+
+class WatchBlockMapRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: _common_pb2.Namespace
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ...) -> None: ...
+
+class BlockMapHolder(_message.Message):
+    __slots__ = ("slot", "node_id", "data_plane_address", "lease_until_unix_ms", "removed")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_UNTIL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    node_id: str
+    data_plane_address: str
+    lease_until_unix_ms: int
+    removed: bool
+    def __init__(self, slot: _Optional[int] = ..., node_id: _Optional[str] = ..., data_plane_address: _Optional[str] = ..., lease_until_unix_ms: _Optional[int] = ..., removed: _Optional[bool] = ...) -> None: ...
+
+class BlockMapUpdate(_message.Message):
+    __slots__ = ("reset", "synced", "holders", "keys", "values", "value_index", "server_time_unix_ms")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    VALUE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    synced: bool
+    holders: _containers.RepeatedCompositeFieldContainer[BlockMapHolder]
+    keys: bytes
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    value_index: bytes
+    server_time_unix_ms: int
+    def __init__(self, reset: _Optional[bool] = ..., synced: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[BlockMapHolder, _Mapping]]] = ..., keys: _Optional[bytes] = ..., values: _Optional[_Iterable[bytes]] = ..., value_index: _Optional[bytes] = ..., server_time_unix_ms: _Optional[int] = ...) -> None: ...

@@ -105,6 +105,11 @@ class ControlPlaneStub:
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsResponse.FromString,
                 _registered_method=True)
+        self.WatchBlockMap = channel.unary_stream(
+                '/kvmesh.v1.ControlPlane/WatchBlockMap',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.WatchBlockMapRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.BlockMapUpdate.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -224,6 +229,21 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchBlockMap(self, request, context):
+        """One namespace's block map for an in-memory replica (a scheduler's:
+        SchedulerClient.start_replica): a snapshot, then every change, as long as
+        the stream stays open. Authorized like LookupPrefix, but refused rather
+        than answered empty: PERMISSION_DENIED unless the caller may read the
+        namespace's tenant (checked again every policy_ttl_s: the stream ends
+        when the key is revoked or the right is gone). Only holders the tenant's
+        policy allows are named. FAILED_PRECONDITION: this control plane runs
+        without read_replica; UNAVAILABLE: its replica could not load the
+        namespace in time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -296,6 +316,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ReportStats,
                     request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsResponse.SerializeToString,
+            ),
+            'WatchBlockMap': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBlockMap,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.WatchBlockMapRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.BlockMapUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -676,6 +701,33 @@ class ControlPlane:
             '/kvmesh.v1.ControlPlane/ReportStats',
             kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsRequest.SerializeToString,
             kvmesh_dot_v1_dot_control__plane__pb2.ReportStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBlockMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.ControlPlane/WatchBlockMap',
+            kvmesh_dot_v1_dot_control__plane__pb2.WatchBlockMapRequest.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.BlockMapUpdate.FromString,
             options,
             channel_credentials,
             insecure,

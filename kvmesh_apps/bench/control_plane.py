@@ -13,7 +13,13 @@ drift hits all alike and their differences compare like with like:
 - ``LookupPrefix`` of the full prompt (1,024 blocks by default) and of its first block, each held by every node.
 
 Then, one call at a time again, where a call's cost goes: the server's CPU per call of each kind and Redis' own
-time per lookup (the script). The registered nodes heartbeat every third of their lease while the bench runs, as a
+time per lookup (the script; none while lookups are answered from the control plane's in-memory replica).
+
+And the replica on its own (control_plane/replica.py), in a process of its own as a scheduler or a control plane
+embeds it: its in-process lookup of the prompt (``replica_lookup_p50_us``), its lag behind Redis while every node
+streams the bulk ingest (``replica_lag_p99_ms``: Redis' clock at the change to the replica's clock at applying
+it) and its memory per block held by every node (``replica_bytes_per_block``: its arrays and interned values;
+``replica_rss_bytes_per_block``: the process's RSS growth over the same blocks). The registered nodes heartbeat every third of their lease while the bench runs, as a
 real node's publisher does, so they stay holders however long it runs.
 """
 
@@ -40,6 +46,7 @@ from kvmesh.command_line import Parser, positive_int
 from kvmesh.channels import channel
 from kvmesh.grpc_server import server_options
 from kvmesh_apps.procs import ServiceProcess, cpu_seconds
+from kvmesh.redis_keys import Keys
 from kvmesh_apps.redis_server import RedisServer
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
@@ -174,6 +181,57 @@ def _serve_bare(ports: multiprocessing.Queue, redis_url: str) -> None:
     asyncio.run(serve())
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _replica_probe(redis_url: str, prompt_blocks: int, commands: multiprocessing.Queue,
+                   results: multiprocessing.Queue) -> None:
+    """An in-memory replica in a process of its own: "load" loads it (every namespace) and times lookups of the
+    prompt; "lag" starts the lag sample afresh; "report" waits for ``blocks`` blocks and reports lag and memory."""
+    from control_plane.replica import BlockMapReplica
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        rss0 = _rss_bytes()
+        replica = BlockMapReplica.from_url(redis_url)
+        await replica.resync()
+        (blocks_key,) = [k.decode() for k in redis.Redis.from_url(redis_url).smembers(Keys().namespaces)]
+        prompt = _hashes(prompt_blocks, "prompt")
+        latencies = []
+        for _ in range(1000):
+            t0 = time.perf_counter()
+            match = replica.lookup(blocks_key, prompt)
+            latencies.append(time.perf_counter() - t0)
+        results.put({"replica_lookup_p50_us": round(statistics.median(latencies) * 1e6, 1),
+                     "replica_lookup_p99_us": round(_pct(latencies, 0.99) * 1e6, 1),
+                     "replica_lookup_holders": len(match.holders), "replica_lookup_longest": match.longest})
+        while True:
+            command = await loop.run_in_executor(None, commands.get)
+            if command == "lag":
+                replica.lag_ms.clear()
+                results.put("ok")
+                continue
+            blocks = command
+            deadline = time.monotonic() + 120
+            while replica.block_count() < blocks and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            lag = list(replica.lag_ms)
+            results.put({"replica_lag_p50_ms": round(statistics.median(lag), 1) if lag else None,
+                         "replica_lag_p99_ms": round(_pct(lag, 0.99), 1) if lag else None,
+                         "replica_lag_samples": len(lag),
+                         "replica_blocks": replica.block_count(),
+                         "replica_bytes_per_block": round(replica.memory_bytes() / max(replica.block_count(), 1), 1),
+                         "replica_rss_bytes_per_block": round((_rss_bytes() - rss0) / max(replica.block_count(), 1),
+                                                              1),
+                         "replica_resyncs": replica.resyncs})
+            await replica.close()
+            return
+
+    asyncio.run(run())
+
+
 class _Calls:
     """The six calls the bench compares: ``calls[kind]()`` makes one, ``check(kind, reply)`` checks its answer."""
 
@@ -261,7 +319,7 @@ async def scheduler_key(address: str, admin_key: str) -> str:
 
 
 async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_key: str,
-                 pids: dict[str, int]) -> dict:
+                 pids: dict[str, int], probe, probe_commands, probe_results) -> dict:
     sched_key = await scheduler_key(address, admin_key)
     # The bare server gets the same channel and metadata as the control plane (it ignores the key).
     async with channel(address, admin_key) as admin_channel, channel(address, sched_key) as sched_channel, \
@@ -271,6 +329,8 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
         try:
             prompt = _hashes(args.prompt_tokens // BLOCK_SIZE, "prompt")
             await ingest(stub, await nodes.register(args.nodes), prompt, args.batch_blocks)
+            probe.start()
+            replica_lookups = await asyncio.get_running_loop().run_in_executor(None, probe_results.get, True, 120)
             calls = _Calls(bare_channel, sched_channel, prompt, nodes)
             latency = await _latencies(calls, args.rounds)
             costs = await _cost_per_call(calls, args.rounds, pids, r)
@@ -278,8 +338,14 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
             fresh = await nodes.register(args.nodes)  # new incarnations: seq restarts, the prompt's entries fence
             mem_before = r.info("memory")["used_memory"]
             bulk = _hashes(args.blocks, "bulk")
+            probe_commands.put("lag")
+            await asyncio.get_running_loop().run_in_executor(None, probe_results.get, True, 60)
             rate = await ingest(stub, fresh, bulk, args.batch_blocks)
             mem_after = r.info("memory")["used_memory"]
+            stream_bytes = sum(r.memory_usage(Keys.block_changes(k.decode()), samples=0) or 0
+                               for k in r.smembers(Keys().namespaces))
+            probe_commands.put(len(prompt) + len(bulk))
+            replica = await asyncio.get_running_loop().run_in_executor(None, probe_results.get, True, 180)
             nodes.check()
         finally:
             await nodes.close()
@@ -301,8 +367,12 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
         "ingest_blocks_per_s": round(rate),
         "ingest_batch_blocks": args.batch_blocks,
         "redis_bytes_per_block": round((mem_after - mem_before) / args.blocks, 1),
+        "redis_change_stream_bytes": stream_bytes,  # the replicas' change stream (MAXLEN ~1024 records)
+        "redis_bytes_per_block_without_change_stream": round((mem_after - mem_before - stream_bytes) / args.blocks, 1),
         "indexed_blocks": args.blocks,
         "holders_per_block": args.nodes,
+        **replica_lookups,
+        **replica,
         "rounds": args.rounds,
         "node_lease_ms": nodes.lease_ms,
         "node_heartbeat_rounds": nodes.heartbeats,
@@ -325,6 +395,10 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         server = RedisServer(Path(tmp) / "redis", extra_args=["--appendonly", "no"]).start()
         bare = multiprocessing.get_context("spawn").Process(target=_serve_bare, args=(ports, server.url), daemon=True)
+        spawn = multiprocessing.get_context("spawn")
+        probe_commands, probe_results = spawn.Queue(), spawn.Queue()
+        probe = spawn.Process(target=_replica_probe, daemon=True,
+                              args=(server.url, args.prompt_tokens // BLOCK_SIZE, probe_commands, probe_results))
         admin_key = new_key()[1]
         cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", server.url],
                             env={"KVMESH_CP_ADMIN_KEY": admin_key})
@@ -334,13 +408,16 @@ def main(argv: list[str]) -> int:
             cp.start()
             r = redis.Redis.from_url(server.url)
             result = asyncio.run(_bench(args, cp.address, bare_address, r, admin_key,
-                                        {"control_plane": cp.proc.pid, "bare": bare.pid}))
+                                        {"control_plane": cp.proc.pid, "bare": bare.pid},
+                                        probe, probe_commands, probe_results))
         finally:
             cp.stop()
             server.stop()
-            if bare.is_alive():
-                bare.kill()
-            bare.join()
+            for proc in (bare, probe):
+                if proc.is_alive():
+                    proc.kill()
+                if proc.pid is not None:
+                    proc.join()
     if not args.json:
         for key, value in result.items():
             print(f"{key:>40}: {value}")

@@ -19,9 +19,25 @@ def store_url(request) -> str:
     return request.getfixturevalue(fixture).url
 
 
-@pytest.fixture
-async def block_map(store_url, key_prefix):
-    bm = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
+class ReplicaLookups(RedisBlockMap):
+    """Answers every lookup from its in-memory replica (waits for the namespace to be in sync first), so the
+    conformance suite runs against the replica as well as against lookup.lua."""
+
+    async def lookup_prefix(self, ns, block_hashes, tiers):
+        key = await self.blocks_key(ns)
+        assert await self.replica.wait_synced(key, 10), "the replica did not load the namespace"
+        if block_hashes:
+            assert self.replica.lookup(key, block_hashes, tiers) is not None
+        return await super().lookup_prefix(ns, block_hashes, tiers)
+
+
+@pytest.fixture(params=["script", "replica"])
+async def block_map(request, store_url, key_prefix):
+    """Every block-map test runs with lookups by lookup.lua and with lookups from the in-memory replica."""
+    if request.param == "script":
+        bm = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
+    else:
+        bm = ReplicaLookups(store_url, lease_ms=60_000, key_prefix=key_prefix, read_replica=True)
     yield bm
     await bm.close()
 

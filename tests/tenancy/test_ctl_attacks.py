@@ -6,6 +6,7 @@ written through that tenant's own Redis user."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -16,6 +17,8 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, tenant_admin_pb2 as tpb
 
 from tests.tenancy.test_isolation import TOKENS, expect, hashes, ns_pb, publish_as_node
+
+REPLICA_REACTION_S = 1.0  # the replica's XREAD block (control_plane.replica.BLOCK_MS) plus its first retries
 
 
 def stored(node_id, inc, seq, tenant, hs):
@@ -183,6 +186,16 @@ async def test_the_tenant_map_is_read_and_written_through_the_tenant_redis_user(
     # Take the tenant user's rights away in Redis: the control plane must fail, not fall back to its own user.
     await admin.execute_command("ACL", "SETUSER", user, "-@all", "+auth", "+hello", "+ping")
     try:
+        # Lookups answer from the in-memory replica, which reads the map as the tenant user too: its follower's
+        # next read (within its XREAD block, 1 s) is refused, the namespace leaves sync, and lookups go to Redis
+        # as the tenant user again, and are refused. Never answered through the control plane's own user.
+        deadline = time.monotonic() + 2 * REPLICA_REACTION_S
+        while time.monotonic() < deadline:
+            try:
+                await fleet.cp(sched).LookupPrefix(lookup)
+            except grpc.aio.AioRpcError:
+                break
+            await asyncio.sleep(0.05)
         await expect(fleet.cp(sched).LookupPrefix(lookup), grpc.StatusCode.PERMISSION_DENIED, "denied access")
         batch.seq = 2
         await expect(cp_a.PublishEvents(batch), grpc.StatusCode.PERMISSION_DENIED, "denied access")

@@ -1,0 +1,226 @@
+"""WatchBlockMap: one namespace of this process's replica, streamed to a subscriber's replica.
+
+The subscriber (a scheduler's :class:`control_plane.scheduler_client.SchedulerClient`) gets a snapshot of the
+namespace, then what changes in it: block values, and the records of the live slots that hold its blocks. The
+server decides what is sent: only the namespace asked for (the core authorised it), and only holders the
+tenant's policy allows (``allows``); slots it may not know are never named, so their entries count for nothing
+there, as fenced slots do. :class:`ReplicaView` is the subscriber's side: it applies these updates and answers
+lookups as the server's replica would.
+
+Threading model: one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+
+from kvmesh.errors import InvalidArgument, PermissionDenied, Unavailable
+
+from control_plane.model import ALL_TIERS, PrefixMatch
+from control_plane.replica import BlockMapReplica, Change
+from control_plane.replica_table import BlockTable, SlotRecord, Values, block_keys, prefix_match
+
+SNAPSHOT_CHUNK = 100_000  # blocks per snapshot message (12 bytes each: well under gRPC's message limit)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    slot: int
+    record: SlotRecord | None  # None: removed
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMapUpdate:
+    """One message of the watch (see BlockMapUpdate in control_plane.proto)."""
+
+    reset: bool = False
+    synced: bool = False
+    holders: tuple[Holder, ...] = ()
+    keys: bytes = b""  # little-endian uint64 block keys
+    values: tuple[bytes, ...] = ()
+    value_index: bytes = b""  # little-endian uint32 per key
+    server_time_ms: int = 0
+
+    def validate(self) -> "BlockMapUpdate":
+        if len(self.keys) % 8 or len(self.value_index) != len(self.keys) // 2:
+            raise InvalidArgument("keys and value_index do not match")
+        index = np.frombuffer(self.value_index, "<u4")
+        if index.size and int(index.max()) >= len(self.values):
+            raise InvalidArgument("value_index points past values")
+        if any(len(v) % 2 for v in self.values):
+            raise InvalidArgument("a value is not whole 2-byte entries")
+        return self
+
+
+@dataclass
+class _Named:
+    """What one subscriber was told: the slot records sent, and every slot its values reference (a slot whose
+    record arrives after the values naming it is sent then)."""
+
+    records: dict[int, SlotRecord] = field(default_factory=dict)
+    referenced: set[int] = field(default_factory=set)
+
+
+class _Check:
+    """Queue marker: time to check the subscriber's rights again."""
+
+
+class BlockMapWatch:
+    """Streams namespaces of ``replica`` (see the module docstring)."""
+
+    def __init__(self, replica: BlockMapReplica, sync_timeout_s: float = 10.0) -> None:
+        self._replica = replica
+        self._sync_timeout_s = sync_timeout_s
+
+    async def updates(self, blocks_key: str, allows: Callable[[str], Awaitable[bool]],
+                      still_allowed: Callable[[], Awaitable[bool]], recheck_s: float) -> AsyncIterator[BlockMapUpdate]:
+        """The namespace at ``blocks_key``: a snapshot, then its changes. ``allows(node_id)``: may the subscriber
+        learn that node holds blocks; ``still_allowed()``, every ``recheck_s``: False ends the stream with
+        PermissionDenied."""
+        replica = self._replica
+        queue: asyncio.Queue = asyncio.Queue()
+        replica.subscribe(blocks_key, queue)
+        replica.slot_subscribe(queue)
+        allowed: dict[str, bool] = {}
+
+        async def may_name(record: SlotRecord) -> bool:
+            if record.node_id not in allowed:
+                allowed[record.node_id] = await allows(record.node_id)
+            return allowed[record.node_id]
+
+        named = _Named()
+        try:
+            async for update in self._snapshot(blocks_key, named, may_name):
+                yield update
+            next_check = time.monotonic() + recheck_s
+            while True:
+                try:
+                    items = [await asyncio.wait_for(queue.get(), max(0.001, next_check - time.monotonic()))]
+                except asyncio.TimeoutError:
+                    items = [_Check]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                if time.monotonic() >= next_check:
+                    if not await still_allowed():
+                        raise PermissionDenied("the right to read this namespace is gone (stream closed)")
+                    allowed.clear()
+                    items.append(None)  # re-decide every holder sent under the policy of now
+                    next_check = time.monotonic() + recheck_s
+                if any(isinstance(i, Change) and i.keys is None for i in items) or not replica.in_sync(blocks_key):
+                    named = _Named()
+                    async for update in self._snapshot(blocks_key, named, may_name):
+                        yield update
+                    continue
+                update = await self._changes(blocks_key, items, named, may_name)
+                if update is not None:
+                    yield update
+        finally:
+            replica.unsubscribe(blocks_key, queue)
+            replica.slot_unsubscribe(queue)
+
+    async def _snapshot(self, blocks_key, named: _Named, may_name) -> AsyncIterator[BlockMapUpdate]:
+        replica = self._replica
+        if not await replica.wait_synced(blocks_key, self._sync_timeout_s):
+            raise Unavailable("the control plane's replica could not load this namespace in time; retry")
+        keys, vids = replica.table(blocks_key).items()
+        distinct, index = np.unique(vids, return_inverse=True)
+        values = tuple(replica.values.value(int(v)) for v in distinct)
+        holders = await self._new_holders(distinct, named, may_name)
+        now = replica.now_ms()
+        count = len(keys)
+        for start in range(0, max(count, 1), SNAPSHOT_CHUNK):
+            end = min(start + SNAPSHOT_CHUNK, count)
+            yield BlockMapUpdate(reset=start == 0, synced=end >= count, holders=holders if start == 0 else (),
+                                 keys=keys[start:end].astype("<u8").tobytes(), values=values,
+                                 value_index=index[start:end].astype("<u4").tobytes(), server_time_ms=now)
+
+    async def _new_holders(self, vids, named: _Named, may_name) -> tuple[Holder, ...]:
+        """Records of the slots in values ``vids`` not sent yet, if live and allowed."""
+        replica = self._replica
+        out = []
+        for vid in vids.tolist():
+            for slot, _ in replica.values.entries(vid):
+                named.referenced.add(slot)
+                record = replica.slots.get(slot)
+                if slot not in named.records and record is not None and await may_name(record):
+                    named.records[slot] = record
+                    out.append(Holder(slot, record))
+        return tuple(out)
+
+    async def _changes(self, blocks_key, items, named: _Named, may_name) -> BlockMapUpdate | None:
+        replica = self._replica
+        holders = []
+        slot_items = [i for i in items if i is None or isinstance(i, list)]
+        changed_slots = set(named.referenced) if any(i is None for i in slot_items) else \
+            {s for i in slot_items for s in i if s in named.referenced}
+        for slot in changed_slots:
+            record, previous = replica.slots.get(slot), named.records.get(slot)
+            if record == previous:
+                continue
+            if record is not None and await may_name(record):
+                named.records[slot] = record
+                holders.append(Holder(slot, record))
+            elif previous is not None:
+                del named.records[slot]
+                holders.append(Holder(slot, None))
+        key_items = [i.keys for i in items if isinstance(i, Change) and i.keys is not None]
+        keys = np.unique(np.concatenate(key_items)) if key_items else np.zeros(0, np.uint64)
+        vids = replica.table(blocks_key).vids(keys)
+        distinct, index = np.unique(vids, return_inverse=True)
+        holders += await self._new_holders(distinct, named, may_name)
+        if not holders and not keys.size:
+            return None
+        return BlockMapUpdate(holders=tuple(holders), keys=keys.astype("<u8").tobytes(),
+                              values=tuple(replica.values.value(int(v)) for v in distinct),
+                              value_index=index.astype("<u4").tobytes(), server_time_ms=replica.now_ms())
+
+
+class ReplicaView:
+    """The subscriber's replica of one namespace: applies :class:`BlockMapUpdate` messages, answers lookups."""
+
+    def __init__(self) -> None:
+        self._values = Values()
+        self._table = BlockTable(self._values)
+        self._slots: dict[int, SlotRecord] = {}
+        self._clock_offset_ms = 0
+        self.synced = False
+
+    def apply(self, update: BlockMapUpdate) -> None:
+        if update.reset:
+            self._values = Values()
+            self._table = BlockTable(self._values)
+            self._slots = {}
+            self.synced = False
+        for holder in update.holders:
+            if holder.record is None:
+                self._slots.pop(holder.slot, None)
+            else:
+                self._slots[holder.slot] = holder.record
+        if update.keys:
+            mapping = np.array([self._values.vid(v) for v in update.values], np.uint32)
+            self._table.set_vids(np.frombuffer(update.keys, "<u8").copy(),
+                                 mapping[np.frombuffer(update.value_index, "<u4")])
+        if update.server_time_ms:
+            self._clock_offset_ms = update.server_time_ms - int(time.time() * 1000)
+        self.synced = self.synced or update.synced
+
+    def lookup(self, block_hashes: list[bytes], tiers: int = ALL_TIERS) -> PrefixMatch | None:
+        """As the server's replica answers; None until the snapshot is complete."""
+        if not self.synced:
+            return None
+        if not block_hashes:
+            return PrefixMatch(0, [])
+        counts = self._table.leading(block_keys(block_hashes), tiers)
+        return prefix_match(counts, self._slots, int(time.time() * 1000) + self._clock_offset_ms, len(block_hashes))
+
+    def block_count(self) -> int:
+        return len(self._table)
+
+    def node_ids(self) -> set[str]:
+        """The nodes this replica knows hold blocks (for tests and diagnostics)."""
+        return {r.node_id for r in self._slots.values()}

@@ -1,0 +1,173 @@
+"""WatchBlockMap and the scheduler's in-memory replica, against a real control plane (gRPC, Valkey).
+
+Attack: a scheduler key of tenant B subscribing to tenant A's namespace gets PERMISSION_DENIED and no record of
+A; B's own watch never names A's blocks or nodes. Positive control: A's scheduler gets A's blocks and nodes,
+and the changes made after its snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import grpc
+import pytest
+
+from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh.channels import channel
+from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc
+from tenancy.model import Role, TenantPolicy
+
+from control_plane.model import EventBatch, Medium, NodeInfo, Stored
+from control_plane.scheduler_client import SchedulerClient
+
+
+def hashes(n: int, tag: str) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+class Node:
+    def __init__(self, core, admin, node_id: str, port: int) -> None:
+        self.core, self.admin, self.info, self.seq = core, admin, NodeInfo(node_id, f"127.0.0.1:{port}"), 0
+
+    async def register(self) -> "Node":
+        self.inc = (await self.core.register_node(self.admin, self.info)).incarnation
+        return self
+
+    async def store(self, ns: Namespace, hs: list[bytes]) -> None:
+        self.seq += 1
+        batch = EventBatch(self.info.node_id, self.inc, self.seq, ns,
+                           (Stored(tuple(hs), Medium.CPU, ns.cache_config.block_size),), False)
+        await self.core.apply_batch(self.admin, batch)
+
+
+@pytest.fixture
+async def two_tenants(control_plane, admin, ns):
+    """Tenant acme (``ns``) and tenant bravo, each with a node holding its blocks and a scheduler key."""
+    core = control_plane.core
+    await core.tenants.create_tenant("bravo", "Bravo", TenantPolicy())
+    ns_b = Namespace("bravo", "tiny-llama", "v1", CacheConfig(block_size=32)).validate()
+    node_a, node_b = await Node(core, admin, "node-a", 7101).register(), await Node(core, admin, "node-b", 7102).register()
+    hs_a, hs_b = hashes(8, "acme-secret-prompt"), hashes(4, "bravo-prompt")
+    await node_a.store(ns, hs_a)
+    await node_b.store(ns_b, hs_b)
+    key_a_record, key_a = await core.tenants.issue_key(Role.SCHEDULER, tenant_id="acme")
+    _, key_b = await core.tenants.issue_key(Role.SCHEDULER, tenant_id="bravo")
+    return dict(address=f"127.0.0.1:{control_plane.port}", ns_a=ns, ns_b=ns_b, node_a=node_a, hs_a=hs_a,
+                hs_b=hs_b, key_a=key_a, key_b=key_b, key_a_id=key_a_record.key_id, core=core)
+
+
+async def test_a_scheduler_replica_follows_its_own_tenants_namespace(two_tenants):
+    t = two_tenants
+    async with SchedulerClient(t["address"], t["ns_a"], api_key=t["key_a"]) as client:
+        await client.start_replica()
+        replica = client.replica
+        assert replica.lookup(t["hs_a"]).longest == 8  # the snapshot
+        assert replica.node_ids() == {"node-a"}
+        more = hashes(12, "acme-secret-prompt")
+        await t["node_a"].store(t["ns_a"], more)
+        await until(lambda: replica.lookup(more).longest == 12)  # a change after the snapshot
+        match = await client.lookup_prefix(block_hashes=more)  # answered in process, as the server would
+        assert [(h.node_id, h.leading_blocks) for h in match.holders] == [("node-a", 12)]
+
+
+async def test_a_scheduler_of_another_tenant_gets_nothing_of_it(two_tenants):
+    t = two_tenants
+    # The attack: B's scheduler key asks for A's namespace, through the client and on a raw stream.
+    async with SchedulerClient(t["address"], t["ns_a"], api_key=t["key_b"]) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.start_replica()
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert client.replica is None
+    async with channel(t["address"], t["key_b"]) as ch:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for msg in stub.WatchBlockMap(pb.WatchBlockMapRequest(namespace=t["ns_a"].to_proto())):
+                received.append(msg)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and received == []
+    # B's own namespace: B's blocks and node, nothing of A's, also while A's map changes.
+    async with SchedulerClient(t["address"], t["ns_b"], api_key=t["key_b"]) as client:
+        await client.start_replica()
+        replica = client.replica
+        assert replica.lookup(t["hs_b"]).longest == 4  # positive control for B
+        await t["node_a"].store(t["ns_a"], hashes(16, "acme-secret-prompt"))
+        await t["node_a"].store(t["ns_b"], t["hs_b"][:2])  # a shared node: now a holder of B's blocks too
+        await until(lambda: len(replica.lookup(t["hs_b"]).holders) == 2)
+        assert replica.lookup(t["hs_a"]).holders == [] and replica.block_count() == 4
+        assert replica.node_ids() == {"node-a", "node-b"}  # node-a is named as a holder of B's blocks only
+
+
+async def test_a_revoked_key_loses_its_replica(two_tenants):
+    """The watch checks the key again every policy_ttl_s: revoked, the stream ends and the client's lookups go
+    back to the server (which refuses them)."""
+    t = two_tenants
+    async with SchedulerClient(t["address"], t["ns_a"], api_key=t["key_a"]) as client:
+        await client.start_replica()
+        assert client.replica.synced and client.replica.lookup(t["hs_a"]).longest == 8  # positive control
+        await t["core"].tenants.revoke_key(t["key_a_id"])
+        await until(lambda: not client.replica.synced, timeout_s=15)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.lookup_prefix(block_hashes=t["hs_a"])
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_the_watch_names_only_nodes_the_tenants_policy_allows(two_tenants):
+    """node-a holds bravo's blocks, but bravo's policy allows node-b only: bravo's replica never learns node-a
+    (the other test shows node-a named when the policy allows it)."""
+    t = two_tenants
+    await t["core"].tenants.set_policy("bravo", TenantPolicy(allowed_nodes=("node-b",)))
+    t["core"].authz.forget("bravo")
+    await t["node_a"].store(t["ns_b"], t["hs_b"])
+    async with SchedulerClient(t["address"], t["ns_b"], api_key=t["key_b"]) as client:
+        await client.start_replica()
+        assert client.replica.node_ids() == {"node-b"}
+        match = await client.lookup_prefix(block_hashes=t["hs_b"])
+        assert [h.node_id for h in match.holders] == ["node-b"]
+
+
+async def test_the_scheduler_replica_converges_on_the_servers_answers(two_tenants, admin):
+    """Stores, removals and re-registrations (fencing) after the snapshot: the scheduler's in-process answers
+    end equal to the server's LookupPrefix."""
+    import random
+
+    from control_plane.model import Removed
+
+    t, rng = two_tenants, random.Random(5)
+    core, ns = t["core"], t["ns_a"]
+    nodes = [t["node_a"], *[await Node(core, admin, f"node-{i}", 7200 + i).register() for i in range(3)]]
+    prompts = [hashes(24, f"conv{p}") for p in range(3)]
+    async with SchedulerClient(t["address"], ns, api_key=t["key_a"]) as client:
+        await client.start_replica()
+        for _ in range(40):
+            node, prompt = rng.choice(nodes), rng.choice(prompts)
+            kind = rng.random()
+            if kind < 0.6:
+                await node.store(ns, prompt[:rng.randint(1, 24)])
+            elif kind < 0.85:
+                node.seq += 1
+                await core.apply_batch(admin, EventBatch(node.info.node_id, node.inc, node.seq, ns,
+                                                         (Removed(tuple(prompt[rng.randint(0, 23):]), None),), False))
+            else:
+                await node.register()
+                node.seq = 0
+
+        def summary(match):
+            return sorted((h.node_id, h.leading_blocks) for h in match.holders)
+
+        deadline = time.monotonic() + 10
+        while True:
+            server = [summary(await core.lookup_prefix(admin, ns, p, [], None, 7)) for p in prompts]
+            mine = [summary(client.replica.lookup(p)) for p in prompts]
+            if mine == server:
+                break
+            assert time.monotonic() < deadline, f"scheduler replica {mine} != server {server}"
+            await asyncio.sleep(0.05)
+        assert any(server)  # positive control: something is held
