@@ -14,20 +14,21 @@ groups), so every block has ``--holders`` entries and every node holds about the
 
 At each checkpoint (100k, 1M, 10M blocks, or ``--checkpoints``), on each backend:
 
-- Redis bytes per block: ``INFO memory`` ``used_memory`` of the primaries, less what they used before the first
-  block, over the blocks stored;
+- Redis bytes per block: ``INFO memory`` ``used_memory`` of the primaries (less their replication buffers), less
+  what they used before the first block, over the blocks stored; and the same without the namespaces' change
+  streams (``redis_map_bytes_per_block``: the map itself; the streams are trimmed to a bounded length, so their
+  share shrinks as the map grows);
 - lookup latency of whole prompts held by ``--holders`` nodes, every answer checked, two ways interleaved: the
   ``LookupPrefix`` RPC of a control-plane process on the same Redis, called with a scheduler key
-  (``lookup_*``), and ``RedisBlockMap.lookup_prefix`` in this process (``direct_lookup_*``).
+  (``lookup_*``: the server answers from its in-memory replica once it has loaded the namespace), and
+  ``RedisBlockMap.lookup_prefix`` in this process without a replica (``direct_lookup_*``: lookup.lua in Redis);
+- on the single server, a cold in-memory replica: resync time, bytes per block, in-process lookups.
 
 At the full size, on each backend, the sweep cost: one node leaves and the garbage collection frees its entries
-(``gc_sweep_s``: every namespace's map is scanned). Then, on the cluster, a shard failover: the primary holding a namespace is killed (SIGKILL) and the time is taken
-until a lookup of a prompt of that namespace answers in full again, both through kvmesh's own client
-(``RedisBlockMap``, which must follow the cluster to the promoted replica) and through the control plane's RPC.
-
-The in-memory replica (``control_plane.replica.BlockMapReplica``) is resynced cold from the single server's full
-map: ``replica_resync_s`` and ``replica_bytes_per_block``; when this install has none, both are null and
-``replica_unavailable`` says why.
+(``gc_sweep_s``: every namespace's map is scanned). Then, on the cluster, a shard failover: the primary holding a
+namespace is killed (SIGKILL) and the time is taken until a lookup of a prompt of that namespace answers in full again, both through kvmesh's own client
+(``RedisBlockMap``, which must follow the cluster to the promoted replica: ``failover_recovery_s``) and through the
+control plane's RPC (``failover_recovery_rpc_s``; its replica keeps answering while the shard is down).
 """
 
 from __future__ import annotations
@@ -191,6 +192,14 @@ class Backend:
                 info = r.info("memory")
             total += info["used_memory"] - info.get("mem_total_replication_buffers", 0)
         return total
+
+    def key_bytes(self, keys: list[str]) -> int:
+        """What ``keys`` take in Redis (``MEMORY USAGE ... SAMPLES 0``: every element counted), wherever they live."""
+        primary = self.primaries()[0]
+        client = (redis.RedisCluster(host="127.0.0.1", port=primary.port) if self.cluster
+                  else redis.Redis(port=primary.port))
+        with client:
+            return sum(client.memory_usage(key, samples=0) or 0 for key in keys)
 
     def replicas(self) -> list[RedisServer]:
         primaries = {n.port for n in self.primaries()}
@@ -476,10 +485,14 @@ async def run_backend(backend: Backend, args, checkpoints: list[int], rng: rando
             stored = writer.prompts * layout.prompt_blocks
             ingest_s = time.perf_counter() - t0
             used = backend.used_memory()
+            change_logs = backend.key_bytes([Keys.block_changes(await writer.block_map.blocks_key(ns))
+                                             for ns in layout.namespaces])
             sizes[str(checkpoint)] = {
                 "blocks": stored,
                 **await lookups.measure(writer.prompts, args.lookups, rng),
                 "redis_bytes_per_block": round((used - base) / stored, 1),
+                "redis_map_bytes_per_block": round((used - base - change_logs) / stored, 1),
+                "redis_change_log_bytes": change_logs,
                 "redis_used_memory_bytes": used,
                 "ingest_block_entries_per_s": round((stored - _prev(sizes)) * layout.holders / ingest_s),
             }

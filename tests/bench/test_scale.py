@@ -37,7 +37,7 @@ def test_scale_bench_measures_both_backends_and_a_failover():
             # measured, not constant: latencies are positive and ordered, memory grew with the map
             assert 0 < s["lookup_p50_ms"] <= s["lookup_p99_ms"] and 0 < s["direct_lookup_p50_ms"] <= s["direct_lookup_p99_ms"]
             # a block is at least its 32-byte hash and 8 holders' 2-byte entries; far more is a measuring error
-            assert 48 <= s["redis_bytes_per_block"] < 2000, s
+            assert 48 <= s["redis_map_bytes_per_block"] <= s["redis_bytes_per_block"] < 2000, s
         assert sizes["4096"]["redis_used_memory_bytes"] > sizes["1024"]["redis_used_memory_bytes"]
     assert result["sizes"] == result["backends"]["redis"]["sizes"]
     assert result["redis_bytes_per_block"] == result["sizes"]["4096"]["redis_bytes_per_block"]
@@ -47,11 +47,11 @@ def test_scale_bench_measures_both_backends_and_a_failover():
     assert cluster["shards"] == 3 and cluster["replica_node_used_memory_bytes"] > 0
     # the cluster's failure detection alone takes its node timeout (2 s); recovery is bounded by the run's wait
     assert 1.0 < result["failover_recovery_s"] == cluster["failover_recovery_s"] < 30
-    assert 1.0 < cluster["failover_recovery_rpc_s"] < 30
-    if result["replica_resync_s"] is None:
-        assert result["replica_bytes_per_block"] is None and result["replica_unavailable"]
-    else:
-        assert result["replica_resync_s"] > 0 and result["replica_bytes_per_block"] > 0
+    # the control plane answers from its in-memory replica: the shard's outage may not reach its lookups at all
+    assert 0 < cluster["failover_recovery_rpc_s"] < 30
+    # the in-memory replica, resynced cold from the whole map, answers every lookup (each checked in the run)
+    assert result["replica_blocks"] == 4096 and result["replica_resync_s"] > 0
+    assert 0 < result["replica_bytes_per_block"] and 0 < result["replica_lookup_p50_ms"] <= result["replica_lookup_p99_ms"]
 
 
 async def _failover_without_replica(backend: Backend, timeout_s: float) -> tuple[float, BaseException | None]:
