@@ -193,6 +193,14 @@ class Backend:
             total += info["used_memory"] - info.get("mem_total_replication_buffers", 0)
         return total
 
+    def script_seconds(self) -> float:
+        """Time the primaries have spent running scripts (``INFO commandstats``, EVALSHA and EVALSHA_RO)."""
+        total = 0
+        for node in self.primaries():
+            with redis.Redis(port=node.port) as r:
+                total += sum(v["usec"] for k, v in r.info("commandstats").items() if k.startswith("cmdstat_evalsha"))
+        return total / 1e6
+
     def key_bytes(self, keys: list[str]) -> int:
         """What ``keys`` take in Redis (``MEMORY USAGE ... SAMPLES 0``: every element counted), wherever they live."""
         primary = self.primaries()[0]
@@ -480,10 +488,12 @@ async def run_backend(backend: Backend, args, checkpoints: list[int], rng: rando
         base = backend.used_memory()
         sizes, started = {}, time.perf_counter()
         for checkpoint in checkpoints:
-            t0 = time.perf_counter()
+            t0, script_s = time.perf_counter(), backend.script_seconds()
             await writer.store_until(layout.prompts_for(checkpoint), args.window)
             stored = writer.prompts * layout.prompt_blocks
             ingest_s = time.perf_counter() - t0
+            entries = (stored - _prev(sizes)) * layout.holders
+            script_s = backend.script_seconds() - script_s
             used = backend.used_memory()
             change_logs = backend.key_bytes([Keys.block_changes(await writer.block_map.blocks_key(ns))
                                              for ns in layout.namespaces])
@@ -494,7 +504,9 @@ async def run_backend(backend: Backend, args, checkpoints: list[int], rng: rando
                 "redis_map_bytes_per_block": round((used - base - change_logs) / stored, 1),
                 "redis_change_log_bytes": change_logs,
                 "redis_used_memory_bytes": used,
-                "ingest_block_entries_per_s": round((stored - _prev(sizes)) * layout.holders / ingest_s),
+                "ingest_block_entries_per_s": round(entries / ingest_s),
+                # Redis' own time per entry written (the batch scripts, summed over primaries): a shard's write capacity
+                "redis_script_us_per_entry": round(script_s * 1e6 / entries, 2),
             }
             if not backend.cluster:
                 sizes[str(checkpoint)].update(
