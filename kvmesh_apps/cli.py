@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "pull": ("kvmesh_apps.bench.pull", "main", "NIXL peer pull throughput against memcpy"),
     "faults": ("kvmesh_apps.bench.faults", "main", "the fault matrix across network namespaces (root)"),
     "load": ("kvmesh_apps.bench.load", "main", "control-plane saturation, replicas, Redis Cluster, churn soak"),
+    "scale": ("kvmesh_apps.bench.scale", "main", "10M blocks over 1,000 nodes on Redis and a Redis Cluster: bytes, lookups, failover"),
     "replay": ("kvmesh_apps.replay.bench", "main", "policies compared on a Mooncake trace (simulated engines), swept"),
     "sim-to-real": ("kvmesh_apps.bench.sim_to_real", "main", "the replay simulator's TTFT against real vLLM CPU engines"),
 }
