@@ -85,6 +85,7 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
                                acl_username=config.redis_acl_username, acl_password=config.redis_acl_secret(),
                                **redis_auth)
     await tenants.drop_legacy_grant_key()  # the first Redis call: Redis down fails here, before any warning
+    await tenants.refresh_redis_users()  # an upgrade: users an older version made get this version's rules
     signer, grant_keys = config.grant_keys()
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
                               tenant_credentials=tenants.redis_credentials, read_replica=config.read_replica,

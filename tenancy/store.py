@@ -103,6 +103,22 @@ class RedisTenantStore:
         await self._redis.sadd(self._keys.tenants, tenant_id)
         return Tenant(tenant_id, display_name, policy, now, user, epoch)
 
+    async def refresh_redis_users(self) -> int:
+        """Writes every tenant's Redis user again, with this version's rules and its current password: users an
+        older version made lack commands this one runs (e.g. the block map's change streams). How many."""
+        acl = await self._tenant_acl()
+        tenant_ids = sorted(_s(t) for t in await self._redis.smembers(self._keys.tenants))
+        for tenant_id in tenant_ids:
+            record = await self._record(tenant_id)
+            await acl.set_user(tenant_id, self._password(tenant_id, record.get("epoch", ""),
+                                                         int(record.get("redis_generation", 0))))
+        if tenant_ids:
+            try:  # persist when Redis runs with an ACL file
+                await acl.save()
+            except redis.exceptions.ResponseError:
+                pass
+        return len(tenant_ids)
+
     def _password(self, tenant_id: str, epoch: str, generation: int) -> str:
         return tenant_password(self._tenant_secret, tenant_id, epoch, generation)
 

@@ -295,3 +295,31 @@ async def test_a_lookup_behind_a_stuck_pipeline_on_a_frozen_redis_fails_within_o
     finally:
         await block_map.close()
         server.stop()
+
+
+async def test_tenant_redis_users_of_an_older_version_get_this_versions_rules_at_start(cp_config, redis_server):
+    """An upgrade: a tenant user an older version made lacks the commands this one runs in the tenant's name (the
+    change streams' XADD, INCR, XREAD). A control plane starting on that Redis writes the user again with this
+    version's rules; its password stays what the tenant's record derives (the tenant's lookups still work)."""
+    first = await serve(cp_config)
+    await first.core.tenants.create_tenant("acme", "", TenantPolicy())
+    user = first.core.tenants._keys.redis_user("acme")
+    await first.stop()
+
+    async def rules() -> str:
+        async with aioredis.Redis.from_url(redis_server.url) as r:
+            users = await r.execute_command("ACL", "LIST")
+        return next(u.decode() for u in users if u.split()[1] == user.encode())
+
+    async with aioredis.Redis.from_url(redis_server.url) as r:
+        await r.execute_command("ACL", "SETUSER", user, "-xadd", "-incr", "-xread")  # as an older version made it
+    assert "-xadd" in await rules()
+    running = await serve(cp_config)
+    try:
+        now = (await rules()).split()
+        assert all(f"+{c}" in now for c in ("xadd", "incr", "xread")), now
+        user_, password, _ = await running.core.tenants.redis_credentials("acme")
+        async with aioredis.Redis.from_url(redis_server.url, username=user_, password=password) as tenant:
+            assert await tenant.ping()  # the same password
+    finally:
+        await running.stop()
