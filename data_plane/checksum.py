@@ -1,17 +1,142 @@
-"""The integrity checksum of a block: CRC-32C (Castagnoli).
+"""The integrity checksum of a block: CRC-32C (Castagnoli), and checking many blocks at once.
 
 Computed once, when a block is committed (or taken from the source when it is
 pulled or promoted), kept with the block and sent with every Lookup answer, so
 a puller checks what it received without asking the source to read the block
 again. ``crc32c`` uses the CPU's CRC instruction (SSE4.2, ARMv8) and releases
-the GIL on large buffers: several threads can check one pull's blocks at once.
+the GIL on large buffers.
+
+Checking a pull's (or an Acquire's) blocks costs no Python per block: CRC is
+linear, so the CRC of a run of blocks in consecutive slots is a fold of the
+blocks' CRCs (``crc(A||B) = Z(crc(A)) ^ crc(B)``, ``Z`` the linear map "append
+``len(B)`` zero bytes", as zlib's ``crc32_combine``). :class:`RunChecker`
+computes the expected CRC of every run from the blocks' recorded CRCs with
+numpy (the powers of ``Z`` for one block size are computed once), and the
+actual CRC of the run's bytes in one ``crc32c`` call per run (in worker
+threads, the GIL released). Only a run that does not match is checked block by
+block, to find its first changed block. A run's check is as strong as its
+blocks' (a change passes only by matching a 32-bit CRC).
 """
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 from crc32c import crc32c
+
+_POLY = 0x82F63B78  # CRC-32C, reflected
+_BITS = np.arange(32, dtype=np.uint32)
 
 
 def checksum(data) -> int:
     """CRC-32C of a buffer (bytes, memoryview, a contiguous numpy array)."""
     return crc32c(data)
+
+
+def _times(matrix: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """GF(2) matrix (32 uint32 columns; or one matrix per vector, shape (n, 32)) times 32-bit vectors."""
+    bits = ((vectors[..., None] >> _BITS) & 1).astype(bool)
+    return np.bitwise_xor.reduce(np.where(bits, matrix, np.uint32(0)), axis=-1).astype(np.uint32)
+
+
+def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The matrix ``a . b`` (columns)."""
+    return _times(a, b)
+
+
+def _zeros_operator(nbytes: int) -> np.ndarray:
+    """The map from a CRC-32C register to the register after ``nbytes`` more zero bytes."""
+    one_bit = np.array([_POLY] + [1 << n for n in range(31)], dtype=np.uint32)
+    op = one_bit
+    for _ in range(3):  # 1 -> 2 -> 4 -> 8 zero bits: one zero byte
+        op = _product(op, op)
+    out = np.array([1 << n for n in range(32)], dtype=np.uint32)  # identity
+    while nbytes:
+        if nbytes & 1:
+            out = _product(op, out)
+        op = _product(op, op)
+        nbytes >>= 1
+    return out
+
+
+class CrcFolder:
+    """Expected CRC-32C of runs of ``block_bytes``-byte blocks from the blocks' own CRCs, vectorised."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self._step = _zeros_operator(block_bytes)
+        self._powers = np.array([[1 << n for n in range(32)]], dtype=np.uint32)  # powers[j]: the step j times
+
+    def _powers_upto(self, n: int) -> np.ndarray:
+        """At least ``n`` powers of the step; grown in place by whichever thread needs more (any array assigned
+        is a correct prefix, so threads racing here only repeat work)."""
+        while len(self._powers) < n:  # doubling: powers[m:2m] = step^m . powers[0:m]
+            m = len(self._powers)
+            top = self._step if m == 1 else _product(self._step, self._powers[m - 1])
+            self._powers = np.concatenate([self._powers, _times(top, self._powers)])
+        return self._powers
+
+    def fold(self, crcs: np.ndarray) -> int:
+        """The CRC-32C of the blocks laid end to end, given each block's CRC-32C (in order)."""
+        n = len(crcs)
+        if n == 0:
+            return 0
+        powers = self._powers_upto(n)[n - 1::-1]  # block i is followed by n - 1 - i blocks
+        return int(np.bitwise_xor.reduce(_times(powers, np.asarray(crcs, dtype=np.uint32))))
+
+
+def slot_runs(slots: np.ndarray) -> np.ndarray:
+    """Start indexes of the runs of consecutive slots in ``slots`` (plus ``len(slots)`` at the end)."""
+    n = len(slots)
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1 if n > 1 else np.zeros(0, dtype=np.intp)
+    return np.concatenate([[0], breaks, [n]]).astype(np.intp)
+
+
+class RunChecker:
+    """Checks blocks in a region of ``block_bytes`` slots (its ``array``: flat uint8, read at each check, so the
+    region can be unmapped once no check runs) against their CRC-32Cs."""
+
+    def __init__(self, region, block_bytes: int, threads: int) -> None:
+        self._region = region
+        self._bb = block_bytes
+        self._threads = max(1, threads)
+        self._folder = CrcFolder(block_bytes)
+
+    def _parts(self, slots: np.ndarray) -> list[tuple[int, int]]:
+        """(first index, end index) pieces of runs of consecutive slots: every run, the longest ones cut so that
+        the work splits over the threads."""
+        edges = slot_runs(slots)
+        cap = max(1, -(-len(slots) // self._threads))
+        parts = []
+        for start, end in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            for i in range(start, end, cap):
+                parts.append((i, min(i + cap, end)))
+        return parts
+
+    def _first_bad(self, slots: np.ndarray, expected: np.ndarray, parts: list[tuple[int, int]]) -> int:
+        """The index of the first block (of ``parts``) whose bytes do not match; ``len(slots)`` if none."""
+        bb, region = self._bb, self._region.array
+        for start, end in parts:
+            lo = int(slots[start]) * bb
+            if crc32c(region[lo:lo + (end - start) * bb]) == self._folder.fold(expected[start:end]):
+                continue
+            for i in range(start, end):  # a changed block: which one
+                at = int(slots[i]) * bb
+                if crc32c(region[at:at + bb]) != int(expected[i]):
+                    return i
+        return len(slots)
+
+    async def first_mismatch(self, slots, expected) -> int:
+        """Index of the first block whose slot's bytes do not have its expected CRC-32C (``len(slots)`` when
+        all match); runs of consecutive slots are checked in one native call each, over the threads."""
+        slots = np.asarray(slots, dtype=np.int64)
+        expected = np.asarray(expected, dtype=np.uint32)
+        if len(slots) == 0:
+            return 0
+        parts = self._parts(slots)
+        step = -(-len(parts) // self._threads)
+        shares = [parts[i:i + step] for i in range(0, len(parts), step)]
+        found = await asyncio.gather(*(asyncio.to_thread(self._first_bad, slots, expected, share)
+                                       for share in shares))
+        return min(found)

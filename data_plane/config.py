@@ -68,6 +68,8 @@ class DataPlaneConfig(BaseSettings):
                                    "block a peer's grant covers into the peer's landing slots")
     verify_pulls: bool = Field(True, description="check each pulled block's CRC-32C before committing it")
     verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
+    transfer_lanes: int = Field(1, ge=1, le=16, description="NIXL transfer requests (each on a UCX worker of its "
+                                "own, posted at once from as many threads) one pull's or send's blocks are split into")
     nixl_progress_wait_ms: int = Field(
         100, ge=1, le=10_000, description="longest sleep of NIXL's progress thread between checks when no UCX "
         "event wakes it (it wakes at once on one); small values cost idle CPU")

@@ -37,7 +37,7 @@ from kvmesh.channels import ClientTLS
 from kvmesh.namespace import Namespace
 from kvmesh.tracing import ATTR
 
-from data_plane.checksum import checksum
+from data_plane.checksum import RunChecker, checksum
 from data_plane.client import TierDescription
 from data_plane.config import DataPlaneConfig
 from data_plane.disk import DiskTier
@@ -123,6 +123,7 @@ class DataPlaneCore:
         self.region = region
         self.block_bytes = region.block_bytes
         self.tier = MemoryTier(region, policy, self._demote)
+        self._checker = RunChecker(region, self.block_bytes, config.verify_threads)
         self.disk = disk
         self.transport = transport
         self.events: EventSink = events or NoEvents()
@@ -369,8 +370,7 @@ class DataPlaneCore:
                     break
                 self.tier.pin(block)
                 pinned.append(block)
-        matched = await self._match(pinned, [b.checksum for b in pinned])
-        intact = next((i for i, ok in enumerate(matched) if not ok), len(pinned))
+        intact = await self._checker.first_mismatch([b.slot for b in pinned], [b.checksum for b in pinned])
         for block in pinned[intact:]:
             self.tier.unpin(block)
         if intact < len(pinned):
@@ -673,9 +673,9 @@ class DataPlaneCore:
                 joined.append(i)
             else:
                 own.append(i)
-        loop = asyncio.get_running_loop()
-        claims = {keys[i]: loop.create_future() for i in own}
-        self._arriving.update(claims)
+        claim = asyncio.get_running_loop().create_future()  # one for all the blocks this pull brings
+        claims = [keys[i] for i in own]
+        self._arriving.update(dict.fromkeys(claims, claim))
         moved, lookup_ms, transfer_ms, refused = 0, 0.0, 0.0, ""
         try:
             if own:
@@ -683,10 +683,11 @@ class DataPlaneCore:
                     ns, hashes, own, source_node_id, source_address, deadline, source_media, first_block_index,
                     grant, route_token)
         finally:
-            for key, claim in claims.items():
-                if self._arriving.get(key) is claim:
-                    del self._arriving[key]
-                claim.set_result(None)
+            arriving = self._arriving
+            for key in claims:
+                if arriving.get(key) is claim:
+                    del arriving[key]
+            claim.set_result(None)
         for i in joined:
             await self._arrival(keys[i], deadline)
         epoch = self.epochs.current(ns.tenant)
@@ -786,19 +787,15 @@ class DataPlaneCore:
             # bytes of the grant's epoch are kept only under that epoch, still the tenant's current one
             intact = self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)) and \
                 all(b.epoch == grant_epoch for b in blocks)
-            verified = await self._verify(blocks, checksums)
-            for block, crc, ok in zip(blocks, checksums, verified):
-                if intact and not ok:
-                    log.error("pull from %s: block %s failed verification; it and its successors are dropped",
-                              source_address, block.key.block_hash.hex())
-                    self.metrics.verify_failed()
-                    intact = False
-                if intact:
-                    self.tier.mark_written(block, crc)
-                    self.tier.commit(block)
-                    committed.append(block)
-                else:
-                    self.tier.abort(block)
+            good = await self._verified(blocks, checksums) if intact else 0
+            if intact and good < len(blocks):
+                log.error("pull from %s: block %s failed verification; it and its successors are dropped",
+                          source_address, blocks[good].key.block_hash.hex())
+                self.metrics.verify_failed()
+            committed = blocks[:good]
+            self.tier.commit_written(committed, checksums[:good])
+            for block in blocks[good:]:
+                self.tier.abort(block)
         for block in blocks:
             self._writers.pop(block.key, None)
         if committed:
@@ -889,26 +886,11 @@ class DataPlaneCore:
             self.tier.abort(block)
         return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms
 
-    async def _verify(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
-        """Checksum of every pulled block against the source's (unless verify_pulls is off)."""
+    async def _verified(self, blocks: list[Block], checksums: list[int]) -> int:
+        """How many leading pulled blocks have the source's checksum (all, when verify_pulls is off)."""
         if not self.config.verify_pulls:
-            return [True] * len(blocks)
-        return await self._match(blocks, checksums)
-
-    async def _match(self, blocks: list[Block], checksums: list[int]) -> list[bool]:
-        """Whether each block's slot has the checksum given, split over worker threads (the GIL is released)."""
-        if not blocks:
-            return []
-        region = self.region
-
-        def check(part: range) -> list[bool]:
-            return [checksum(region.slot(blocks[i].slot)) == checksums[i] for i in part]
-
-        workers = max(1, min(self.config.verify_threads, len(blocks)))
-        step = -(-len(blocks) // workers)
-        parts = await asyncio.gather(*(asyncio.to_thread(check, range(i, min(i + step, len(blocks))))
-                                       for i in range(0, len(blocks), step)))
-        return [ok for part in parts for ok in part]
+            return len(blocks)
+        return await self._checker.first_mismatch([b.slot for b in blocks], checksums)
 
     async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],
                              deadline: float, grant: bytes) -> LookupAnswer | None:

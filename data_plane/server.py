@@ -85,7 +85,7 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
     region = SharedRegion(config.shm_path, config.block_bytes, config.num_slots, owner=True,
                           lock_memory=config.lock_memory)
     try:
-        transport = NixlTransport(config.node_id, region, config.nixl_progress_wait_ms)
+        transport = NixlTransport(config.node_id, region, config.nixl_progress_wait_ms, config.transfer_lanes)
     except BaseException:
         region.close()
         if disk is not None:

@@ -152,6 +152,17 @@ class MemoryTier:
         self._policy.insert(block.key, block.info)
         self._settle(block)
 
+    def commit_written(self, blocks: list[Block], checksums) -> None:
+        """:meth:`mark_written` then :meth:`commit`, for ALLOCATED blocks whose bytes arrived (a pull's)."""
+        insert, allocated, committed = self._policy.insert, BlockState.ALLOCATED, BlockState.COMMITTED
+        for block, crc in zip(blocks, checksums):
+            self._expect(block, allocated)
+            block.checksum = int(crc)
+            block.state = committed
+            insert(block.key, block.info)
+            if block._settled is not None:
+                block._settled.set()
+
     def abort(self, block: Block) -> None:
         """Frees an uncommitted block's slot."""
         if block.committed:

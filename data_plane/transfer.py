@@ -40,7 +40,7 @@ NIXL's own progress thread drives UCX. That thread sleeps in ``poll()`` on the
 UCX worker's event descriptor, waking when a message arrives (a peer's
 connection set-up or an active message) or after ``progress_wait_ms``: an idle
 node uses no CPU. (The nixl 1.5.1 Python wrapper hard-codes a 0 ms timeout,
-which turns that loop into a busy poll of a whole core; :func:`_nixl_agent`
+which turns that loop into a busy poll of a whole core; :func:`new_nixl_agent`
 sets the timeout.)
 """
 
@@ -73,8 +73,9 @@ _MAX_NOTES = 256  # senders whose latest notification is kept until taken
 _NOTE_POLL_S = 0.002
 
 
-def _nixl_agent(name: str, progress_wait_ms: int):
-    """A NIXL agent (UCX backend) whose progress thread waits up to ``progress_wait_ms`` per ``poll()``.
+def new_nixl_agent(name: str, progress_wait_ms: int, workers: int = 1):
+    """A NIXL agent (UCX backend with ``workers`` UCX workers) whose progress thread waits up to
+    ``progress_wait_ms`` per ``poll()``.
 
     ``nixl_agent`` builds its core config itself and sets the progress-thread delay to 0; the
     binding's config class is swapped, only while this agent is built, for one that keeps ours.
@@ -91,9 +92,11 @@ def _nixl_agent(name: str, progress_wait_ms: int):
     with _AGENT_CONFIG_LOCK:
         _api.nixlBind.nixlAgentConfig = _Config
         try:
-            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+            agent = _api.nixl_agent(name, _api.nixl_agent_config(backends=[]))
         finally:
             _api.nixlBind.nixlAgentConfig = real
+    agent.create_backend("UCX", {"num_workers": str(workers)})
+    return agent
 
 
 def _descriptors(local: np.ndarray, remote: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,6 +115,15 @@ def _descriptors(local: np.ndarray, remote: np.ndarray, length: int) -> tuple[np
         d[:, 1] = sizes
         out.append(d)
     return out[0], out[1]
+
+
+def lane_descriptors(local: np.ndarray, remote: np.ndarray, length: int, lanes: int
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The blocks (addresses of ``length``-byte blocks, in order) cut into at most ``lanes`` groups of
+    consecutive blocks of equal count, each as its NIXL descriptor lists (:func:`_descriptors`): one transfer
+    request per lane."""
+    return [_descriptors(lo, re, length) for lo, re in zip(np.array_split(local, lanes), np.array_split(remote, lanes))
+            if len(lo)]
 
 
 class TransferFailed(Exception):
@@ -193,10 +205,13 @@ class NixlTransport(Transport):
     for :meth:`ready` (bounded by each request's own deadline).
     """
 
-    def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100) -> None:
+    def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1) -> None:
+        """``lanes``: transfer requests one read or write is split into, posted at once from as many threads,
+        each with a UCX worker of its own."""
         # A fresh name per start (and per rotate()): peers holding an old agent's metadata must re-handshake.
         self._node_id = node_id
         self._progress_wait_ms = progress_wait_ms
+        self._lanes = max(1, lanes)
         self.agent_name = agent_name(node_id)
         self._region = region
         self._agent = None
@@ -224,7 +239,7 @@ class NixlTransport(Transport):
         self._built.set_result(None)
 
     def _new_agent(self, name: str):
-        agent = _nixl_agent(name, self._progress_wait_ms)
+        agent = new_nixl_agent(name, self._progress_wait_ms, self._lanes)
         return agent, agent.register_memory([(self._region.base_addr, self._region.size, 0, "")], "DRAM")
 
     async def rotate(self) -> bool:
@@ -343,12 +358,22 @@ class NixlTransport(Transport):
         if peer not in self._peers or self._rotating:
             raise TransferFailed(f"unknown peer agent {peer!r}" if peer not in self._peers else
                                  "the NIXL agent is being replaced")
-        local, remote = _descriptors(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
-                                     np.asarray(remote_addrs, dtype=np.uint64), length)
+        lanes = lane_descriptors(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
+                                 np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes)
         deadline = time.monotonic() + timeout_s
         self._busy[peer] = self._busy.get(peer, 0) + 1
         try:
-            await asyncio.to_thread(self._xfer_blocking, op, peer, local, remote, deadline)
+            # every lane runs to its end (or its bound) before the transfer is reported, failed or not
+            outcomes = await asyncio.gather(*(asyncio.to_thread(self._xfer_blocking, op, peer, local, remote, deadline)
+                                              for local, remote in lanes), return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                unexpected = next((o for o in failed if not isinstance(o, TransferFailed)), None)
+                if unexpected is not None:
+                    raise unexpected
+                raise TransferFailed("; ".join(str(o) for o in failed),
+                                     may_still_write=any(o.may_still_write for o in failed),
+                                     released=all(o.released for o in failed))
         except TransferFailed:
             log.info("%s with %s failed: closing its endpoint (the next transfer needs a new handshake)", op, peer)
             self.remove_peer(peer)

@@ -15,7 +15,10 @@ timing). ``acquire_ms_*``: the destination's local ``Acquire`` of all the blocks
 gated pull brought (what an engine asks before reading them; it checks each
 block's CRC-32C). ``memcpy_gbps`` is a
 single-thread copy of the same bytes in this process, measured between the
-pull rounds.
+pull rounds. ``raw_nixl_gbps_*`` is the floor the transport sets: the same
+blocks WRITten by NIXL alone between two other processes, no kvmesh code
+(:mod:`kvmesh_apps.bench.raw_nixl`), with the data planes' ``--lanes``, after
+the case's pulls; ``pull_vs_raw_nixl_*`` is the gated pull over it.
 
 ``idle_cpu_fraction``: CPU time (user + system, from /proc) of the busier of
 the two data-plane processes over ``--idle-seconds`` without traffic, after the
@@ -48,10 +51,12 @@ from tenancy.grants import Grant, GrantSigner
 from tenancy.peer_proof import NodeIdentity, encode_public_key
 
 from data_plane.client import DataPlaneClient, SharedTier
+from kvmesh_apps.bench.raw_nixl import raw_nixl_gbps
 from kvmesh_apps.dp_process import DataPlaneProcess
 from kvmesh_apps.procs import cpu_seconds
 
 CASES = (("2mib", 2 << 20, 64), ("64kib", 64 << 10, 1024))
+SMALL_CASES = (("2mib", 2 << 20, 8), ("64kib", 64 << 10, 128))  # --small: the same fields, in seconds
 NS = Namespace("bench", "bench-model", "r0", CacheConfig(block_size=32))
 PREFIX_TOKENS = 2_000  # the coalescing case: one prompt prefix, full blocks only (as vLLM stores them)
 CONCURRENT_PULLS = 16
@@ -106,10 +111,12 @@ async def _fill_source(client: DataPlaneClient, tier: SharedTier, n: int, first:
     return hashes
 
 
-async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path, log, idle_s: float) -> dict:
+async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path, log, idle_s: float,
+                lanes: int) -> dict:
     # Grants as a control plane would sign them, with a key made for this run.
     signer = GrantSigner.generate()
     flags = dict(listen="127.0.0.1:0", shm_dir=shm_dir, block_bytes=block_bytes, capacity_bytes=block_bytes * n,
+                 transfer_lanes=lanes,
                  max_hashes_per_request=max(n, 4096), grant_public_key=base64.b64encode(signer.public_key).decode())
     # Two sources in one run, pulled from alternately: the default one WRITEs what the grant covers (gated),
     # the other hands out its NIXL metadata and is READ one-sided (serve_peer_reads, ungated).
@@ -194,9 +201,13 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
             source.stop()
         dst.stop()
     nbytes = n * block_bytes
+    raw = await asyncio.to_thread(raw_nixl_gbps, block_bytes, n, rounds, lanes)
+    log(f"{name} raw NIXL (no kvmesh code, {lanes} lane(s)): {raw:.2f} GB/s")
     gated, ungated = statistics.median(wall["gated"]), statistics.median(wall["ungated"])
     out |= {
         f"pull_gbps_{name}": nbytes / gated / 1e9,
+        f"raw_nixl_gbps_{name}": raw,
+        f"pull_vs_raw_nixl_{name}": nbytes / gated / 1e9 / raw,
         f"transfer_gbps_{name}": nbytes / statistics.median(transfer) / 1e9,
         f"memcpy_gbps_{name}": statistics.median(memcpy[1:]),
         f"pull_ms_{name}": gated * 1000,
@@ -218,10 +229,11 @@ def _gbps(fn, nbytes: int) -> float:
     return nbytes / (time.perf_counter() - t0) / 1e9
 
 
-async def _run(rounds: int, shm_dir: Path, log, idle_s: float) -> dict:
-    results: dict = {"rounds": rounds, "verify": "crc32c per block, inside the timed window"}
-    for name, block_bytes, n in CASES:
-        results.update(await _case(name, block_bytes, n, rounds, shm_dir, log, idle_s))
+async def _run(rounds: int, shm_dir: Path, log, idle_s: float, lanes: int, cases=CASES) -> dict:
+    results: dict = {"rounds": rounds, "transfer_lanes": lanes,
+                     "verify": "crc32c of every block, inside the timed window"}
+    for name, block_bytes, n in cases:
+        results.update(await _case(name, block_bytes, n, rounds, shm_dir, log, idle_s, lanes))
     results["memcpy_gbps"] = results.pop("memcpy_gbps_2mib")
     results["ratio_2mib"] = results["pull_gbps_2mib"] / results["memcpy_gbps"]
     results["ratio_2mib_transfer_only"] = results["transfer_gbps_2mib"] / results["memcpy_gbps"]
@@ -239,11 +251,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=positive_int, default=5, help="timed pulls per case (after one warm-up)")
     parser.add_argument("--idle-seconds", type=positive_float, default=10.0,
                         help="how long to measure the idle nodes' CPU (idle_cpu_fraction)")
+    parser.add_argument("--lanes", type=positive_int, default=1,
+                        help="the data planes' transfer_lanes (and the raw NIXL transfer's)")
+    parser.add_argument("--small", action="store_true", help="8 x 2 MiB and 128 x 64 KiB blocks (a quick check)")
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-", dir="/dev/shm") as shm_dir:
         results = asyncio.run(_run(args.rounds, Path(shm_dir), lambda msg: print(msg, flush=True),
-                                   args.idle_seconds))
+                                   args.idle_seconds, args.lanes, SMALL_CASES if args.small else CASES))
     for key, value in results.items():
         if not args.json:
             print(f"{key:28} {value:.3f}" if isinstance(value, float) else f"{key:28} {value}")
