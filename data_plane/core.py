@@ -449,12 +449,21 @@ class DataPlaneCore:
         self.metrics.promotion(time.perf_counter() - start)
         return block
 
-    def _demote(self, block: Block) -> None:
-        """Eviction hook: the block leaves the CPU tier; keep a copy on disk when there is one."""
+    def _demote(self, blocks: list[Block]) -> None:
+        """Eviction hook: the blocks leave the CPU tier; keep a copy on disk when there is one."""
+        gone: dict[str, tuple[Namespace, list[bytes]]] = {}
+        for block in blocks:
+            gone.setdefault(block.key.namespace, (block.namespace, []))[1].append(block.key.block_hash)
+        for ns, hashes in gone.values():
+            self.events.removed(ns, hashes, Medium.CPU)
+        self.metrics.evicted_from_cpu([b.key for b in blocks])
+        if self.disk is not None:
+            for block in blocks:
+                self._to_disk(block)
+
+    def _to_disk(self, block: Block) -> None:
         ns, h = block.namespace, block.key.block_hash
-        self.events.removed(ns, [h], Medium.CPU)
-        self.metrics.evicted("cpu", block.key)
-        if self.disk is None or self.disk.get(block.key) is not None:
+        if self.disk.get(block.key) is not None:
             return
         try:
             evicted = self.disk.write(ns, block.key, self.region.slot(block.slot), block.checksum, block.info,
@@ -517,16 +526,25 @@ class DataPlaneCore:
         pending: list[int] = []
         epoch = self.epochs.current(ns.tenant) if grant_epoch is None else grant_epoch
         if self._known(ns) and epoch is not GONE:
+            fp, get, arriving, serves, pin = ns.fingerprint, self.tier.get, self._arriving, self.epochs.serves, \
+                self.tier.pin
+            in_cpu: list[BlockKey] = []  # HITs already in the CPU tier: counted once, below
             for i, h in enumerate(hashes):
-                key = BlockKey(ns.fingerprint, h)
-                current = self.tier.get(key)
-                if (current is not None and not current.committed) or key in self._arriving:
+                key = BlockKey(fp, h)
+                current = get(key)
+                if (current is not None and not current.committed) or key in arriving:
                     pending.append(i)
                     continue
-                block = self._resident(ns, key, media, "peer", epoch)
+                if current is not None and serves(current.epoch, epoch):
+                    block = current
+                    in_cpu.append(key)
+                else:
+                    block = self._resident(ns, key, media, "peer", epoch)
                 if block is not None:
-                    self.tier.pin(block)
+                    pin(block)
                     blocks[i] = block
+            self.metrics.found("peer", "cpu", len(in_cpu))
+            self.metrics.read_all(in_cpu)
         if pending:
             wait = self._bounded(pending_wait_ms, self.config.pending_wait_ms, self.config.max_pending_wait_ms)
             started = time.monotonic()
@@ -544,9 +562,10 @@ class DataPlaneCore:
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
         lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms, _scope(ns, epoch))
+        base, bb = self.region.base_addr, self.block_bytes
         return LookupAnswer(
             statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
-            addrs=[self.region.base_addr + self.region.offset(b.slot) if b else -1 for b in blocks],
+            addrs=[base + b.slot * bb if b else -1 for b in blocks],
             checksums=[b.checksum if b else 0 for b in blocks],
             lease_id=lease_id,
         )
@@ -659,7 +678,8 @@ class DataPlaneCore:
                     deadline: float, source_media: frozenset[Medium], first_block_index: int,
                     grant: bytes, route_token: bytes) -> PullResult:
         self._namespaces.setdefault(ns.fingerprint, ns)
-        keys = [BlockKey(ns.fingerprint, h) for h in hashes]
+        fp = ns.fingerprint
+        keys = [BlockKey(fp, h) for h in hashes]
         already_local = 0
         own: list[int] = []  # indexes this pull fetches, in chain order
         joined: list[int] = []  # indexes another writer on this node is bringing
@@ -923,23 +943,29 @@ class DataPlaneCore:
                           ) -> tuple[list[Block], list[int], list[int]]:
         """Local slots for the leading wanted blocks (the leading HITs of ``answer`` when given), as many as
         fit within the tenant's limit; with ``answer``, also their remote addresses and checksums."""
-        blocks, addrs, checksums = [], [], []
-        for j, i in enumerate(wanted):
-            if answer is not None and answer.statuses[j] is not LookupStatus.HIT:
+        n = len(wanted)
+        if answer is not None:
+            hit = LookupStatus.HIT
+            n = next((j for j, status in enumerate(answer.statuses) if status is not hit), n)
+        fp, epoch = ns.fingerprint, self.epochs.current(ns.tenant)
+        keys = [BlockKey(fp, hashes[i]) for i in wanted[:n]]
+        infos = [_info(first_block_index + i) for i in wanted[:n]]
+        blocks: list[Block] = []
+        while len(blocks) < n:  # again while evictions of the tenant's own blocks make room under its limit
+            room = n - len(blocks)
+            if tenant_limit_bytes is not None:
+                room = min(room, tenant_limit_bytes // self.block_bytes - self.tier.tenant_slots(ns.tenant))
+            if room <= 0:
                 break
-            if tenant_limit_bytes is not None and \
-                    (self.tier.tenant_slots(ns.tenant) + 1) * self.block_bytes > tenant_limit_bytes:
+            got = self.tier.reserve_run(ns, keys[len(blocks):len(blocks) + room],
+                                        infos[len(blocks):len(blocks) + room], epoch)
+            blocks += got
+            if len(got) < room:
                 break
-            key = BlockKey(ns.fingerprint, hashes[i])
-            block = self.tier.reserve(ns, key, _info(first_block_index + i), self.epochs.current(ns.tenant))
-            if block is None:
-                break
-            self._writers[key] = _PULL
-            blocks.append(block)
-            if answer is not None:
-                addrs.append(answer.addrs[j])
-                checksums.append(answer.checksums[j])
-        return blocks, addrs, checksums
+        self._writers.update(dict.fromkeys((b.key for b in blocks), _PULL))
+        if answer is None:
+            return blocks, [], []
+        return blocks, answer.addrs[:len(blocks)], answer.checksums[:len(blocks)]
 
     async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float,
                         grant: bytes) -> bool:

@@ -68,6 +68,9 @@ class DataPlaneMetrics:
     def read(self, key: BlockKey) -> None:
         self._read_since_stored.add(key)
 
+    def read_all(self, keys: list[BlockKey]) -> None:
+        self._read_since_stored.update(keys)
+
     def bytes(self, direction: str, n: int) -> None:
         """``direction``: written (by the engine) | served (read by peers) | pulled (from peers)."""
         if n:
@@ -107,6 +110,17 @@ class DataPlaneMetrics:
         """``n`` quarantined slots freed; ``now`` stay quarantined."""
         self._reclaimed.inc(n)
         self._quarantined.set(now)
+
+    def evicted_from_cpu(self, keys: list[BlockKey]) -> None:
+        """:meth:`evicted` of CPU-tier blocks, counted at once."""
+        if not keys:
+            return
+        self._child(self._evictions, "cpu").inc(len(keys))
+        read = self._read_since_stored
+        unused = sum(1 for key in keys if key not in read)
+        if unused:
+            self._unused.inc(unused)
+        read.difference_update(keys)
 
     def evicted(self, tier: str, key: BlockKey) -> None:
         self._child(self._evictions, tier).inc()

@@ -13,6 +13,7 @@ it could not be created).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -159,6 +160,17 @@ async def _report_transfers_ready(core: DataPlaneCore, server: RunningServer) ->
     await server.health.set(TRANSFERS_HEALTH, health_pb2.HealthCheckResponse.SERVING)
 
 
+async def _freeze_startup_objects(core: DataPlaneCore, timeout_s: float = 120.0) -> None:
+    """Once the NIXL agent exists (its imports bring torch's objects), moves everything allocated so far out of
+    the garbage collector's reach: a full collection no longer walks them, which otherwise stalled the loop for
+    tens of milliseconds in the middle of a pull's 1,000 block records (measured)."""
+    try:
+        await core.transport.ready(timeout_s)
+    except Unavailable:
+        pass
+    gc.freeze()
+
+
 async def _run(config: DataPlaneConfig) -> None:
     running = await serve(config)
     tier = running.core.describe()
@@ -168,7 +180,9 @@ async def _run(config: DataPlaneConfig) -> None:
     if running.metrics.port:
         log.info("metrics on %s", running.metrics.url)
     print(f"kvmesh data-plane {config.node_id} listening on {running.address}", flush=True)
+    freeze = asyncio.get_running_loop().create_task(_freeze_startup_objects(running.core))
     await wait_for_signal()
+    freeze.cancel()
     await running.stop()
 
 

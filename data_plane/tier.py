@@ -67,14 +67,14 @@ class Block:
         return self.state is BlockState.COMMITTED
 
 
-EvictHook = Callable[[Block], None]
+EvictHook = Callable[[list[Block]], None]
 
 
 class MemoryTier:
     """Slots of a :class:`SharedRegion`, indexed by :class:`BlockKey`.
 
-    ``on_evict(block)`` runs before an evicted block's slot is reused, while
-    its bytes are still intact (the data plane demotes it to disk there).
+    ``on_evict(blocks)`` runs before evicted blocks' slots are reused, while
+    their bytes are still intact (the data plane demotes them to disk there).
     """
 
     def __init__(self, region: SharedRegion, policy: EvictionPolicy, on_evict: EvictHook) -> None:
@@ -119,27 +119,46 @@ class MemoryTier:
         evictable."""
         if key in self._blocks:
             return None
-        if not self._free and not self._evict_one():
+        if not self._free and not self._evict(1):
             return None
         block = Block(key, namespace, self._free.pop(), info, epoch=epoch)
         self._blocks[key] = block
         self._per_tenant[namespace.tenant] += 1
         return block
 
-    def _evict_one(self) -> bool:
-        victim = None
+    def reserve_run(self, namespace: Namespace, keys: list[BlockKey], infos: list[BlockInfo],
+                    epoch: str = "") -> list[Block]:
+        """:meth:`reserve` of the leading ``keys`` up to the first one that exists or finds no slot, with the
+        evictions they need done in one pass of the policy."""
+        blocks = self._blocks
+        n = next((i for i, key in enumerate(keys) if key in blocks), len(keys))
+        if n > len(self._free):
+            self._evict(n - len(self._free))
+        free, tenant = self._free, namespace.tenant
+        out = [Block(key, namespace, free.pop(), info, epoch=epoch) for key, info in zip(keys[:min(n, len(free))], infos)]
+        blocks.update((b.key, b) for b in out)
+        self._per_tenant[tenant] += len(out)
+        return out
+
+    def _evict(self, n: int) -> int:
+        """Evicts up to ``n`` unpinned blocks, the policy's first victims; how many."""
+        victims = []
         for key in self._policy.victims():
-            if self._blocks[key].pins == 0:
-                victim = self._blocks[key]
-                break
-        if victim is None:
-            return False
-        self._policy.remove(victim.key, evicted=True)
-        self._on_evict(victim)
-        del self._blocks[victim.key]
-        self._per_tenant[victim.namespace.tenant] -= 1
-        self._free.append(victim.slot)
-        return True
+            block = self._blocks[key]
+            if block.pins == 0:
+                victims.append(block)
+                if len(victims) == n:
+                    break
+        if not victims:
+            return 0
+        for victim in victims:
+            self._policy.remove(victim.key, evicted=True)
+        self._on_evict(victims)
+        for victim in victims:
+            del self._blocks[victim.key]
+            self._per_tenant[victim.namespace.tenant] -= 1
+            self._free.append(victim.slot)
+        return len(victims)
 
     def mark_written(self, block: Block, checksum: int) -> None:
         self._expect(block, BlockState.ALLOCATED)

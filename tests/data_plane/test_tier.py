@@ -30,7 +30,7 @@ def evicted():
 
 @pytest.fixture
 def tier(region, evicted):
-    return MemoryTier(region, LruPolicy(4), evicted.append)
+    return MemoryTier(region, LruPolicy(4), evicted.extend)
 
 
 def key(i: int) -> BlockKey:
