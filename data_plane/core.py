@@ -1,9 +1,11 @@
 """The data plane of one node, as plain Python: what every RPC does.
 
 It owns the CPU tier (:mod:`.tier`), the optional disk tier (:mod:`.disk`),
-the leases that pin blocks for readers (:mod:`.leases`), the peers it pulls
-from (:mod:`.peers`, :mod:`.transfer`) and reports every tier change to an
-:class:`~data_plane.events.EventSink`. The gRPC servicer only converts.
+the leases that pin blocks for readers (:mod:`.leases`), its pulls from
+other nodes (:mod:`.pulls`, over :mod:`.peers` and :mod:`.transfer`) and the
+consumers' agents it sends to (:mod:`.peer_agents`), and reports every tier
+change to an :class:`~data_plane.events.EventSink`. The gRPC servicer only
+converts.
 
 Failure policy (docs/data_plane.md has the full table):
   * malformed input (bad namespace, wrong hash size, too many hashes,
@@ -14,7 +16,8 @@ Failure policy (docs/data_plane.md has the full table):
     never a visible half-written block.
 
 Threading model: every method runs on the event loop of the server; the only
-other threads are NIXL's (inside :class:`~data_plane.transfer.Transport`).
+other threads are NIXL's (inside :class:`~data_plane.transfer.Transport`) and
+the CRC checks' (:class:`~data_plane.checksum.RunChecker`).
 """
 
 from __future__ import annotations
@@ -26,16 +29,12 @@ from collections import defaultdict
 from typing import Awaitable, Callable, Iterable, Iterator
 
 import grpc
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvmesh.errors import (
     FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
 )
-from kvmesh import tracing
 from kvmesh.channels import ClientTLS
 from kvmesh.namespace import Namespace
-from kvmesh.tracing import ATTR
 
 from data_plane.checksum import RunChecker, checksum
 from data_plane.client import TierDescription
@@ -43,40 +42,27 @@ from data_plane.config import DataPlaneConfig
 from data_plane.disk import DiskTier
 from data_plane.epochs import GONE, Epoch, TenantEpochs
 from data_plane.events import EventSink, NoEvents
-from data_plane.eviction import BlockInfo, EvictionPolicy
+from data_plane.eviction import EvictionPolicy, block_info
 from data_plane.leases import Clock, LeaseTable, SystemClock
 from data_plane.metrics import DataPlaneMetrics
 from data_plane.peer_agents import PeerAgents
 from data_plane.peers import Peer, PeerPool, PeerProof
+from data_plane.pulls import Pulls
 from data_plane.reclaim import Quarantine, Reclaimer, Verdict
 from data_plane.shm import SharedRegion
 from data_plane.tier import Block, MemoryTier
 from data_plane.transfer import TransferFailed, Transport
 from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, validate_hashes
-from tenancy.grants import read_grant
 
 log = logging.getLogger(__name__)
 
-# Prefill cost of a block relative to the first one grows with its position
-# (attention over a longer context); used by the cost-aware policy.
-ATTENTION_COST_PER_BLOCK = 0.05
 LOCAL_HOLDER = "local"
 _ENGINE = "engine"
-_PULL = "pull"
-_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-# A send refused with these never started its WRITE: the landing slots are free again.
-_REFUSED_BEFORE_WRITE = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-                         grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def _scope(ns: Namespace, epoch: Epoch) -> str:
     """What a peer's lease pins: blocks of one namespace, served under one tenant epoch."""
     return f"{ns.fingerprint}@{epoch}"
-
-
-def _info(position: int, protected: bool = False) -> BlockInfo:
-    return BlockInfo(cost=1.0 + position * ATTENTION_COST_PER_BLOCK, protected=protected)
 
 
 # (namespace, source node id, timeout in s) -> a pull grant signed by the control plane, and the source's
@@ -138,9 +124,6 @@ class DataPlaneCore:
         self._peers = PeerPool(self.node_id, transport, self.block_bytes, peer_proof, peer_tls)
         self._agents = PeerAgents(self.transport)  # the consumers' NIXL agents sends WRITE to (handshakes)
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
-        # blocks an in-flight pull is bringing (claimed before its first await, so a concurrent pull or a
-        # peer's Lookup waits for them instead of fetching them again); resolved when the pull settles them
-        self._arriving: dict[BlockKey, asyncio.Future] = {}
         self._namespaces: dict[str, Namespace] = {}
         # the tenant's CPU-tier limit on this node as last learned (a Reserve's or a pull's); a promotion from
         # disk, which happens inside Acquire and Lookup, obeys it (absent: never learned, no limit applied)
@@ -152,12 +135,12 @@ class DataPlaneCore:
         # until the WRITE ends or NIXL releases it (never, for one NIXL could not release)
         self._writing: dict[str, str] = {}
         self._sends: set[asyncio.Task] = set()  # the WRITEs of sends in flight
-        self._pulls: set[asyncio.Task] = set()  # pulls in flight
         self._draining = False
         self._renewing = False  # the NIXL agent is being replaced: no pull or send starts
         self._reclaimer = Reclaimer(self._ask_settled, self._reclaim, config.reclaim_retry_ms / 1000,
                                     config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000,
                                     force=self._renew_transport, force_after_s=config.reclaim_force_after_ms / 1000)
+        self.pulls = Pulls(self)
 
     # ---- lifecycle ----
 
@@ -307,7 +290,7 @@ class DataPlaneCore:
                 slots.append(-1)
                 continue
             key = BlockKey(ns.fingerprint, h)
-            block = self.tier.reserve(ns, key, _info(position, position < protected_blocks), epoch)
+            block = self.tier.reserve(ns, key, block_info(position, position < protected_blocks), epoch)
             if block is not None:
                 self._writers[key] = _ENGINE
             slots.append(-1 if block is None else block.slot)
@@ -526,7 +509,7 @@ class DataPlaneCore:
         pending: list[int] = []
         epoch = self.epochs.current(ns.tenant) if grant_epoch is None else grant_epoch
         if self._known(ns) and epoch is not GONE:
-            fp, get, arriving, serves, pin = ns.fingerprint, self.tier.get, self._arriving, self.epochs.serves, \
+            fp, get, arriving, serves, pin = ns.fingerprint, self.tier.get, self.pulls.arriving, self.epochs.serves, \
                 self.tier.pin
             in_cpu: list[BlockKey] = []  # HITs already in the CPU tier: counted once, below
             for i, h in enumerate(hashes):
@@ -551,7 +534,7 @@ class DataPlaneCore:
             deadline = started + wait
             for i in pending:
                 key = BlockKey(ns.fingerprint, hashes[i])
-                current = await self._arrival(key, deadline)
+                current = await self.pulls.arrival(key, deadline)
                 if current is not None and self.epochs.serves(current.epoch, epoch):
                     self.tier.pin(current)
                     self.metrics.found("peer", "cpu")
@@ -646,7 +629,7 @@ class DataPlaneCore:
                 del self._writing[lease_id]
         return sent
 
-    # ---- pulls ----
+    # ---- pulls (data_plane.pulls) ----
 
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: frozenset[Medium] = frozenset(Medium),
@@ -666,335 +649,13 @@ class DataPlaneCore:
             raise InvalidArgument("a node cannot pull from itself")
         timeout = self._bounded(timeout_ms, self.config.pull_timeout_ms, self.config.max_pull_timeout_ms)
         task = asyncio.ensure_future(
-            self._pull(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
-                       source_media, first_block_index, grant, route_token))
+            self.pulls.run(ns, hashes, source_node_id, source_address, time.monotonic() + timeout,
+                           source_media, first_block_index, grant, route_token))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        self._pulls.add(task)
-        task.add_done_callback(self._pulls.discard)
+        self.pulls.in_flight.add(task)
+        task.add_done_callback(self.pulls.in_flight.discard)
         return await asyncio.shield(task)
-
-    async def _pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
-                    deadline: float, source_media: frozenset[Medium], first_block_index: int,
-                    grant: bytes, route_token: bytes) -> PullResult:
-        self._namespaces.setdefault(ns.fingerprint, ns)
-        fp = ns.fingerprint
-        keys = [BlockKey(fp, h) for h in hashes]
-        already_local = 0
-        own: list[int] = []  # indexes this pull fetches, in chain order
-        joined: list[int] = []  # indexes another writer on this node is bringing
-        epoch = self.epochs.current(ns.tenant)
-        for i, key in enumerate(keys):
-            block = self.tier.get(key)
-            if block is not None and block.committed:
-                # one of an ended epoch is not fetched again while a reader still pins it: a MISS
-                already_local += i == already_local and self.epochs.serves(block.epoch, epoch)
-            elif block is not None or key in self._arriving:
-                joined.append(i)
-            else:
-                own.append(i)
-        claim = asyncio.get_running_loop().create_future()  # one for all the blocks this pull brings
-        claims = [keys[i] for i in own]
-        self._arriving.update(dict.fromkeys(claims, claim))
-        moved, lookup_ms, transfer_ms, refused = 0, 0.0, 0.0, ""
-        try:
-            if own:
-                moved, lookup_ms, transfer_ms, refused = await self._fetch(
-                    ns, hashes, own, source_node_id, source_address, deadline, source_media, first_block_index,
-                    grant, route_token)
-        finally:
-            arriving = self._arriving
-            for key in claims:
-                if arriving.get(key) is claim:
-                    del arriving[key]
-            claim.set_result(None)
-        for i in joined:
-            await self._arrival(keys[i], deadline)
-        epoch = self.epochs.current(ns.tenant)
-        statuses = [LookupStatus.HIT if (b := self.tier.get(k)) is not None and b.committed and
-                    self.epochs.serves(b.epoch, epoch) else LookupStatus.MISS for k in keys]
-        leading = next((i for i, st in enumerate(statuses) if st is LookupStatus.MISS), len(statuses))
-        joined_in_lead = sum(1 for i in joined if i < leading)
-        self.metrics.joined(joined_in_lead)
-        return PullResult(statuses, leading - already_local, already_local, moved * self.block_bytes, lookup_ms,
-                          transfer_ms, joined=joined_in_lead, refused=refused)
-
-    async def _arrival(self, key: BlockKey, deadline: float) -> Block | None:
-        """The committed block once whoever is bringing it here settles it; None if not by ``deadline``."""
-        claim = self._arriving.get(key)
-        if claim is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(claim), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                return None
-        block = self.tier.get(key)
-        if block is not None and not block.committed:
-            await self.tier.wait_settled(block, max(0.0, deadline - time.monotonic()))
-            block = self.tier.get(key)
-        return block if block is not None and block.committed else None
-
-    async def _within(self, awaitable: Awaitable, deadline: float, what: str):
-        """``awaitable`` bounded by the pull's deadline; Unavailable when it runs out."""
-        try:
-            return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise Unavailable(f"{what} did not finish within the pull's deadline") from None
-
-    async def _fetch(self, ns: Namespace, hashes: list[bytes], wanted: list[int], source_node_id: str,
-                     source_address: str, deadline: float, source_media: frozenset[Medium],
-                     first_block_index: int, grant: bytes, route_token: bytes
-                     ) -> tuple[int, float, float, str]:
-        """Brings ``wanted`` (indexes, chain order) from the source; (blocks moved, lookup ms, transfer ms,
-        why it was refused before any transfer, or "")."""
-        refusal = self._source_refusal(source_node_id)
-        if refusal:
-            log.warning("pull from %s: %s; answering MISS", source_address, refusal)
-            return 0, 0.0, 0.0, refusal
-        held = self._reclaimer.quarantined_from(source_node_id)
-        if held:  # a source that failed here already: a pull puts at most what is left of its budget at risk
-            wanted = wanted[:self.config.quarantine_budget - held]
-        try:
-            limit = None
-            if self._limits is not None:
-                try:
-                    limit = await self._within(self._limits(ns.tenant, deadline - time.monotonic()), deadline,
-                                               "the tenant's limits")
-                    self._tenant_limits[ns.tenant] = limit
-                except PermissionDenied as exc:
-                    log.info("pull: %s; answering MISS", exc)
-                    return 0, 0.0, 0.0, str(exc)
-            if self._routes is not None:
-                await self._within(self._routes(route_token, ns.tenant, source_node_id, source_address), deadline,
-                                   "checking the route token")
-            if not grant:
-                if self._grants is None:
-                    raise PermissionDenied("no pull grant and no control plane to ask for one")
-                grant, registered = await self._within(
-                    self._grants(ns, source_node_id, deadline - time.monotonic()), deadline, "the grant")
-                if registered != source_address:  # e.g. a remote_kv_source naming an address of its own
-                    raise PermissionDenied(
-                        f"{source_address} is not the registered address of node {source_node_id} "
-                        f"({registered or 'not registered'}): refusing to dial it")
-            grant_epoch = read_grant(grant).tenant_epoch  # the source serves only blocks of this epoch
-            if not self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)):
-                raise Unavailable(f"the grant is for epoch {grant_epoch!r} of tenant {ns.tenant!r}, this node "
-                                  f"knows {self.epochs.current(ns.tenant)!r} (the tenant was re-created)")
-            await self.transport.ready(deadline - time.monotonic())
-            peer = await self._within(
-                self._peers.get(source_address, source_node_id, deadline - time.monotonic(), grant),
-                deadline, "the handshake")
-        except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
-            log.warning("pull from %s: %s; answering MISS", source_address, exc)
-            return 0, 0.0, 0.0, str(exc) if isinstance(exc, PermissionDenied) else ""
-        if source_node_id and peer.node_id != source_node_id:
-            log.warning("pull: %s is node %s, not %s (stale route); answering MISS",
-                        source_address, peer.node_id, source_node_id)
-            return 0, 0.0, 0.0, ""
-
-        t0 = time.perf_counter()
-        if peer.agent_name:  # the source hands out its metadata: READ one-sided
-            fetched = await self._fetch_by_read(peer, ns, hashes, wanted, source_media, deadline, grant,
-                                                first_block_index, limit)
-        else:  # the source WRITEs what the grant covers into the slots reserved here
-            fetched = await self._fetch_by_write(peer, ns, hashes, wanted, source_media, deadline, grant,
-                                                 first_block_index, limit)
-        if fetched is None:
-            return 0, (time.perf_counter() - t0) * 1000, 0.0, ""
-        blocks, checksums, lookup_ms, transfer_ms = fetched
-        arrived = bool(blocks)
-        committed: list[Block] = []
-        if arrived:
-            # bytes of the grant's epoch are kept only under that epoch, still the tenant's current one
-            intact = self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)) and \
-                all(b.epoch == grant_epoch for b in blocks)
-            good = await self._verified(blocks, checksums) if intact else 0
-            if intact and good < len(blocks):
-                log.error("pull from %s: block %s failed verification; it and its successors are dropped",
-                          source_address, blocks[good].key.block_hash.hex())
-                self.metrics.verify_failed()
-            committed = blocks[:good]
-            self.tier.commit_written(committed, checksums[:good])
-            for block in blocks[good:]:
-                self.tier.abort(block)
-        for block in blocks:
-            self._writers.pop(block.key, None)
-        if committed:
-            self.events.stored(ns, [b.key.block_hash for b in committed], Medium.CPU)
-        n = len(committed)
-        trace.get_current_span().set_attributes({  # the Pull server span this task inherited
-            ATTR.TENANT: ns.tenant, ATTR.NAMESPACE: ns.fingerprint, ATTR.BLOCKS: n, ATTR.BYTES: n * self.block_bytes,
-            ATTR.SOURCE_NODE: source_node_id, ATTR.OUTCOME: "pulled" if n else "miss"})
-        self.metrics.bytes("pulled", n * self.block_bytes)
-        self.metrics.pull((lookup_ms + transfer_ms) / 1000, n, len(wanted) - n)
-        return n, lookup_ms, transfer_ms, ""
-
-    async def _fetch_by_read(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
-                             source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
-                             tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
-        """Lookup on the source, then one-sided READs: the arrived blocks (uncommitted) and their checksums."""
-        t0 = time.perf_counter()
-        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
-        lookup_ms = (time.perf_counter() - t0) * 1000
-        if answer is None:
-            return None
-        transfer_ms = 0.0
-        try:
-            blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index,
-                                                                     tenant_limit_bytes, answer)
-            t1 = time.perf_counter()
-            arrived = await self._transfer(peer, blocks, remote_addrs, deadline, grant)
-            transfer_ms = (time.perf_counter() - t1) * 1000
-        finally:
-            if answer.lease_id:
-                self._spawn(self._release_remote(peer, answer.lease_id, grant))
-        return (blocks, checksums, lookup_ms, transfer_ms) if arrived else ([], [], lookup_ms, transfer_ms)
-
-    async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
-                              source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
-                              tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
-        """Asks the source which wanted blocks it holds (a plain Lookup, which pins its HITs under a lease:
-        nothing is reserved or evicted here for a source that is down or holds nothing), reserves slots for
-        the leading HITs and has the source WRITE the blocks of that lease into them and end it (the send):
-        the arrived blocks (uncommitted) and their checksums; the rest is aborted. A send that failed
-        mid-way quarantines the slots (the source's WRITE may still land)."""
-        t0 = time.perf_counter()
-        answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
-        lookup_ms = (time.perf_counter() - t0) * 1000
-        if answer is None:
-            return None
-        blocks, _, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes,
-                                                      answer)
-        if not blocks:
-            if answer.lease_id:
-                self._spawn(self._release_remote(peer, answer.lease_id, grant))
-            return None
-        base = self.region.base_addr
-        offset = self.region.offset
-        landing = [base + offset(b.slot) for b in blocks]
-        t1 = time.perf_counter()
-        outcome = "failed"
-        try:
-            sent, block_bytes = await peer.client.send(
-                ns, answer.lease_id, [b.key.block_hash for b in blocks], landing,
-                timeout=max(0.0, deadline - time.monotonic()), grant=grant)
-            outcome = "ok" if block_bytes == self.block_bytes else "failed"
-        except grpc.aio.AioRpcError as exc:
-            clean = exc.code() in _REFUSED_BEFORE_WRITE
-            log.warning("pull: %s refused or failed the send (%s: %s); answering MISS", peer.address,
-                        exc.code().name, exc.details())
-            if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-                await self._peers.forget(peer)
-            outcome = "failed" if clean else "quarantine"
-        except InvalidArgument as exc:
-            log.warning("pull: %s sent %s; answering MISS", peer.address, exc)
-            await self._peers.forget(peer)
-            outcome = "quarantine"
-        transfer_ms = (time.perf_counter() - t1) * 1000
-        if outcome != "ok":
-            for block in blocks:
-                self._writers.pop(block.key, None)
-            if outcome == "quarantine":
-                self._quarantine(blocks, peer, ns, answer.lease_id, grant)
-            else:
-                for block in blocks:
-                    self.tier.abort(block)
-            return None
-        if sent < len(blocks):  # the Lookup had pinned them: the WRITE failed (the source closed its endpoint)
-            await self._peers.forget(peer)  # or the lease expired first
-        for block in blocks[sent:]:
-            self._writers.pop(block.key, None)
-            self.tier.abort(block)
-        return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms
-
-    async def _verified(self, blocks: list[Block], checksums: list[int]) -> int:
-        """How many leading pulled blocks have the source's checksum (all, when verify_pulls is off)."""
-        if not self.config.verify_pulls:
-            return len(blocks)
-        return await self._checker.first_mismatch([b.slot for b in blocks], checksums)
-
-    async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],
-                             deadline: float, grant: bytes) -> LookupAnswer | None:
-        remaining = deadline - time.monotonic()
-        try:
-            answer, block_bytes = await peer.client.lookup(
-                ns, hashes, consumer_node_id=self.node_id,
-                pending_wait_ms=max(1, min(self.config.pending_wait_ms, int(remaining * 500))),
-                lease_ms=max(1, int(remaining * 1000) + 5_000), media=media, timeout=remaining, grant=grant)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-                              grpc.StatusCode.RESOURCE_EXHAUSTED):  # e.g. its bound of live peer proofs
-                log.warning("pull: %s refused the lookup (%s); answering MISS", peer.address, exc.details())
-                return None
-            if exc.code() in _UNREACHABLE:
-                log.warning("pull: lookup on %s failed (%s); answering MISS", peer.address, exc.code().name)
-                await self._peers.forget(peer)
-                return None
-            raise FailedPrecondition(f"source {peer.address} rejected the lookup: {exc.details()}") from None
-        except InvalidArgument as exc:
-            await self._peers.forget(peer)
-            raise FailedPrecondition(f"source {peer.address} sent {exc}") from None
-        if block_bytes != self.block_bytes:
-            raise FailedPrecondition(f"source {peer.address} has {block_bytes}-byte blocks, this node "
-                                     f"{self.block_bytes}")
-        return answer
-
-    def _reserve_for_pull(self, ns: Namespace, hashes: list[bytes], wanted: list[int], first_block_index: int,
-                          tenant_limit_bytes: int | None, answer: LookupAnswer | None = None
-                          ) -> tuple[list[Block], list[int], list[int]]:
-        """Local slots for the leading wanted blocks (the leading HITs of ``answer`` when given), as many as
-        fit within the tenant's limit; with ``answer``, also their remote addresses and checksums."""
-        n = len(wanted)
-        if answer is not None:
-            hit = LookupStatus.HIT
-            n = next((j for j, status in enumerate(answer.statuses) if status is not hit), n)
-        fp, epoch = ns.fingerprint, self.epochs.current(ns.tenant)
-        keys = [BlockKey(fp, hashes[i]) for i in wanted[:n]]
-        infos = [_info(first_block_index + i) for i in wanted[:n]]
-        blocks: list[Block] = []
-        while len(blocks) < n:  # again while evictions of the tenant's own blocks make room under its limit
-            room = n - len(blocks)
-            if tenant_limit_bytes is not None:
-                room = min(room, tenant_limit_bytes // self.block_bytes - self.tier.tenant_slots(ns.tenant))
-            if room <= 0:
-                break
-            got = self.tier.reserve_run(ns, keys[len(blocks):len(blocks) + room],
-                                        infos[len(blocks):len(blocks) + room], epoch)
-            blocks += got
-            if len(got) < room:
-                break
-        self._writers.update(dict.fromkeys((b.key for b in blocks), _PULL))
-        if answer is None:
-            return blocks, [], []
-        return blocks, answer.addrs[:len(blocks)], answer.checksums[:len(blocks)]
-
-    async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float,
-                        grant: bytes) -> bool:
-        if not blocks:
-            return False
-        ns = blocks[0].namespace
-        attributes = {ATTR.TENANT: ns.tenant, ATTR.NAMESPACE: ns.fingerprint, ATTR.BLOCKS: len(blocks),
-                      ATTR.BYTES: len(blocks) * self.block_bytes, ATTR.TIER: "cpu", ATTR.SOURCE_NODE: peer.node_id,
-                      "kvmesh.transport": "nixl-ucx"}
-        with tracing.tracer("kvmesh.data_plane").start_as_current_span(
-                "kvmesh.nixl.read", kind=SpanKind.CLIENT, attributes=attributes) as span:
-            try:
-                await self.transport.read(peer.agent_name, [self.region.offset(b.slot) for b in blocks],
-                                          remote_addrs, self.block_bytes, max(0.0, deadline - time.monotonic()))
-                span.set_attribute(ATTR.OUTCOME, "ok")
-                return True
-            except TransferFailed as exc:
-                span.set_attribute(ATTR.OUTCOME, "quarantined" if exc.may_still_write else "failed")
-                span.set_status(Status(StatusCode.ERROR, str(exc)))
-                log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
-                for block in blocks:
-                    self._writers.pop(block.key, None)
-                if exc.may_still_write:  # the consumer's own READ: only the source's exit proves it over
-                    self._quarantine(blocks, peer, blocks[0].namespace, "", grant)
-                else:
-                    for block in blocks:
-                        self.tier.abort(block)
-                await self._peers.forget(peer)
-                return False
 
     # ---- quarantine ----
 
@@ -1022,10 +683,10 @@ class DataPlaneCore:
             return False
         self._renewing = True
         try:
-            busy = self._pulls | self._sends
+            busy = self.pulls.in_flight | self._sends
             if busy:
                 await asyncio.wait(busy, timeout=self.config.max_pull_timeout_ms / 1000)
-            if self._pulls or self._sends or self._writing or not await self.transport.rotate():
+            if self.pulls.in_flight or self._sends or self._writing or not await self.transport.rotate():
                 return False
             self._agents.forget_all()  # their agents (and the challenged ones) were loaded into the old one
             await self._peers.close()  # this node's metadata changed: every source gets the new one

@@ -5,9 +5,9 @@ Implementor contracts:
     yields a key it does not track, and yields each tracked key at most once
     per :meth:`EvictionPolicy.victims` iteration.
   * It only orders keys; the tier decides. The tier iterates ``victims()``,
-    skips keys it cannot evict right now (pinned by a reader), stops at the
-    first key it can evict and calls ``remove(key, evicted=True)`` after
-    leaving the iteration. Mutating the policy during an iteration ends it.
+    skips keys it cannot evict right now (pinned by a reader), stops once it
+    has as many keys as it needs to evict and calls ``remove(key, evicted=True)``
+    for each after leaving the iteration. Mutating the policy during an iteration ends it.
   * ``insert`` is only called for keys not tracked; ``touch`` and ``remove``
     only for tracked keys.
   * Policies are constructed with the tier's capacity (in blocks): a hint for
@@ -30,6 +30,16 @@ class BlockInfo:
 
     cost: float = 1.0  # relative cost to recompute it (grows with its position in the chain)
     protected: bool = False  # part of a protected prefix (e.g. a shared system prompt)
+
+
+# Prefill cost of a block relative to the first one grows with its position (attention over a longer context); used
+# by the cost-aware policy.
+ATTENTION_COST_PER_BLOCK = 0.05
+
+
+def block_info(position: int, protected: bool = False) -> BlockInfo:
+    """What a policy is told about the block at ``position`` (0-based) of its chain."""
+    return BlockInfo(cost=1.0 + position * ATTENTION_COST_PER_BLOCK, protected=protected)
 
 
 class EvictionPolicy(abc.ABC):

@@ -25,7 +25,7 @@ def between_the_calls(monkeypatch, consumer, act) -> list[int]:
     """Runs ``act()`` on ``consumer`` right after it reserved landing slots for the source's answer (before
     it sends); returns a list that counts the slots each time reserved."""
     reserved: list[int] = []
-    real = consumer.core._reserve_for_pull
+    real = consumer.core.pulls._reserve_for_pull
 
     def reserve_then_act(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -33,7 +33,7 @@ def between_the_calls(monkeypatch, consumer, act) -> list[int]:
         act()
         return out
 
-    monkeypatch.setattr(consumer.core, "_reserve_for_pull", reserve_then_act)
+    monkeypatch.setattr(consumer.core.pulls, "_reserve_for_pull", reserve_then_act)
     return reserved
 
 

@@ -43,14 +43,14 @@ async def pull_fresh_blocks(owner: DataPlaneClient, local: DataPlaneClient, cons
 def freeze_between_the_calls(monkeypatch, consumer, pid: int) -> None:
     """SIGSTOPs ``pid`` right after the consumer reserved its landing slots (the source answered the Lookup
     and pinned its HITs; the send has not left yet)."""
-    real = consumer.core._reserve_for_pull
+    real = consumer.core.pulls._reserve_for_pull
 
     def reserve_then_freeze(*args, **kwargs):
         out = real(*args, **kwargs)
         os.kill(pid, signal.SIGSTOP)
         return out
 
-    monkeypatch.setattr(consumer.core, "_reserve_for_pull", reserve_then_freeze)
+    monkeypatch.setattr(consumer.core.pulls, "_reserve_for_pull", reserve_then_freeze)
 
 
 async def until(predicate, timeout_s: float) -> bool:
