@@ -37,10 +37,11 @@ from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied,
 from kvmesh.namespace import Namespace
 from kvmesh.tracing import ATTR
 
+from data_plane.events import EventSink
 from data_plane.eviction import block_info
 from data_plane.peers import Peer
 from data_plane.tier import Block
-from data_plane.transfer import TransferFailed
+from data_plane.transfer import TransferFailed, Transport
 from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult
 from tenancy.grants import read_grant
 
@@ -67,8 +68,6 @@ class Pulls:
         self.tier = node.tier
         self.epochs = node.epochs
         self.metrics = node.metrics
-        self.events = node.events
-        self.transport = node.transport
         self._peers = node._peers
         self._checker = node._checker
         self._writers = node._writers
@@ -79,6 +78,14 @@ class Pulls:
         # peer's Lookup waits for them instead of fetching them again); resolved when the pull settles them
         self.arriving: dict[BlockKey, asyncio.Future] = {}
         self.in_flight: set[asyncio.Task] = set()  # pulls running
+
+    @property
+    def events(self) -> EventSink:
+        return self._node.events  # the node's sink is set once the server has a publisher
+
+    @property
+    def transport(self) -> Transport:
+        return self._node.transport
 
     async def run(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str,
                     deadline: float, source_media: frozenset[Medium], first_block_index: int,
