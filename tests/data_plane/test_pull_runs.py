@@ -56,7 +56,8 @@ async def test_a_pull_over_several_runs_of_slots_lands_every_block_in_its_own_sl
             await owner.commit(ns, hashes)
 
             token = grant((await local.describe_tier()).peer_public_key, "dst", "src", ns)
-            result = await local.pull(ns, hashes, "src", source.address, grant=token)
+            # generous bound: the first handshake waits for the node's metadata-vetting process to start (seconds)
+            result = await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=60_000)
             assert result.pulled == N
             dst_slots, lease = await local.acquire(ns, hashes)
             # the case this test is about: several runs on both sides, and not the same runs
