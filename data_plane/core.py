@@ -269,10 +269,10 @@ class DataPlaneCore:
         ResourceExhausted, with nothing reserved, when the new blocks would take the tenant past
         ``tenant_limit_bytes`` on this node (its policy's max_cpu_tier_bytes_per_node)."""
         hashes = self._check(ns, hashes)
-        block_size = ns.cache_config.block_size
+        block_size, fp = ns.cache_config.block_size, ns.fingerprint
         self._tenant_limits[ns.tenant] = tenant_limit_bytes
         if tenant_limit_bytes is not None:
-            new = sum(1 for i, h in enumerate(hashes) if self.tier.get(BlockKey(ns.fingerprint, h)) is None and not (
+            new = sum(1 for i, h in enumerate(hashes) if self.tier.get(BlockKey(fp, h)) is None and not (
                 max_offload_tokens and (first_block_index + i + 1) * block_size > max_offload_tokens))
             held = self.tier.tenant_slots(ns.tenant)
             if (held + new) * self.block_bytes > tenant_limit_bytes:
@@ -289,7 +289,7 @@ class DataPlaneCore:
             if max_offload_tokens and (position + 1) * block_size > max_offload_tokens:
                 slots.append(-1)
                 continue
-            key = BlockKey(ns.fingerprint, h)
+            key = BlockKey(fp, h)
             block = self.tier.reserve(ns, key, block_info(position, position < protected_blocks), epoch)
             if block is not None:
                 self._writers[key] = _ENGINE
@@ -302,9 +302,9 @@ class DataPlaneCore:
         hashes = self._check(ns, hashes)
         if not self._known(ns):
             raise NotFound(f"unknown namespace {ns.fingerprint} ({ns.model}): nothing was reserved in it")
-        todo = []
+        todo, fp = [], ns.fingerprint
         for h in hashes:
-            block = self.tier.get(BlockKey(ns.fingerprint, h))
+            block = self.tier.get(BlockKey(fp, h))
             if block is None or (not block.committed and self._writers.get(block.key) != _ENGINE):
                 raise FailedPrecondition(f"block {h.hex()} was not reserved by the engine; reserve it first")
             if not block.committed:
@@ -327,8 +327,9 @@ class DataPlaneCore:
     def abort(self, ns: Namespace, hashes: list[bytes]) -> None:
         """Frees the engine's uncommitted reservations among ``hashes`` (others are left alone)."""
         hashes = self._check(ns, hashes)
+        fp = ns.fingerprint
         for h in hashes:
-            key = BlockKey(ns.fingerprint, h)
+            key = BlockKey(fp, h)
             block = self.tier.get(key)
             if block is not None and not block.committed and self._writers.get(key) == _ENGINE:
                 del self._writers[key]
@@ -347,8 +348,9 @@ class DataPlaneCore:
         pinned: list[Block] = []
         epoch = self.epochs.current(ns.tenant)
         if self._known(ns) and epoch is not GONE:
+            fp = ns.fingerprint
             for h in hashes:
-                block = self._resident(ns, BlockKey(ns.fingerprint, h), media, "local", epoch)
+                block = self._resident(ns, BlockKey(fp, h), media, "local", epoch)
                 if block is None:
                     break
                 self.tier.pin(block)
@@ -533,7 +535,7 @@ class DataPlaneCore:
             started = time.monotonic()
             deadline = started + wait
             for i in pending:
-                key = BlockKey(ns.fingerprint, hashes[i])
+                key = BlockKey(fp, hashes[i])
                 current = await self.pulls.arrival(key, deadline)
                 if current is not None and self.epochs.serves(current.epoch, epoch):
                     self.tier.pin(current)
