@@ -1,5 +1,6 @@
 """A pull whose blocks lie in several runs of slots on both nodes moves each block's bytes into its own landing
-slot and nowhere else, whatever the number of transfer lanes; the batched CRC check equals the per-block one."""
+slot and nowhere else, whatever the number of transfer lanes; a laned transfer fails as one; the batched CRC check
+equals the per-block one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from crc32c import crc32c
 
 from data_plane.checksum import CrcFolder, RunChecker, checksum
 from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.shm import SharedRegion
+from data_plane.transfer import NixlTransport, TransferFailed
 
 pytestmark = pytest.mark.nixl
 
@@ -101,3 +104,31 @@ def test_the_batched_check_finds_the_first_changed_block_as_the_per_block_check_
         region.array[slots[changed] * block_bytes + int(rng.integers(block_bytes))] ^= 0x10
         assert asyncio.run(checker.first_mismatch(slots, recorded)) == per_block() == changed
     assert asyncio.run(checker.first_mismatch([], [])) == 0
+
+
+async def test_a_laned_write_that_times_out_may_still_write_and_closes_the_endpoint(shm_dir, monkeypatch):
+    """Three lanes, one deadline: a write whose lanes cannot finish in time fails as one transfer that may still
+    write (its endpoint closed), reported only once every lane ended. Control: the same laned write, in time."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    block, slots = 1 << 20, 32
+    regions = [SharedRegion(shm_dir / f"lanes{i}.tier", block, slots, owner=True) for i in range(2)]
+    src, dst = (NixlTransport(f"lanes{i}", region, progress_wait_ms=10, lanes=3) for i, region in enumerate(regions))
+    try:
+        for t in (src, dst):
+            await t.ready(60.0)
+        peer = src.add_peer(dst.metadata())
+        offsets = [regions[0].offset(s) for s in range(slots)]
+        remote = [regions[1].base_addr + regions[1].offset(s) for s in range(slots)]
+        regions[0].array[:] = np.arange(slots * block, dtype=np.uint64).astype(np.uint8)
+        await src.write(peer, offsets, remote, block, timeout_s=60.0)  # control
+        assert np.array_equal(regions[0].array, regions[1].array)
+        with pytest.raises(TransferFailed) as failed:
+            await src.write(peer, offsets, remote, block, timeout_s=0.0)
+        assert failed.value.may_still_write
+        with pytest.raises(TransferFailed, match="unknown peer"):
+            await src.write(peer, offsets[:1], remote[:1], block, timeout_s=30.0)
+    finally:
+        for t in (src, dst):
+            t.close()
+        for region in regions:
+            region.close()
