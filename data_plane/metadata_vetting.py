@@ -109,7 +109,9 @@ def _child() -> None:
     os.dup2(2, 1)  # NIXL's and UCX's own output goes to stderr, never between the answers
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(f"metadata-vetting-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
+    # no progress thread: this agent only loads metadata (a progress thread polls a core without pause)
+    agent = nixl_agent(f"metadata-vetting-{uuid.uuid4().hex[:8]}",
+                       nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     os.write(answers, READY)
     source = sys.stdin.buffer
     while len(header := source.read(_LENGTH.size)) == _LENGTH.size:
