@@ -521,9 +521,11 @@ def main(argv: list[str]) -> int:
         fleet.block_bytes = kv_bytes * BLOCK_SIZE
         try:
             fleet.start(model)
-            result = asyncio.run(_bench(fleet, args, plan, spec.vocab, kv_bytes, shape, model, rng))
+            runs, spans, scaled, measured, deltas = asyncio.run(_bench(fleet, args, plan, spec.vocab, kv_bytes,
+                                                                       shape, model, rng))
         finally:
             fleet.stop()
+    result = report(runs, spans, scaled, measured, args, kv_bytes, deltas, args.nodes)
     result["wall_s"] = round(time.monotonic() - started, 1)
     _print(result)
     print(json.dumps(result) if args.json else f"wall {result['wall_s']} s")
@@ -531,7 +533,7 @@ def main(argv: list[str]) -> int:
 
 
 async def _bench(fleet: ShapedFleet, args, plan, vocab: int, kv_bytes: int, shape: KVShape, model: Path,
-                 rng: random.Random) -> dict:
+                 rng: random.Random) -> tuple:
     measured = await asyncio.to_thread(measure, fleet, vocab, kv_bytes)
     ns = Namespace(TENANT, str(model), "random-init", CacheConfig(
         block_size=BLOCK_SIZE, kv_dtype=shape.dtype, kv_layout=KV_LAYOUT, parallel_layout="tp1-pp1",
@@ -558,7 +560,7 @@ async def _bench(fleet: ShapedFleet, args, plan, vocab: int, kv_bytes: int, shap
     try:
         for rep, window in enumerate(windows):
             for pace in args.paces:
-                span_ms = len(window) * service_ms / (len(fleet.names) * pace)
+                span_ms = len(window) * service_ms / (nodes * pace)
                 scale = max(1e-9, window[-1].arrival_ms) / span_ms
                 timed = [dataclasses.replace(r, arrival_ms=r.arrival_ms / scale) for r in window]
                 scaled[(pace, rep)] = timed
@@ -574,10 +576,11 @@ async def _bench(fleet: ShapedFleet, args, plan, vocab: int, kv_bytes: int, shap
     finally:
         stop.set()
         await reporting
-    return report(runs, spans, scaled, measured, args, kv_bytes, deltas, fleet)
+    return runs, spans, scaled, measured, deltas
 
 
-def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas: dict, fleet: ShapedFleet) -> dict:
+def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas: dict, nodes: int) -> dict:
+    """The issue's JSON object (and the details behind it) from the runs; the simulations run here."""
     names, units = list(args.policies), sorted({(p, r) for _, p, r in runs})
     per = {k: summarize(v, measured, args.ttft_slo_ms) for k, v in runs.items()}
     for k, r in per.items():
@@ -602,7 +605,7 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
                                                                    for q, r in units if q == p), 1)}
                         for n in names} for p in args.paces}
     grouped = {n: [runs[(n, p, r)] for p, r in units] for n in names}
-    sim_p50 = {n: statistics.fmean(pct(simulate(scaled[(p, r)], n, measured, kv_bytes, len(fleet.names),
+    sim_p50 = {n: statistics.fmean(pct(simulate(scaled[(p, r)], n, measured, kv_bytes, nodes,
                                                  args.block_tokens, deltas[POLICIES[n].delta], r), 0.5)
                                    for p, r in units) for n in names}
     real_p50 = {n: policies[n]["ttft_p50_ms"] for n in names}
@@ -617,7 +620,7 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
                                                    for n in names), 3),
                         "sim_ttft_p50_ms": {n: round(v, 1) for n, v in sim_p50.items()}},
         "by_pace": by_pace,
-        "setup": {"nodes": len(fleet.names), "paces": args.paces, "requests_per_window": len(next(iter(runs.values()))),
+        "setup": {"nodes": nodes, "paces": args.paces, "requests_per_window": len(next(iter(runs.values()))),
                   "kv_bytes_per_token": kv_bytes, "block_tokens": args.block_tokens, "max_prompt": args.max_prompt,
                   "fast_mbit": args.fast_mbit, "slow_mbit": args.slow_mbit, "slow_delay_ms": args.slow_delay_ms,
                   "min_cached_token_delta": deltas["break-even"], "trace": args.trace,
