@@ -169,7 +169,7 @@ class ShapedFleet:
             host = self.net.hosts[name]
             self.dps[name] = ServiceProcess(
                 ["data-plane", "--node-id", name, "--listen", f"{host.ip}:{DP_PORT}", "--control-plane-address",
-                 self.cp.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", "1GiB", "--block-bytes",
+                 self.cp.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", "512MiB", "--block-bytes",
                  str(self.block_bytes), "--block-tokens", str(BLOCK_SIZE), "--no-lock-memory",
                  "--api-key-file", str(self.key_files[name])],
                 env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kv0"}, prefix=Network.prefix(host),
