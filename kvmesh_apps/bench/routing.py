@@ -115,8 +115,9 @@ class ShapedFleet:
     """Redis and the control plane here; a data plane and an engine per network namespace; shaped links."""
 
     def __init__(self, workdir: Path, nodes: int, fast_mbit: float, slow_mbit: float, slow_delay_ms: float,
-                 max_model_len: int) -> None:
+                 max_model_len: int, block_bytes: int) -> None:
         self.workdir = workdir
+        self.block_bytes = block_bytes
         self.names = [f"n{i + 1}" for i in range(nodes)]
         self.net = Network()
         self.redis = RedisServer(workdir / "redis")
@@ -178,8 +179,6 @@ class ShapedFleet:
             self.engines[name] = self._engine(name, model)
         for engine in self.engines.values():
             engine.wait_ready(600.0)
-
-    block_bytes = 0   # set by the caller from the model's KV shape
 
     def _engine(self, name: str, model: Path) -> EngineProcess:
         host = self.net.hosts[name]
@@ -517,8 +516,8 @@ def main(argv: list[str]) -> int:
         spec = TinyLlamaSpec.from_checkpoint(model)
         shape = KVShape.from_checkpoint(model, dtype=DTYPE)
         kv_bytes = shape.bytes_per_token()
-        fleet = ShapedFleet(work, args.nodes, args.fast_mbit, args.slow_mbit, args.slow_delay_ms, args.max_prompt + 64)
-        fleet.block_bytes = kv_bytes * BLOCK_SIZE
+        fleet = ShapedFleet(work, args.nodes, args.fast_mbit, args.slow_mbit, args.slow_delay_ms, args.max_prompt + 64,
+                            kv_bytes * BLOCK_SIZE)
         try:
             fleet.start(model)
             runs, spans, scaled, measured, deltas = asyncio.run(_bench(fleet, args, plan, spec.vocab, kv_bytes,
