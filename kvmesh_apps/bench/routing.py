@@ -559,7 +559,7 @@ async def _bench(fleet: ShapedFleet, args, plan, vocab: int, kv_bytes: int, shap
     try:
         for rep, window in enumerate(windows):
             for pace in args.paces:
-                span_ms = len(window) * service_ms / (nodes * pace)
+                span_ms = len(window) * service_ms / (len(fleet.names) * pace)
                 scale = max(1e-9, window[-1].arrival_ms) / span_ms
                 timed = [dataclasses.replace(r, arrival_ms=r.arrival_ms / scale) for r in window]
                 scaled[(pace, rep)] = timed
