@@ -264,9 +264,12 @@ def measure(fleet: ShapedFleet, vocab: int, kv_bytes: int) -> Measured:
                     raise RuntimeError(f"calibration: {b} pulled nothing from {a}: {kv} (logs in {fleet.workdir})")
                 pulls.append((kv["bytes_pulled"], kv["pull_ms"]))
             (b0, ms0), (b1, ms1) = pulls
-            per_byte_ms = max(1e-9, (ms1 - ms0) / max(1, b1 - b0))
+            if ms1 > ms0:   # a fixed cost and a rate
+                per_byte_ms = (ms1 - ms0) / max(1, b1 - b0)
+                fixed[(a, b)] = max(0.0, ms0 - per_byte_ms * b0)
+            else:           # the fixed cost's noise hides the bytes' time: the larger pull's mean rate, no fixed cost
+                per_byte_ms, fixed[(a, b)] = ms1 / b1, 0.0
             rate[(a, b)] = 1000.0 / per_byte_ms
-            fixed[(a, b)] = max(0.0, ms0 - per_byte_ms * b0)
     tps = 1024 / (costs.prefill_alone_ms(1024, 0, 8192) / 1000.0)
     return Measured(costs, tps, fixed, rate, samples)
 
@@ -445,9 +448,9 @@ def audit(runs: dict[str, list[list[Served]]], measured: Measured, kv_bytes: int
                      "or recompute, per request"}
 
 
-def _ci(values: list[float]) -> tuple[float, list[float] | None]:
+def _ci(values: list[float], digits: int = 1) -> tuple[float, list[float] | None]:
     mean, half = mean_ci(values)
-    return round(mean, 1), None if half is None else [round(mean - half, 1), round(mean + half, 1)]
+    return round(mean, digits), None if half is None else [round(mean - half, digits), round(mean + half, digits)]
 
 
 def simulate(window: list[TraceRequest], name: str, measured: Measured, kv_bytes: int, nodes: int,
@@ -597,7 +600,7 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
             continue
         d50, ci50 = _ci([per[(n, p, r)]["ttft_p50_ms"] - per[(BASELINE, p, r)]["ttft_p50_ms"] for p, r in units])
         d90, ci90 = _ci([per[(n, p, r)]["ttft_p90_ms"] - per[(BASELINE, p, r)]["ttft_p90_ms"] for p, r in units])
-        dg, cig = _ci([per[(n, p, r)]["goodput_rps"] - per[(BASELINE, p, r)]["goodput_rps"] for p, r in units])
+        dg, cig = _ci([per[(n, p, r)]["goodput_rps"] - per[(BASELINE, p, r)]["goodput_rps"] for p, r in units], 3)
         paired[n] = {"delta_p50_ms": d50, "ci95_p50_ms": ci50, "delta_p90_ms": d90, "ci95_p90_ms": ci90,
                      "delta_goodput_rps": dg, "ci95_goodput_rps": cig}
     by_pace = {str(p): {n: {"ttft_p50_ms": round(statistics.fmean(per[(n, p, r)]["ttft_p50_ms"]
