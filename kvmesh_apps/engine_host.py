@@ -174,8 +174,11 @@ class EngineError(RuntimeError):
 class EngineProcess:
     """The parent's handle on an engine child: start, send requests, stop. One request at a time."""
 
-    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], log_path: Path,
+                 prefix: list[str] | None = None) -> None:
+        """``prefix``: a command the child runs under (e.g. ``ip netns exec NS``: a host of :mod:`netns`)."""
         self.name = name
+        self._prefix = list(prefix or [])
         self.spec = spec
         self.log_path = log_path
         self.start_s = 0.0
@@ -185,7 +188,8 @@ class EngineProcess:
 
     def start(self) -> "EngineProcess":
         """Launch the child (returns at once; :meth:`wait_ready` waits for the engine)."""
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvmesh_apps.engine_host", json.dumps(self.spec)],
+        self._proc = subprocess.Popen([*self._prefix, sys.executable, "-m", "kvmesh_apps.engine_host",
+                                       json.dumps(self.spec)],
                                       env={**os.environ, **self._env, "PYTHONUNBUFFERED": "1"},
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)

@@ -34,6 +34,9 @@ class RoutingSettings(BaseModel):
     route_work_weight: float = Field(
         1.0, ge=0, description="cost-aware: an option's prefill time counts this many times the mean waiting "
                                "requests per candidate on top of its TTFT (0: the request's TTFT alone)")
+    route_work_waiting_cap: float = Field(
+        4.0, ge=0, description="cost-aware: the mean waiting requests the work weight multiplies are counted up to "
+                               "this many (a saturated fleet's queues do not make prefill time count without bound)")
     route_affinity_spill_waiting: int = Field(
         4, ge=1, description="affinity with P2P: leave a holder this many waiting requests busier than the "
                             "least loaded engine, and pull from it")

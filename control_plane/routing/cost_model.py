@@ -7,6 +7,7 @@ and the docs name the same things. Figures nobody reported fall back to the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,6 +21,18 @@ class Figures:
 
     link_bytes_per_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (source, dest) node ids
     prefill_tokens_per_s: dict[str, float] = field(default_factory=dict)         # engine id
+
+
+def break_even_tokens(kv_bytes_per_token: int, prefill_tokens_per_s: float, link_bytes_per_s: float,
+                      promotion_bytes_per_s: float, lookup_ms: float) -> int | None:
+    """The fewest tokens a pull must bring to beat prefilling them on an idle engine (lookup + bytes over the link
+    + promotion < prefill): the threshold rule's ``min_cached_token_delta`` sized for one model and link. None when
+    no pull ever pays (a token crosses the link slower than it prefills)."""
+    per_token_s = kv_bytes_per_token * (1 / link_bytes_per_s + 1 / promotion_bytes_per_s)
+    gain_ms = 1000.0 * (1 / prefill_tokens_per_s - per_token_s)
+    if gain_ms <= 0:
+        return None
+    return max(1, math.ceil(lookup_ms / gain_ms))
 
 
 class CostModel:

@@ -45,11 +45,12 @@ class RouteContext:
 
     def __init__(self, candidates: tuple[Candidate, ...], prompt_tokens: int, block_size: int, match: PrefixMatch,
                  cost: CostModel, p2p: bool, min_cached_token_delta: int, tier_weights: tuple[float, float] = (1.0, 1.0),
-                 spill_waiting: int = 0, work_weight: float = 0.0) -> None:
+                 spill_waiting: int = 0, work_weight: float = 0.0, work_waiting_cap: float = float("inf")) -> None:
         """``tier_weights``: (CPU, disk) weight of a token held only there (GPU: 1); ``spill_waiting``: affinity
         with P2P leaves a holder this many waiting requests busier than the least loaded engine (0: never);
         ``work_weight``: cost-aware charges each option its prefill time times this times the mean waiting
-        requests per candidate (GPU time spent now is queueing for the requests behind it)."""
+        requests per candidate, counted up to ``work_waiting_cap`` (GPU time spent now is queueing for the requests
+        behind it; past the cap, more queue does not make it count more)."""
         self.candidates = candidates
         self.prompt = prompt_tokens
         self.block_size = block_size
@@ -58,7 +59,8 @@ class RouteContext:
         self.min_delta = min_cached_token_delta
         self.tier_weights = tier_weights
         self.spill_waiting = spill_waiting
-        self.load_factor = work_weight * sum(c.waiting_requests for c in candidates) / len(candidates)
+        mean_waiting = sum(c.waiting_requests for c in candidates) / len(candidates)
+        self.load_factor = work_weight * min(work_waiting_cap, mean_waiting)
 
         def tokens(blocks: int) -> int:
             return min(blocks * block_size, prompt_tokens)

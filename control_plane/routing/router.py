@@ -66,14 +66,15 @@ def _with_speculative(match: PrefixMatch, speculative: dict[str, int]) -> Prefix
 
 class Router:
     def __init__(self, stats: StatsStore, settings: RoutingSettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock`` (seconds) times speculative entries and the pull ledger (a simulation passes its own)."""
+                 clock: Callable[[], float] = time.monotonic, zone_of: Callable[[str], str] | None = None) -> None:
+        """``clock`` (seconds) times speculative entries and the pull ledger (a simulation passes its own);
+        ``zone_of``: a node's zone (rack), whose uplink the ledger counts pulls between zones on (None: NICs only)."""
         self._stats = stats
         self._settings = settings
         self._default_policy = Policy.from_label(settings.route_default_policy)
         self.counters = RouteCounters()
         self.speculative = SpeculativeIndex(settings.route_speculative_ttl_ms / 1000.0, clock)
-        self.ledger = PullLedger(clock)
+        self.ledger = PullLedger(clock, zone_of)
 
     async def route(self, request: RouteRequest, lookup: Lookup, may_read: bool = True) -> RouteDecision:
         """``lookup`` is the core's (authorized, validating) prefix lookup for the caller; ``may_read``: may the
@@ -93,7 +94,7 @@ class Router:
         ctx = RouteContext(request.candidates, request.prompt_length, request.namespace.cache_config.block_size,
                            match, cost, request.p2p, request.min_cached_token_delta or s.route_min_cached_token_delta,
                            (s.route_tier_weight_cpu, s.route_tier_weight_disk), s.route_affinity_spill_waiting,
-                           s.route_work_weight)
+                           s.route_work_weight, s.route_work_waiting_cap)
         policy = request.policy or self._default_policy
         placement = POLICIES[policy].choose(ctx)
         chosen = placement.candidate

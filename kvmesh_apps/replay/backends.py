@@ -40,8 +40,8 @@ STORED, REMOVED = 1, 2
 
 class Backend(ABC):
     @abstractmethod
-    async def register(self, nodes: list[tuple[str, str]]) -> None:
-        """Registers (node id, data-plane address) pairs."""
+    async def register(self, nodes: list[tuple[str, str, str]]) -> None:
+        """Registers (node id, data-plane address, zone) triples (nodes of one zone share its uplink)."""
 
     @abstractmethod
     async def route(self, now_ms: float, candidates: list[Candidate], hashes: list[bytes], prompt_tokens: int,
@@ -90,13 +90,16 @@ class InProcessBackend(Backend):
     def __init__(self, namespace: Namespace, settings: RoutingSettings) -> None:
         self.now_s = 0.0
         self.ns = namespace
-        self.router = Router(_MemoryStats(settings.route_stats_ewma_alpha), settings, clock=lambda: self.now_s)
+        self._zone: dict[str, str] = {}
+        self.router = Router(_MemoryStats(settings.route_stats_ewma_alpha), settings, clock=lambda: self.now_s,
+                             zone_of=lambda node: self._zone.get(node, node))
         self._held: dict[str, dict[int, set[bytes]]] = {}   # node -> medium -> hashes
         self._address: dict[str, str] = {}
 
-    async def register(self, nodes: list[tuple[str, str]]) -> None:
-        for node, address in nodes:
+    async def register(self, nodes: list[tuple[str, str, str]]) -> None:
+        for node, address, zone in nodes:
             self._address[node] = address
+            self._zone[node] = zone
             self._held[node] = collections.defaultdict(set)
 
     async def _lookup(self, ns: Namespace, hashes: list[bytes], token_ids: list[int], extras: Extras,
@@ -142,7 +145,7 @@ class ControlPlaneBackend(Backend):
         self._seq: dict[str, tuple[int, int]] = {}   # node -> (incarnation, last seq)
 
     async def register(self, nodes):
-        for node, address in nodes:
+        for node, address, _ in nodes:   # the control plane knows no zones: its ledger counts NICs only
             reply = await self.stub.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(
                 node_id=node, data_plane_address=address)), metadata=self.metadata)
             self._seq[node] = (reply.incarnation, reply.next_seq - 1)

@@ -33,7 +33,7 @@ from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_float, n
     positive_int, subset
 from kvmesh_apps.replay.backends import ControlPlaneBackend
 from kvmesh_apps.replay.profile import Profile
-from kvmesh_apps.replay.runs import RunSpec, combine, run_many, summarize
+from kvmesh_apps.replay.runs import BASELINE, RunSpec, baseline_settings, combine, paired, run_many, summarize
 from kvmesh_apps.replay.sim import Simulation, variants
 from kvmesh_apps.replay.sweep import LOAD_CURVE, PARAMS, VARIANTS, sweep, winners
 from kvmesh_apps.replay.trace import BlockHashes, TraceError, load_window, scan, select_windows
@@ -73,7 +73,9 @@ def control_plane_check(base: RunSpec, names: list[str], ttft_slo_ms: float, spe
         cp = ServiceProcess(["control-plane", "--listen", "127.0.0.1:0", "--redis-url", redis.url,
                              "--lease-ms", "86400000", "--key-prefix", "replay"],
                             env={"KVMESH_CP_ADMIN_KEY": key,
-                                 "KVMESH_CP_ROUTE_SPECULATIVE_TTL_MS": str(speculative_ttl_ms)},
+                                 "KVMESH_CP_ROUTE_SPECULATIVE_TTL_MS": str(speculative_ttl_ms),
+                                 "KVMESH_CP_ROUTE_MIN_CACHED_TOKEN_DELTA": str(baseline_settings(
+                                     base.profile, base.engines).route_min_cached_token_delta)},
                             log_path=Path(tmp) / "cp.log")
         try:
             cp.start()
@@ -96,7 +98,7 @@ def _parser() -> Parser:
     parser.add_argument("--start", type=non_negative_int, default=0,
                         help="first request of the first window (from 0; blank lines do not count)")
     parser.add_argument("--requests", type=positive_int, default=4000, help="requests per window at the default point")
-    parser.add_argument("--windows", type=positive_int, default=3,
+    parser.add_argument("--windows", type=positive_int, default=5,
                         help="disjoint windows (4,000 requests apart, closer on a short trace) at the default point")
     parser.add_argument("--time-scale", type=positive_float, default=1.0, help="divide arrival times by this")
     parser.add_argument("--event-delay-ms", type=non_negative_float, default=50.0,
@@ -111,7 +113,7 @@ def _parser() -> Parser:
     parser.add_argument("--gpu-kv-blocks", type=positive_int, default=d.gpu_kv_blocks)
     parser.add_argument("--no-sweep", action="store_true", help="the default point only")
     parser.add_argument("--sweep-requests", type=positive_int, default=1000, help="requests per window in the sweep")
-    parser.add_argument("--sweep-windows", type=positive_int, default=2,
+    parser.add_argument("--sweep-windows", type=positive_int, default=5,
                         help="disjoint windows (4,000 requests apart, closer on a short trace) per sweep point")
     parser.add_argument("--sweep-variants", type=subset(all_names), default=VARIANTS)
     parser.add_argument("--sweep-params", type=subset(list(PARAMS)), default=list(PARAMS),
@@ -163,10 +165,16 @@ def main(argv: list[str]) -> int:
     windows = list(plan.starts)
     specs = [dataclasses.replace(base, variant=n, start=s, seed=w) for n in names for w, s in enumerate(windows)]
     rows = run_many(specs, args.ttft_slo_ms, args.jobs)
-    policies = {n: combine(rows[i * len(windows):(i + 1) * len(windows)]) for i, n in enumerate(names)}
+    by_name = {n: rows[i * len(windows):(i + 1) * len(windows)] for i, n in enumerate(names)}
+    policies = {n: combine(r) for n, r in by_name.items()}
+    if BASELINE in names:   # the same windows and seeds for every variant: paired differences
+        for n in names:
+            if n != BASELINE:
+                policies[n]["vs_cost_aware"] = paired(by_name[n], by_name[BASELINE])
     result: dict = {
         "policies": policies,
-        "profile": {**profile.as_dict(), "engines": args.engines},
+        "profile": {**profile.as_dict(), "engines": args.engines, "min_cached_token_delta":
+                    baseline_settings(profile, args.engines).route_min_cached_token_delta},
         "trace": {"path": str(trace), **plan.as_dict(), "time_scale": args.time_scale,
                   "event_delay_ms": args.event_delay_ms, "ttft_slo_ms": args.ttft_slo_ms,
                   "block_hashes": "sha256(parent || hash_id as 8 bytes), full 512-token blocks only"},

@@ -12,7 +12,7 @@ arrival cuts short.
 Memory: ``gpu_kv_blocks`` hold the prefix cache and the running sequences' own KV
 (prompt blocks beyond the cache hit plus their output). Prompt blocks join the
 prefix cache (pinned while used) when their prefill ends, and are offloaded to
-the node's CPU tier at the same time. Both tiers evict least-recently-used
+the node's CPU tier over the GPU-to-host link (the simulation times the copy). Both tiers evict least-recently-used
 blocks, and a chain's tail before its head: a finished sequence's blocks are
 released tail first, as vLLM's free-block queue does.
 """
@@ -109,6 +109,10 @@ class Seq:
     private_blocks: int = 0         # GPU KV blocks of its own
     pinned: list[bytes] = field(default_factory=list)
     wait_ms: float = 0.0            # queue and load time before its prefill began
+    pulling: int = 0                # blocks being pulled from the routed source
+    examined_ms: float = 0.0        # when the scheduler first looked at it (a pull starts then)
+    local_blocks: int = 0           # leading blocks its own tiers held then ...
+    gpu_blocks: int = 0             # ... of which on the GPU
 
     @property
     def remaining_prefill(self) -> int:

@@ -31,14 +31,15 @@ class Profile:
     step_noise: float = 0.03            # sigma of a step's log-normal time factor
     engine_noise: float = 0.02          # sigma of each engine's persistent speed factor
     probe_noise: float = 0.05           # sigma of a bandwidth probe's or a calibration's error
-    reprobe_s: float = 30.0             # every link is probed again this often
+    reprobe_s: float = 30.0             # every link is probed again this often (one pair at a time, spread out)
+    probe_bytes: int = 64 << 20         # a probe is a real transfer of this many bytes on the simulated network
     report_s: float = 5.0               # engines report their measured prefill throughput this often
+    load_report_ms: float = 250.0       # the router's view of each engine's queue is a snapshot this old at most
+    pull_timeout_ms: float = 5000.0     # a pull not done by then is cancelled and its tokens recomputed (the
+                                        # connector's pull timeout)
     block_tokens: int = TRACE_BLOCK_TOKENS
     shared_machine: float = 0.0         # engines share one machine's cores (sim-to-real): each other busy engine
                                         # makes a step this much slower (0: engines have their own hardware)
-
-    def rack_of(self, engine: int, engines: int) -> int:
-        return engine * self.racks // engines
 
     @property
     def block_bytes(self) -> int:

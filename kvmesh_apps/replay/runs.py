@@ -15,13 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.routing.config import RoutingSettings
+from control_plane.routing.cost_model import break_even_tokens
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.replay.backends import InProcessBackend
+from kvmesh_apps.replay.costs import StepCosts
+from kvmesh_apps.replay.network import Network
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.sim import Simulation, Totals, variants
 from kvmesh_apps.replay.trace import BlockHashes, load_window
 
 SLO_ATTAINMENT = 0.9   # the "highest rate meeting the SLO": at least this fraction of TTFTs within it
+NEVER = 2**31 - 1      # a threshold no prefix reaches: the threshold rule never pulls
+BASELINE = "cost-aware+p2p"   # what the paired differences are taken against
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class RunSpec:
     time_scale: float
     event_delay_ms: float
     seed: int = 0
+    min_cached_token_delta: int | None = None   # the threshold rule's delta (None: the profile's break-even)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -71,6 +77,7 @@ def summarize(t: Totals, ttft_slo_ms: float) -> dict:
         "prefill_tokens_saved": t.prompt_tokens - t.computed_tokens - t.slow_pull_tokens,
         "pulls": t.pulls,
         "pulls_slower_than_recompute": t.pulls_slower_than_recompute,
+        "pull_timeouts": t.pull_timeouts,
         "bytes_moved": t.bytes_moved,
         "stale_route_rate": round(t.stale_routes / t.routes_with_source, 4) if t.routes_with_source else 0.0,
         "hit_rate_by_tier": {"gpu": round(t.gpu_tokens / prompt, 4), "local_cpu": round(t.local_cpu_tokens / prompt, 4),
@@ -79,12 +86,40 @@ def summarize(t: Totals, ttft_slo_ms: float) -> dict:
     }
 
 
+def mean_path_bytes_per_s(bandwidths: list[float]) -> float:
+    """The bandwidth of the fleet's average pull: a random ordered pair's link (harmonic mean: time per byte)."""
+    return len(bandwidths) / sum(1.0 / b for b in bandwidths)
+
+
+def threshold_tokens(kv_bytes_per_token: int, prefill_tokens_per_s: float, bandwidths: list[float],
+                     promotion_bytes_per_s: float, lookup_ms: float) -> int:
+    """The threshold rule's ``min_cached_token_delta`` sized for the model and fleet: the break-even of a pull on
+    the average link (:func:`break_even_tokens`); :data:`NEVER` where no pull pays on it."""
+    tokens = break_even_tokens(kv_bytes_per_token, prefill_tokens_per_s, mean_path_bytes_per_s(bandwidths),
+                               promotion_bytes_per_s, lookup_ms)
+    return NEVER if tokens is None else tokens
+
+
+def baseline_settings(profile: Profile, engines: int, costs: StepCosts | None = None) -> RoutingSettings:
+    """Routing settings for a replay of ``profile``: the threshold rule's delta at the profile's break-even (the
+    prefill rate of an 8,192-token prompt alone, the links of its network), not a figure sized for another model."""
+    costs = costs or StepCosts(profile.speed)
+    tps = 8192 / (costs.prefill_alone_ms(8192, 0, profile.max_batched_tokens) / 1000.0)
+    net = Network(engines, profile.racks, profile.nic_bytes_per_s, profile.inter_rack_bytes_per_s)
+    links = [net.path(a, b)[1] for a in range(engines) for b in range(engines) if a != b] or [profile.nic_bytes_per_s]
+    return RoutingSettings(route_min_cached_token_delta=threshold_tokens(
+        profile.kv_bytes_per_token, tps, links, profile.promotion_bytes_per_s, profile.lookup_ms))
+
+
 def run_one(spec: RunSpec) -> Totals:
     """One in-process replay (see :mod:`kvmesh_apps.replay.backends`)."""
     variant = next(v for v in variants() if v.name == spec.variant)
     requests = load_window(Path(spec.trace), spec.start, spec.requests, spec.time_scale)
     ns = Namespace("replay", f"trace-{variant.slug}", "sim", CacheConfig(block_size=512)).validate()
-    backend = InProcessBackend(ns, RoutingSettings())
+    settings = baseline_settings(spec.profile, spec.engines)
+    if spec.min_cached_token_delta is not None:
+        settings = settings.model_copy(update={"route_min_cached_token_delta": spec.min_cached_token_delta})
+    backend = InProcessBackend(ns, settings)
     sim = Simulation(variant, requests, BlockHashes(), spec.profile, spec.engines, backend, spec.event_delay_ms,
                      seed=spec.seed)
     return asyncio.run(sim.run())
@@ -130,6 +165,29 @@ def combine(rows: list[dict]) -> dict:
                 out[f"{key}_ci95"] = None if ci is None else round(ci, 3)
     out["windows"] = len(rows)
     return out
+
+
+PAIRED_KEYS = ("goodput_rps", "ttft_p50_ms", "ttft_p90_ms", "slo_attainment")
+
+
+def paired(rows: list[dict], base: list[dict], keys: tuple[str, ...] = PAIRED_KEYS) -> dict:
+    """Per-window differences ``rows[w][key] - base[w][key]`` (the same windows and noise seeds, in order) ->
+    ``{"delta_KEY": mean, "delta_KEY_ci95": [lo, hi]}`` (Student t over the windows; None from one window)."""
+    if len(rows) != len(base):
+        raise ValueError(f"paired rows: {len(rows)} windows against {len(base)}")
+    out: dict = {}
+    for key in keys:
+        mean, half = mean_ci([r[key] - b[key] for r, b in zip(rows, base)])
+        out[f"delta_{key}"] = round(mean, 4)
+        out[f"delta_{key}_ci95"] = None if half is None else [round(mean - half, 4), round(mean + half, 4)]
+    return out
+
+
+def verdict(delta: float, ci: list[float] | None, higher_is_better: bool) -> str:
+    """``wins``/``loses`` for the baseline when the interval excludes 0, else ``tie`` (delta: other - baseline)."""
+    if ci is None or ci[0] <= 0 <= ci[1]:
+        return "tie"
+    return "wins" if (delta < 0) == higher_is_better else "loses"
 
 
 def max_slo_rate(points: list[tuple[float, float]]) -> float:

@@ -2,13 +2,23 @@
 
 One :class:`Simulation` replays a window of the trace for one variant (policy,
 P2P on or off, or no sharing). Arrivals are routed in order; between arrivals
-engine steps and KV loads complete as events. A routed pull reads the source's
-CPU tier when the destination's scheduler first examines the request, not when
-it was routed: a source that evicted meanwhile serves fewer blocks (a stale
-route). Tier changes reach the router ``event_delay_ms`` late; the router is
-told only noisy probes (every link at start and every ``reprobe_s``), the
-engines' measured prefill throughput (every ``report_s``) and the pulls it
-observes.
+engine steps, network flows, KV loads and offloads complete as events. A routed
+pull reads the source's CPU tier when the destination's scheduler first examines
+the request, not when it was routed: a source that evicted meanwhile serves fewer
+blocks (a stale route), and never more than the route named. The pull is a flow
+on the shared network (:mod:`network`: fair shares on every link, the rack
+uplinks included); one not done after ``pull_timeout_ms`` is cancelled and its
+tokens recomputed (the connector's timeout). Pulled blocks are then promoted over
+the engine's PCIe link; finished prompts are offloaded to the CPU tier over it
+(in time, not at once), and reach the tier only when the copy ends.
+
+The router is told only what a real one is: the engines' queues as a snapshot
+taken every ``load_report_ms`` (plus what this gateway routed since), tier
+changes ``event_delay_ms`` late, each link's bandwidth from a calibration on the
+idle network at start, then from probes that are real transfers on the simulated
+network (one pair at a time, every link once per ``reprobe_s``) and from every
+pull, measured over the whole transfer (sharing included); the engines' measured
+prefill throughput (every ``report_s``) and the pulls' outcomes.
 
 TTFT = arrival to the end of the step that prefilled the prompt's last token.
 """
@@ -31,8 +41,7 @@ from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.trace import BlockHashes, TraceRequest
 
 _GPU, _CPU = int(Medium.GPU), int(Medium.CPU)
-_STEP, _LOADED = 1, 2
-_PROBE_BYTES = 1 << 30
+_STEP, _LOADED, _NET, _TIMEOUT, _OFFLOADED, _SNAPSHOT, _PROBE = 1, 2, 3, 4, 5, 6, 7
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class Totals:
     bytes_moved: int = 0
     pulls: int = 0
     pulls_slower_than_recompute: int = 0
+    pull_timeouts: int = 0          # pulls cancelled after ``pull_timeout_ms``: their tokens were recomputed
     routes_with_source: int = 0
     stale_routes: int = 0
     route_ms: list[float] = field(default_factory=list)
@@ -95,14 +105,21 @@ class Simulation:
         self.factor = [self.rng.lognormvariate(0.0, profile.engine_noise) for _ in range(engines)]
         self.by_node = {e.node_id: e for e in self.engines}
         self.net = Network(engines, profile.racks, profile.nic_bytes_per_s, profile.inter_rack_bytes_per_s)
-        self.pcie_free = [0.0] * engines
+        self.pcie_free = [0.0] * engines          # host -> GPU copies (promotion of loaded blocks)
+        self.offload_free = [0.0] * engines       # GPU -> host copies (offload of prefilled blocks)
+        self._flows: dict[int, tuple] = {}        # flow id -> ("pull", engine, seq, source) | ("probe", a, b)
+        self._flow_ids = 0
+        self._net_version = 0
+        self._seen = [(0, 0)] * engines           # the last load snapshot per engine (waiting, tokens) ...
+        self._routed_since = [[0, 0] for _ in range(engines)]   # ... and what was routed to it since
+        self._pairs = [(a, b) for a in range(engines) for b in range(engines) if a != b]
+        self._next_pair = 0
         self.totals = Totals()
         self._heap: list = []
         self._order = 0
         self._macro: dict[int, tuple] = {}   # engine -> (start_ms, per_step_ms, steps, decodes, chunks)
         self._links: list[LinkSample] = []
         self._pulls: list[PullOutcome] = []
-        self._next_probe = 0.0
         self._next_report = 0.0
         self._alone: dict[int, float] = {}
 
@@ -111,14 +128,10 @@ class Simulation:
     def _noisy(self, value: float) -> float:
         return value * self.rng.lognormvariate(0.0, self.p.probe_noise)
 
-    def _probe_links(self) -> list[LinkSample]:
-        out = []
-        for a in self.engines:
-            for b in self.engines:
-                if a is not b:
-                    _, bps = self.net.path(a.index, b.index)
-                    out.append(LinkSample(a.node_id, b.node_id, self._noisy(bps)))
-        return out
+    def _calibrate_links(self) -> list[LinkSample]:
+        """Every link measured once on the idle network before the replay (with measurement noise)."""
+        return [LinkSample(self.engines[a].node_id, self.engines[b].node_id, self._noisy(
+            self.net.transfer_alone(a, b, self.p.probe_bytes).measured_bytes_per_s)) for a, b in self._pairs]
 
     def _calibrate(self, e: Engine) -> EngineSample:
         ms = self.costs.prefill_alone_ms(8192, 0, self.p.max_batched_tokens) * self.factor[e.index]
@@ -126,9 +139,6 @@ class Simulation:
 
     async def _tell_router(self, now_ms: float) -> None:
         engines: list[EngineSample] = []
-        if now_ms >= self._next_probe:
-            self._links += self._probe_links()
-            self._next_probe = now_ms + 1000.0 * self.p.reprobe_s
         if now_ms >= self._next_report:
             for e in self.engines:
                 if e.prefill_step_ms > 0:
@@ -161,9 +171,77 @@ class Simulation:
                 e, version = payload
                 if version == e.step_version:
                     self._end_step(e, at)
-            else:
+            elif kind == _LOADED:
                 e, s = payload
                 self._loaded(e, s, at)
+            elif kind == _NET:
+                if payload == self._net_version:
+                    for flow_id, x in self.net.finish(at):
+                        self._flow_done(self._flows.pop(flow_id), x)
+                    self._net_changed()
+            elif kind == _TIMEOUT:
+                self._pull_timeout(payload, at)
+            elif kind == _OFFLOADED:
+                e, hashes = payload
+                self._note(e, at, STORED, _CPU, e.cpu.insert(hashes))
+                self._note(e, at, REMOVED, _CPU, e.cpu.evict(e.cpu.overflow()))
+            elif kind == _SNAPSHOT:
+                self._snapshot(at)
+            else:
+                self._probe(at)
+
+    # -- the network --------------------------------------------------------------------
+
+    def _net_changed(self) -> None:
+        self._net_version += 1
+        end = self.net.next_end_ms()
+        if end < math.inf:
+            self._push(end, _NET, self._net_version)
+
+    def _start_flow(self, what: tuple, source: int, dest: int, nbytes: int, now_ms: float) -> int:
+        self._flow_ids += 1
+        self._flows[self._flow_ids] = what
+        self.net.start(self._flow_ids, source, dest, nbytes, now_ms)
+        self._net_changed()
+        return self._flow_ids
+
+    def _flow_done(self, what: tuple, x) -> None:
+        if what[0] == "probe":
+            _, a, b = what
+            self._links.append(LinkSample(self.engines[a].node_id, self.engines[b].node_id, x.measured_bytes_per_s))
+            return
+        _, e, s, src = what
+        t = self.totals
+        self._links.append(LinkSample(src.node_id, e.node_id, x.measured_bytes_per_s))
+        t.bytes_moved += x.nbytes
+        t.pulls += 1
+        self._promote(e, s, x.end_ms + self.p.lookup_ms, s.pulling)
+
+    def _pull_timeout(self, flow_id: int, now_ms: float) -> None:
+        """The connector gave up on the pull: the request goes on with its own tiers and recomputes the rest."""
+        if not self.net.cancel(flow_id, now_ms):
+            return
+        _, e, s, _ = self._flows.pop(flow_id)
+        self._net_changed()
+        self.totals.pull_timeouts += 1
+        self._promote(e, s, now_ms, 0)
+
+    def _probe(self, now_ms: float) -> None:
+        """The next link's probe starts: a real transfer of ``probe_bytes``; its sample comes when it ends."""
+        a, b = self._pairs[self._next_pair % len(self._pairs)]
+        self._next_pair += 1
+        self._start_flow(("probe", a, b), a, b, self.p.probe_bytes, now_ms)
+        nxt = now_ms + 1000.0 * self.p.reprobe_s / len(self._pairs)
+        if nxt <= self.totals.last_arrival_ms:
+            self._push(nxt, _PROBE, None)
+
+    def _snapshot(self, now_ms: float) -> None:
+        """The router's periodic look at every engine's queue (what a metrics scrape returns)."""
+        self._seen = [e.backlog() for e in self.engines]
+        self._routed_since = [[0, 0] for _ in self.engines]
+        nxt = now_ms + self.p.load_report_ms
+        if nxt <= self.totals.last_arrival_ms:
+            self._push(nxt, _SNAPSHOT, None)
 
     def _note(self, e: Engine, now_ms: float, kind: int, medium: int, hashes: list[bytes]) -> None:
         if self.v.sharing:
@@ -202,52 +280,73 @@ class Simulation:
             local += 1
         t.gpu_tokens += min(gpu_hit * p.block_tokens, s.prompt - 1)
         t.local_cpu_tokens += min(local * p.block_tokens, s.prompt - 1) - min(gpu_hit * p.block_tokens, s.prompt - 1)
-        ready, pulled = now_ms, 0
+        s.examined_ms, s.local_blocks, s.gpu_blocks = now_ms, local, gpu_hit
+        pulling = 0
         if s.source is not None:
             src = self.by_node[s.source.node_id]
             promised = s.source.cached_tokens // p.block_tokens
-            have = src.cpu.leading(hashes)
+            held = src.cpu.leading(hashes)
+            have = min(held, promised)    # never more than the route named
             t.routes_with_source += 1
-            t.stale_routes += have < promised
-            self._pulls.append(PullOutcome(src.node_id, promised, min(have, promised)))
+            t.stale_routes += held < promised
+            self._pulls.append(PullOutcome(src.node_id, promised, have))
             if have > local:
-                pulled = have - local
+                pulling = s.pulling = have - local
                 src.cpu.release(hashes[:have])
-                x = self.net.transfer(src.index, e.index, pulled * p.block_bytes, now_ms + p.lookup_ms)
-                self._links.append(LinkSample(src.node_id, e.node_id, self._noisy(x.measured_bytes_per_s)))
-                ready = x.end_ms
-                t.bytes_moved += x.nbytes
-                t.pulls += 1
-        load = local - gpu_hit + pulled
-        if not load:
+                flow = self._start_flow(("pull", e, s, src), src.index, e.index, pulling * p.block_bytes, now_ms)
+                self._push(now_ms + p.pull_timeout_ms, _TIMEOUT, flow)
+        if not pulling and local == gpu_hit:
             s.phase = Phase.READY
             return False
-        start = max(ready, self.pcie_free[e.index])
+        s.phase = Phase.LOADING
+        e.waiting.popleft()
+        e.loading.add(s)
+        if not pulling:
+            self._promote(e, s, now_ms, 0)
+        return True
+
+    def _promote(self, e: Engine, s: Seq, ready_ms: float, pulled: int) -> None:
+        """The blocks to load are in the local tiers (``pulled`` of them just arrived): copy them to the GPU."""
+        p, t = self.p, self.totals
+        local = s.local_blocks
+        load = local - s.gpu_blocks + pulled
+        start = max(ready_ms, self.pcie_free[e.index])
         end = self.pcie_free[e.index] = start + 1000.0 * load * p.block_bytes / p.promotion_bytes_per_s
         if pulled:
             tokens = min((local + pulled) * p.block_tokens, s.prompt - 1) - min(local * p.block_tokens, s.prompt - 1)
             t.peer_tokens += tokens
             recompute = self.costs.prefill_alone_ms(tokens, local * p.block_tokens, p.max_batched_tokens)
-            if end - now_ms >= recompute:
+            if end - s.examined_ms >= recompute:
                 t.pulls_slower_than_recompute += 1
                 t.slow_pull_tokens += tokens
         s.loaded_blocks = local + pulled
-        s.phase = Phase.LOADING
-        e.waiting.popleft()
-        e.loading.add(s)
         self._push(end, _LOADED, (e, s))
-        return True
 
     def _loaded(self, e: Engine, s: Seq, now_ms: float) -> None:
-        """A KV load ended: pulled blocks land in the CPU tier, every loaded block in the GPU prefix cache."""
+        """A KV load ended: pulled blocks land in the CPU tier, and the loaded blocks in the GPU prefix cache as
+        far as there is room for them (the leading ones; never more than the GPU holds: the rest is recomputed)."""
         blocks = s.hashes[: s.loaded_blocks]
         self._note(e, now_ms, STORED, _CPU, e.cpu.insert(blocks))
         self._note(e, now_ms, REMOVED, _CPU, e.cpu.evict(e.cpu.overflow()))
-        self._note(e, now_ms, STORED, _GPU, e.gpu.insert(blocks))
-        for h in blocks:
+        present = [h for h in blocks if h in e.gpu]
+        for h in present:                 # kept while room is made for the others
             e.gpu.pins[h] += 1
-        s.pinned = list(blocks)
-        self._make_room(e, now_ms, 0)
+        self._make_room(e, now_ms, len(blocks) - len(present))
+        room = max(0, e.free_blocks())
+        fits = 0
+        for h in blocks:
+            if h not in e.gpu:
+                if not room:
+                    break
+                room -= 1
+            fits += 1
+        for h in present:
+            e.gpu.pins[h] -= 1
+        kept = blocks[:fits]
+        self._note(e, now_ms, STORED, _GPU, e.gpu.insert(kept))
+        for h in kept:
+            e.gpu.pins[h] += 1
+        s.pinned = list(kept)
         e.loading.discard(s)
         s.phase = Phase.READY
         e.waiting.appendleft(s)
@@ -342,8 +441,7 @@ class Simulation:
                 for h in s.hashes[len(s.pinned):]:
                     e.gpu.pins[h] += 1
                 s.pinned = list(s.hashes)
-                self._note(e, now_ms, STORED, _CPU, e.cpu.insert(s.hashes))
-                self._note(e, now_ms, REMOVED, _CPU, e.cpu.evict(e.cpu.overflow()))
+                self._offload(e, s.hashes, now_ms)
             if s.generated >= s.output:
                 finished.append(s)
         for s in finished:
@@ -354,6 +452,16 @@ class Simulation:
             e.gpu.release(s.hashes)
         self._start_step(e, now_ms)
 
+    def _offload(self, e: Engine, hashes: list[bytes], now_ms: float) -> None:
+        """A prefilled prompt's blocks are copied to the node's CPU tier (the blocks it lacks, over the engine's
+        GPU-to-host link, after the copies before them); they are there, and published, when the copy ends."""
+        new = sum(h not in e.cpu for h in hashes)
+        start = max(now_ms, self.offload_free[e.index])
+        end = start + 1000.0 * new * self.p.block_bytes / self.p.promotion_bytes_per_s
+        if new:
+            self.offload_free[e.index] = end
+        self._push(end, _OFFLOADED, (e, list(hashes)))
+
     # -- the replay ---------------------------------------------------------------------
 
     def _alone_ms(self, prompt: int) -> float:
@@ -363,20 +471,20 @@ class Simulation:
         return ms
 
     def _candidates(self) -> list[Candidate]:
-        out = []
-        for e in self.engines:
-            waiting, tokens = e.backlog()
-            out.append(Candidate(e.node_id, e.node_id, waiting, tokens))
-        return out
+        """The engines as the router sees them: the last snapshot of their queues plus what was routed since."""
+        return [Candidate(e.node_id, e.node_id, seen[0] + since[0], seen[1] + since[1])
+                for e, seen, since in zip(self.engines, self._seen, self._routed_since)]
 
     async def run(self) -> Totals:
         p, t = self.p, self.totals
-        await self.backend.register([(e.node_id, f"10.0.{p.rack_of(e.index, len(self.engines))}.{e.index + 10}:7100")
-                                     for e in self.engines])
-        await self.backend.report(0.0, self._probe_links(), [self._calibrate(e) for e in self.engines], [])
-        self._next_probe = 1000.0 * p.reprobe_s
+        await self.backend.register([(e.node_id, f"10.0.{self.net.rack[e.index]}.{e.index + 10}:7100",
+                                      f"rack{self.net.rack[e.index]}") for e in self.engines])
+        await self.backend.report(0.0, self._calibrate_links(), [self._calibrate(e) for e in self.engines], [])
         t.first_arrival_ms = self.requests[0].arrival_ms
         t.last_arrival_ms = self.requests[-1].arrival_ms
+        self._push(0.0, _SNAPSHOT, None)
+        if len(self._pairs) and p.reprobe_s > 0:
+            self._push(1000.0 * p.reprobe_s / len(self._pairs), _PROBE, None)
         for r in self.requests:
             self._advance(r.arrival_ms)
             await self._tell_router(r.arrival_ms)
@@ -389,8 +497,11 @@ class Simulation:
             cached = d.source.cached_tokens if d.source else d.local_cached_tokens
             prompt = max(1, r.input_tokens)
             t.prompt_tokens += prompt
-            e.waiting.append(Seq(r.arrival_ms, prompt, max(1, r.output_tokens), hashes, d.source,
-                                 max(1, prompt - cached)))
+            planned = max(1, prompt - cached)
+            since = self._routed_since[e.index]
+            since[0] += 1
+            since[1] += planned
+            e.waiting.append(Seq(r.arrival_ms, prompt, max(1, r.output_tokens), hashes, d.source, planned))
             self._kick(e, r.arrival_ms)
         self._advance(math.inf)
         return t

@@ -3,7 +3,10 @@
 For every configuration (the default, and each swept value) every sweep variant
 is replayed at each of ``LOADS`` (trace time scales) to find the highest arrival
 rate whose TTFTs still meet the SLO (:func:`~kvmesh_apps.replay.runs.max_slo_rate`);
-goodput and TTFT percentiles are reported at the run's ``--time-scale``.
+goodput and TTFT percentiles are reported at the run's ``--time-scale``. Every
+variant replays the same windows with the same noise seeds, so every cell also
+carries its per-window differences against cost-aware+p2p (mean and 95 %
+interval over the windows: :func:`~kvmesh_apps.replay.runs.paired`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvmesh_apps.replay.profile import Profile
-from kvmesh_apps.replay.runs import RunSpec, arrival_rate, combine, max_slo_rate, run_many
+from kvmesh_apps.replay.runs import BASELINE, RunSpec, arrival_rate, combine, max_slo_rate, paired, run_many
 
 PARAMS: dict[str, list[float]] = {
     "inter_rack_gbytes_per_s": [1.0, 2.5, 5.0, 10.0, 25.0],
@@ -21,7 +24,8 @@ PARAMS: dict[str, list[float]] = {
 }
 LOADS = [0.5, 1.0, 1.5, 2.0]
 LOAD_CURVE = [0.5, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5]
-VARIANTS = ["cost-aware+p2p", "cost-aware-nop2p", "token-aware+p2p", "load-aware+p2p", "affinity+p2p"]
+VARIANTS = ["cost-aware+p2p", "cost-aware-nop2p", "token-aware+p2p", "token-aware-nop2p", "load-aware+p2p",
+            "affinity+p2p"]
 
 
 def _configure(base: RunSpec, param: str | None, value: float) -> RunSpec:
@@ -63,9 +67,13 @@ def sweep(base: RunSpec, names: list[str], windows: list[int], ttft_slo_ms: floa
         r = at(param, value, load, name)
         xs = sorted({k[2] for k in grouped if k[0] == param and k[1] == value})
         rate = max_slo_rate([(rate1 * x, at(param, value, x, name)["slo_attainment"]) for x in xs])
-        return {"goodput_rps": r["goodput_rps"], "goodput_rps_ci95": r["goodput_rps_ci95"], "max_slo_rate_rps": rate,
-                "ttft_p50_ms": r["ttft_p50_ms"], "ttft_p90_ms": r["ttft_p90_ms"], "ttft_p99_ms": r["ttft_p99_ms"],
-                "wait_p90_ms": r["wait_p90_ms"], "slo_attainment": r["slo_attainment"]}
+        out = {"goodput_rps": r["goodput_rps"], "goodput_rps_ci95": r["goodput_rps_ci95"], "max_slo_rate_rps": rate,
+               "ttft_p50_ms": r["ttft_p50_ms"], "ttft_p90_ms": r["ttft_p90_ms"], "ttft_p99_ms": r["ttft_p99_ms"],
+               "wait_p90_ms": r["wait_p90_ms"], "slo_attainment": r["slo_attainment"],
+               "slo_attainment_ci95": r["slo_attainment_ci95"], "windows": r["windows"]}
+        if BASELINE in names and name != BASELINE:
+            out["vs_cost_aware"] = paired(grouped[(param, value, load, name)], grouped[(param, value, load, BASELINE)])
+        return out
 
     out = []
     for load in sorted({k[2] for k in grouped if k[0] is None}):

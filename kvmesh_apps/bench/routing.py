@@ -1,0 +1,645 @@
+"""``kvmesh bench routing [--json] [--quick] [--trace FILE]``: pull or recompute, decided on real engines over
+shaped links (root: Linux network namespaces).
+
+The fleet: Redis and the control plane in this namespace (on the switch's address), and per node ``nK`` a
+network namespace holding its data plane and one vLLM CPU engine (a random-weight Llama built here, its KV
+``kv_bytes_per_token`` in the report) with the kvmesh connector. Pulls cross the kernel's TCP stack between
+namespaces (NIXL over UCX's TCP transport on the veths), shaped by ``tc``: an HTB class per destination on each
+node's egress, so ``n1``-``n2`` is the fast pair (``--fast-mbit``) and every link to ``n3`` (and beyond) is slow
+(``--slow-mbit``); ``--slow-delay-ms`` adds delay to the slow nodes (the kernel here has no netem:
+:mod:`kvmesh_apps.netdelay`).
+
+Calibration: every engine prefills prompts of several lengths alone (fitted: ms per token), and every ordered
+pair pulls two prefix sizes (fitted: fixed ms and bytes/s per link). These are the figures the nodes report
+(``ReportStats``, each node with its own key, links into itself only); during the replay each node reports
+again what it measured (its engine's prefill rate on recomputes, its pulls' bytes over their seconds from the
+engine's ``vllm:kvmesh_*`` counters), batched every ``--report-s`` (the router's lag), and the control plane
+reads them back at most 1 s old. The threshold rule's ``min_cached_token_delta`` is the measured break-even on
+the fleet's mean link (:func:`kvmesh_apps.replay.runs.threshold_tokens`).
+
+The workload: windows of the trace (Mooncake JSONL; prefix structure kept, each 512-token trace block becomes
+``--block-tokens`` token ids drawn from its hash id, prompts capped at ``--max-prompt``), arriving at each
+``--paces`` fraction of the fleet's measured capacity. Each engine serves one request at a time (the driver
+queues; TTFT = queue + the engine's time for a 1-token request, any pull included). Policies:
+
+- ``cost-aware``: cost-aware with P2P (the default policy);
+- ``threshold``: affinity with llm-d's threshold rule at the measured break-even;
+- ``never-pull``: cost-aware without P2P;
+- ``always-pull``: load-aware, the threshold rule at 1 token (pull whatever a peer holds beyond the engine);
+- ``token-aware``: token-aware without P2P.
+
+Every repetition replays its own window at every pace with every policy, policies in a random order, each
+run with token ids of its own (nothing cached carries over); a (pace, repetition) is one pair. Reported per
+policy: TTFT p50/p90 and goodput (TTFT within ``--ttft-slo-ms`` of the prompt's prefill alone), the paired
+differences against cost-aware with 95 % Student-t intervals, a decision audit (every pull's and every
+recompute's estimated against measured TTFT; an oracle that knows where every prefix was served and the
+measured fits, per request: pull from the best holder or recompute) and sim-to-real (the replay simulator set
+up from the measured figures: rank agreement, ties counted, and its largest p50 error). The last line is one
+JSON object (docs/scheduling.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from control_plane.routing.config import RoutingSettings
+from control_plane.routing.types import Candidate, EngineSample, LinkSample, Policy
+from control_plane.scheduler_client import SchedulerClient
+from engine_connector.config import KV_LAYOUT
+from kvmesh.channels import channel
+from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
+from kvmesh_apps.bench.sim_to_real import Prompts, rank_agreement, scaled_window
+from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_float, positive_float, positive_int, \
+    subset
+from kvmesh_apps.engine_host import BLOCK_SIZE, DTYPE, EngineProcess
+from kvmesh_apps.kv_shape import KVShape
+from kvmesh_apps.netns import Network
+from kvmesh_apps.procs import ServiceProcess
+from kvmesh_apps.redis_server import RedisServer
+from kvmesh_apps.replay.backends import InProcessBackend
+from kvmesh_apps.replay.costs import FittedCosts
+from kvmesh_apps.replay.profile import Profile
+from kvmesh_apps.replay.runs import mean_ci, pct, threshold_tokens
+from kvmesh_apps.replay.sim import Simulation, Variant
+from kvmesh_apps.replay.trace import BlockHashes, TraceError, TraceRequest, scan, select_windows
+from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
+from tenancy.api_keys import new_key
+
+PROG = "kvmesh bench routing"
+TENANT = "routing"
+DP_PORT = 7000
+MODEL = dict(num_layers=4, hidden=512, heads=8, kv_heads=4)   # 8 KiB of fp32 KV per token
+CALIBRATION_LENGTHS = (64, 256, 512, 1024)
+PULL_SIZES = (256, 1024)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    policy: Policy
+    p2p: bool
+    delta: str   # "break-even", "one" or "none" (the threshold rule's min_cached_token_delta)
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "cost-aware": PolicySpec(Policy.COST_AWARE, True, "break-even"),
+    "threshold": PolicySpec(Policy.AFFINITY, True, "break-even"),
+    "never-pull": PolicySpec(Policy.COST_AWARE, False, "none"),
+    "always-pull": PolicySpec(Policy.LOAD_AWARE, True, "one"),
+    "token-aware": PolicySpec(Policy.TOKEN_AWARE, False, "none"),
+}
+BASELINE = "cost-aware"
+
+
+def _default_trace() -> Path:
+    found = [d / "shared" / "traces" / "conversation_trace.jsonl" for d in Path(__file__).resolve().parents]
+    return next((t for t in found if t.exists()), found[-1])
+
+
+# ---- the fleet -----------------------------------------------------------------------------------------------
+
+
+class ShapedFleet:
+    """Redis and the control plane here; a data plane and an engine per network namespace; shaped links."""
+
+    def __init__(self, workdir: Path, nodes: int, fast_mbit: float, slow_mbit: float, slow_delay_ms: float,
+                 max_model_len: int, block_bytes: int) -> None:
+        self.workdir = workdir
+        self.block_bytes = block_bytes
+        self.names = [f"n{i + 1}" for i in range(nodes)]
+        self.net = Network()
+        self.redis = RedisServer(workdir / "redis")
+        self.admin_key = new_key()[1]
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-routing-", dir="/dev/shm"))
+        self.cp: ServiceProcess | None = None
+        self.dps: dict[str, ServiceProcess] = {}
+        self.engines: dict[str, EngineProcess] = {}
+        self.key_files: dict[str, Path] = {}
+        self.fast_mbit, self.slow_mbit, self.slow_delay_ms = fast_mbit, slow_mbit, slow_delay_ms
+        self.max_model_len = max_model_len
+
+    def mbit(self, a: str, b: str) -> float:
+        return self.fast_mbit if {a, b} == {"n1", "n2"} else self.slow_mbit
+
+    def _shape(self) -> None:
+        """HTB on each node's egress: one class per destination at that pair's rate."""
+        for i, a in enumerate(self.names):
+            host = self.net.hosts[a]
+            self.net.run(host, "tc", "qdisc", "replace", "dev", "kv0", "root", "handle", "1:", "htb", "r2q", "100")
+            for j, b in enumerate(self.names):
+                if a == b:
+                    continue
+                cls = f"1:{10 + j}"
+                rate = f"{self.mbit(a, b)}mbit"
+                self.net.run(host, "tc", "class", "add", "dev", "kv0", "parent", "1:", "classid", cls, "htb", "rate",
+                             rate, "ceil", rate, "burst", "64kb")
+                self.net.run(host, "tc", "filter", "add", "dev", "kv0", "parent", "1:", "protocol", "ip", "prio", "1",
+                             "u32", "match", "ip", "dst", f"{self.net.hosts[b].ip}/32", "flowid", cls)
+            if self.slow_delay_ms and a not in ("n1", "n2"):
+                self.net.delay(host, self.slow_delay_ms)
+
+    def start(self, model: Path) -> None:
+        self.net.open()
+        for name in self.names:
+            self.net.add_host(name)
+        self._shape()
+        self.redis.start()
+        self.cp = ServiceProcess(["control-plane", "--listen", f"{self.net.host_ip}:0", "--redis-url", self.redis.url],
+                                 env={"KVMESH_CP_ADMIN_KEY": self.admin_key},
+                                 log_path=self.workdir / "control-plane.log").start()
+        keys = asyncio.run(self._provision())
+        secrets = self.workdir / "secrets"
+        secrets.mkdir(mode=0o700, exist_ok=True)
+        for name, key in keys.items():
+            path = self.key_files[name] = secrets / f"{name}.key"
+            path.write_text(key)
+            path.chmod(0o600)
+        for name in self.names:
+            host = self.net.hosts[name]
+            self.dps[name] = ServiceProcess(
+                ["data-plane", "--node-id", name, "--listen", f"{host.ip}:{DP_PORT}", "--control-plane-address",
+                 self.cp.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", "512MiB", "--block-bytes",
+                 str(self.block_bytes), "--block-tokens", str(BLOCK_SIZE), "--no-lock-memory",
+                 "--api-key-file", str(self.key_files[name])],
+                env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kv0"}, prefix=Network.prefix(host),
+                log_path=self.workdir / f"dp-{name}.log").start()
+        for name in self.names:
+            self.engines[name] = self._engine(name, model)
+        for engine in self.engines.values():
+            engine.wait_ready(600.0)
+
+    def _engine(self, name: str, model: Path) -> EngineProcess:
+        host = self.net.hosts[name]
+        work = self.workdir / "vllm"
+        (work / "rpc").mkdir(parents=True, exist_ok=True)
+        connector = {"data_plane_address": f"{host.ip}:{DP_PORT}", "api_key_file": str(self.key_files[name]),
+                     "control_plane_address": self.cp.address, "tenant": TENANT, "weight_version": "random-init"}
+        spec = {"model": str(model), "connector": connector, "max_model_len": self.max_model_len, "max_num_seqs": 1}
+        env = {"VLLM_CACHE_ROOT": str(work / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
+               "VLLM_RPC_BASE_PATH": str(work / "rpc"), "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "UCX_TLS": "tcp", "UCX_NET_DEVICES": "kv0"}
+        return EngineProcess(name, spec, env, self.workdir / f"engine-{name}.log",
+                             prefix=Network.prefix(host)).start()
+
+    async def _provision(self) -> dict[str, str]:
+        async with channel(self.cp.address, self.admin_key) as ch:
+            admin = ta_grpc.TenantAdminStub(ch)
+            await admin.CreateTenant(ta_pb.CreateTenantRequest(tenant_id=TENANT))
+            return {name: (await admin.IssueKey(ta_pb.IssueKeyRequest(role=ta_pb.ROLE_NODE, node_id=name))).secret
+                    for name in self.names}
+
+    def source(self, name: str, request_id: str) -> dict:
+        return {"remote_kv_source": {"kv_request_id": request_id, "remote_host": self.net.hosts[name].ip,
+                                     "remote_port": DP_PORT, "remote_node_id": name}}
+
+    def stop(self) -> None:
+        for engine in self.engines.values():
+            engine.stop()
+        for dp in self.dps.values():
+            dp.stop()
+        if self.cp is not None:
+            self.cp.stop()
+        self.redis.stop()
+        self.net.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+# ---- measured figures ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    costs: FittedCosts                                  # an engine alone: ms for a prompt (fitted)
+    prefill_tokens_per_s: float
+    link_fixed_ms: dict[tuple[str, str], float]         # (source, dest): a pull's fixed cost ...
+    link_bytes_per_s: dict[tuple[str, str], float]      # ... and its rate
+    samples: list = field(default_factory=list)
+
+    def recompute_ms(self, tokens: int, cached: int) -> float:
+        return self.costs.step_ms(max(1, tokens - cached), [(max(1, tokens - cached), cached)], 0)
+
+    def pull_ms(self, source: str, dest: str, tokens: int, kv_bytes: int) -> float:
+        return self.link_fixed_ms[(source, dest)] + 1000.0 * tokens * kv_bytes / self.link_bytes_per_s[(source, dest)]
+
+
+def _engine_ms(engine: EngineProcess, prompt: list[int], **kw) -> float:
+    return 1000.0 * engine.generate(prompt, 1, **kw)["elapsed_s"]
+
+
+def measure(fleet: ShapedFleet, vocab: int, kv_bytes: int) -> Measured:
+    """Each engine's prefill alone, fitted; every ordered pair's pulls of two prefix sizes, fitted."""
+    rng = np.random.default_rng(7)
+    draw = lambda n: rng.integers(2, vocab, n).tolist()  # noqa: E731
+    for e in fleet.engines.values():   # warm-up: the first requests of an engine are slow
+        _engine_ms(e, draw(256), reset_prefix_cache=True)
+    samples = [(n, statistics.median(_engine_ms(e, draw(n), reset_prefix_cache=True)
+                                     for e in fleet.engines.values())) for n in CALIBRATION_LENGTHS]
+    costs = FittedCosts.fit(samples)
+    fixed, rate = {}, {}
+    for a in fleet.names:
+        for b in fleet.names:
+            if a == b:
+                continue
+            pulls = []   # (bytes, ms) as the connector measured them
+            for n in PULL_SIZES:
+                prefix = draw(n)
+                fleet.engines[a].generate(prefix, 1)        # its blocks go to a's CPU tier
+                time.sleep(0.3)
+                reply = fleet.engines[b].generate(prefix + draw(32), 1,
+                                                  kv_transfer_params=fleet.source(a, f"cal-{a}{b}{n}"))
+                kv = _load_report(reply)
+                if not kv.get("bytes_pulled"):
+                    raise RuntimeError(f"calibration: {b} pulled nothing from {a}: {kv} (logs in {fleet.workdir})")
+                pulls.append((kv["bytes_pulled"], kv["pull_ms"]))
+            (b0, ms0), (b1, ms1) = pulls
+            if ms1 > ms0:   # a fixed cost and a rate
+                per_byte_ms = (ms1 - ms0) / max(1, b1 - b0)
+                fixed[(a, b)] = max(0.0, ms0 - per_byte_ms * b0)
+            else:           # the fixed cost's noise hides the bytes' time: the larger pull's mean rate, no fixed cost
+                per_byte_ms, fixed[(a, b)] = ms1 / b1, 0.0
+            rate[(a, b)] = 1000.0 / per_byte_ms
+    tps = 1024 / (costs.prefill_alone_ms(1024, 0, 8192) / 1000.0)
+    return Measured(costs, tps, fixed, rate, samples)
+
+
+class Reporter:
+    """Each node's reports of what it measured, sent every ``period_s`` with its own key (the router's lag)."""
+
+    def __init__(self, fleet: ShapedFleet, ns: Namespace, period_s: float) -> None:
+        self.fleet, self.ns, self.period_s = fleet, ns, period_s
+        self.links: dict[str, list[LinkSample]] = {n: [] for n in fleet.names}
+        self.engines: dict[str, list[EngineSample]] = {n: [] for n in fleet.names}
+
+    async def flush(self) -> None:
+        for node in self.fleet.names:
+            links, engines = self.links[node], self.engines[node]
+            if not links and not engines:
+                continue
+            self.links[node], self.engines[node] = [], []
+            async with SchedulerClient(self.fleet.cp.address, self.ns,
+                                       api_key=self.fleet.key_files[node].read_text()) as client:
+                await client.report_stats(links=links, engines=engines)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.period_s)
+            except asyncio.TimeoutError:
+                pass
+            await self.flush()
+
+
+# ---- one replay ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    """One request as routed and as measured."""
+
+    prompt: int
+    engine: str
+    source: str | None
+    local: int              # tokens the engine's own tiers held, as routed
+    routed_tokens: int      # tokens the source held, as routed (0: none)
+    estimate_ms: float
+    wait_ms: float = 0.0
+    engine_ms: float = 0.0
+    cached: int = 0
+    pulled_bytes: float = 0.0
+    best_peer: tuple[str, int] | None = None   # (node, tokens) the oracle would pull from
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.wait_ms + self.engine_ms
+
+
+class Holdings:
+    """Where each prefix was served (the oracle's knowledge): leading blocks per node."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[tuple]] = {}
+
+    def leading(self, node: str, prompt: list[int]) -> int:
+        held = self.held.get(node, set())
+        n = 0
+        while (n + 1) * BLOCK_SIZE <= len(prompt) and tuple(prompt[: (n + 1) * BLOCK_SIZE]) in held:
+            n += 1
+        return n * BLOCK_SIZE
+
+    def add(self, node: str, prompt: list[int]) -> None:
+        held = self.held.setdefault(node, set())
+        for n in range(1, len(prompt) // BLOCK_SIZE + 1):
+            held.add(tuple(prompt[: n * BLOCK_SIZE]))
+
+
+async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], prompts: Prompts, name: str,
+                 delta: int, kv_bytes: int, reporter: Reporter, tag: str) -> list[Served]:
+    spec = POLICIES[name]
+    queues = {e: asyncio.Queue() for e in fleet.names}
+    backlog = {e: [0, 0] for e in fleet.names}
+    holdings = Holdings()
+    served: list[Served] = []
+
+    async def serve(node: str) -> None:
+        engine = fleet.engines[node]
+        while (item := await queues[node].get()) is not None:
+            arrived, prompt, params, planned, s = item
+            started = time.perf_counter()
+            backlog[node][0] -= 1
+            reply = await asyncio.to_thread(engine.generate, prompt, 1, params)
+            backlog[node][1] -= planned
+            s.wait_ms, s.engine_ms = 1000.0 * (started - arrived), 1000.0 * reply["elapsed_s"]
+            s.cached = reply["num_cached_tokens"]
+            kv = _load_report(reply)
+            s.pulled_bytes = kv.get("bytes_pulled", 0)
+            if s.source and s.pulled_bytes > 0 and kv.get("pull_ms", 0) > 0:   # what the node measured
+                reporter.links[node].append(LinkSample(s.source, node, s.pulled_bytes / (kv["pull_ms"] / 1000.0)))
+            elif len(prompt) - s.cached >= 64:
+                reporter.engines[node].append(EngineSample(node, (len(prompt) - s.cached) / reply["elapsed_s"]))
+            holdings.add(node, prompt)
+            served.append(s)
+
+    async with SchedulerClient(fleet.cp.address, ns, api_key=fleet.admin_key) as client:
+        workers = [asyncio.create_task(serve(e)) for e in fleet.names]
+        t0 = time.perf_counter()
+        for i, r in enumerate(window):
+            await asyncio.sleep(max(0.0, t0 + r.arrival_ms / 1000.0 - time.perf_counter()))
+            prompt = prompts.of(r, i)
+            cands = [Candidate(e, e, backlog[e][0], backlog[e][1]) for e in fleet.names]
+            d = await client.route(cands, token_ids=prompt, policy=spec.policy, p2p=spec.p2p,
+                                   min_cached_token_delta=delta, kv_bytes_per_token=kv_bytes,
+                                   kv_request_id=f"{tag}-{i}")
+            routed = d.source.cached_tokens if d.source else 0
+            s = Served(len(prompt), d.engine_id, d.source.node_id if d.source else None, d.local_cached_tokens,
+                       routed, d.estimate.ttft_ms)
+            peers = [(n, holdings.leading(n, prompt)) for n in fleet.names if n != d.engine_id]
+            best = max(peers, key=lambda p: p[1])
+            local = holdings.leading(d.engine_id, prompt)
+            s.best_peer = best if best[1] > local else None
+            planned = max(1, len(prompt) - max(routed, d.local_cached_tokens))
+            backlog[d.engine_id][0] += 1
+            backlog[d.engine_id][1] += planned
+            params = d.kv_transfer_params()
+            await queues[d.engine_id].put((time.perf_counter(), prompt, params, planned, s))
+        for q in queues.values():
+            await q.put(None)
+        await asyncio.gather(*workers)
+    return served
+
+
+def _load_report(reply: dict) -> dict:
+    """The connector's account of the request's loads (``kv_transfer_params["kvmesh"]``)."""
+    return (reply.get("kv_transfer_params") or {}).get("kvmesh") or {}
+
+
+# ---- figures -------------------------------------------------------------------------------------------------
+
+
+def summarize(served: list[Served], measured: Measured, slo_ms: float) -> dict:
+    ttft = [s.ttft_ms for s in served]
+    met = sum(s.ttft_ms <= slo_ms + measured.recompute_ms(s.prompt, 0) for s in served)
+    return {"ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9), "met": met, "requests": len(served),
+            "pulls": sum(1 for s in served if s.source and s.pulled_bytes > 0)}
+
+
+def audit(runs: dict[str, list[list[Served]]], measured: Measured, kv_bytes: int) -> dict:
+    """Estimated against measured TTFT for every pull and every recompute; the oracle's disagreements."""
+    pull_err, recompute_err, pull_ms, recompute_ms = [], [], [], []
+    disagree, decided = 0, 0
+    for name, reps in runs.items():
+        for served in reps:
+            for s in served:
+                error = (s.estimate_ms - s.ttft_ms) / max(1e-9, s.ttft_ms)
+                if s.source and s.pulled_bytes > 0:
+                    pull_err.append(error)
+                    pull_ms.append(s.estimate_ms - s.ttft_ms)
+                else:
+                    recompute_err.append(error)
+                    recompute_ms.append(s.estimate_ms - s.ttft_ms)
+                if s.best_peer is None or not POLICIES[name].p2p:
+                    continue
+                node, tokens = s.best_peer
+                local = min(s.local, tokens)
+                pull = measured.pull_ms(node, s.engine, tokens - local, kv_bytes) + measured.recompute_ms(
+                    s.prompt, tokens)
+                stay = measured.recompute_ms(s.prompt, local)
+                decided += 1
+                disagree += (pull < stay) != bool(s.source)
+    return {"pull_error_p50": round(pct(pull_err, 0.5), 3) if pull_err else None,
+            "recompute_error_p50": round(pct(recompute_err, 0.5), 3) if recompute_err else None,
+            "oracle_disagreements": disagree, "oracle_decisions": decided,
+            "pulls": len(pull_err), "recomputes": len(recompute_err),
+            "pull_error_ms_p10_p50_p90": [round(pct(pull_ms, q), 1) for q in (0.1, 0.5, 0.9)] if pull_ms else None,
+            "recompute_error_ms_p10_p50_p90": [round(pct(recompute_ms, q), 1) for q in (0.1, 0.5, 0.9)]
+            if recompute_ms else None,
+            "error": "(estimated - measured) / measured TTFT; the oracle: measured fits, pull from the best holder "
+                     "or recompute, per request"}
+
+
+def _ci(values: list[float], digits: int = 1) -> tuple[float, list[float] | None]:
+    mean, half = mean_ci(values)
+    return round(mean, digits), None if half is None else [round(mean - half, digits), round(mean + half, digits)]
+
+
+def simulate(window: list[TraceRequest], name: str, measured: Measured, kv_bytes: int, nodes: int,
+             block_tokens: int, delta: int, seed: int) -> list[float]:
+    """The replay simulator on the measured figures (one request at a time per engine, as the harness serves)."""
+    spec = POLICIES[name]
+    fast = measured.link_bytes_per_s[("n1", "n2")]
+    slow = statistics.median(v for k, v in measured.link_bytes_per_s.items() if "n3" in k) if nodes > 2 else fast
+    fixed = statistics.median(measured.link_fixed_ms.values())
+    profile = dataclasses.replace(Profile(), name="measured tiny-Llama vLLM CPU engines", kv_bytes_per_token=kv_bytes,
+                                  block_tokens=block_tokens, gpu_kv_blocks=100_000, cpu_tier_blocks=100_000,
+                                  max_running=1, max_batched_tokens=8192, racks=2 if nodes > 2 else 1,
+                                  nic_bytes_per_s=fast, inter_rack_bytes_per_s=slow, promotion_bytes_per_s=1e12,
+                                  lookup_ms=fixed, step_noise=0.05, engine_noise=0.02)
+    ns = Namespace("sim", name, "sim", CacheConfig(block_size=block_tokens)).validate()
+    settings = RoutingSettings(route_min_cached_token_delta=delta or 1)
+    sim = Simulation(Variant(name, spec.policy, spec.p2p), window, BlockHashes(block_tokens), profile, nodes,
+                     InProcessBackend(ns, settings), event_delay_ms=50.0, seed=seed, costs=measured.costs)
+    return asyncio.run(sim.run()).ttft_ms
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+
+def _parser() -> Parser:
+    parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", default=str(_default_trace()), help="Mooncake-format JSONL trace")
+    parser.add_argument("--quick", action="store_true", help="3 nodes, 1 pace, 2 repetitions, short windows")
+    parser.add_argument("--nodes", type=positive_int, default=3, help="nodes (each a namespace, a data plane, an engine)")
+    parser.add_argument("--requests", type=positive_int, default=24, help="requests per window")
+    parser.add_argument("--repetitions", type=positive_int, default=5)
+    parser.add_argument("--paces", type=lambda t: [positive_float(x) for x in t.split(",")], default=[0.5, 1.0],
+                        help="arrival rates as fractions of the fleet's measured capacity")
+    parser.add_argument("--policies", type=subset(list(POLICIES)), default=list(POLICIES))
+    parser.add_argument("--block-tokens", type=positive_int, default=BLOCK_SIZE, help="tokens per trace block")
+    parser.add_argument("--max-prompt", type=positive_int, default=1024)
+    parser.add_argument("--fast-mbit", type=positive_float, default=800.0, help="n1-n2 link rate")
+    parser.add_argument("--slow-mbit", type=positive_float, default=40.0, help="every other link's rate")
+    parser.add_argument("--slow-delay-ms", type=non_negative_float, default=0.0,
+                        help="delay on the slow nodes' links (netdelay)")
+    parser.add_argument("--report-s", type=positive_float, default=1.0, help="how often nodes report (the lag)")
+    parser.add_argument("--ttft-slo-ms", type=non_negative_float, default=1000.0,
+                        help="goodput: TTFT within this of the prompt's prefill alone")
+    parser.add_argument("--seed", type=int, default=0, help="the policies' order and the windows")
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.quick:
+            args.repetitions, args.paces, args.requests = 2, args.paces[-1:], min(args.requests, 10)
+        if args.nodes < 2:
+            raise UsageError("--nodes: at least 2")
+        if os.geteuid() != 0:
+            raise UsageError("network namespaces need root: run it as root")
+        plan = select_windows(scan(Path(args.trace)), 0, args.repetitions, args.requests, spacing=args.requests * 4)
+    except (UsageError, TraceError) as exc:
+        return fail(PROG, exc)
+    started = time.monotonic()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-routing-") as tmp:
+        work = Path(tmp)
+        model = build_tiny_llama(work / "model", **MODEL)
+        spec = TinyLlamaSpec.from_checkpoint(model)
+        shape = KVShape.from_checkpoint(model, dtype=DTYPE)
+        kv_bytes = shape.bytes_per_token()
+        fleet = ShapedFleet(work, args.nodes, args.fast_mbit, args.slow_mbit, args.slow_delay_ms, args.max_prompt + 64,
+                            kv_bytes * BLOCK_SIZE)
+        try:
+            fleet.start(model)
+            runs, spans, scaled, measured, deltas = asyncio.run(_bench(fleet, args, plan, spec.vocab, kv_bytes,
+                                                                       shape, model, rng))
+        finally:
+            fleet.stop()
+    result = report(runs, spans, scaled, measured, args, kv_bytes, deltas, args.nodes)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    _print(result)
+    print(json.dumps(result) if args.json else f"wall {result['wall_s']} s")
+    return 0
+
+
+async def _bench(fleet: ShapedFleet, args, plan, vocab: int, kv_bytes: int, shape: KVShape, model: Path,
+                 rng: random.Random) -> tuple:
+    measured = await asyncio.to_thread(measure, fleet, vocab, kv_bytes)
+    ns = Namespace(TENANT, str(model), "random-init", CacheConfig(
+        block_size=BLOCK_SIZE, kv_dtype=shape.dtype, kv_layout=KV_LAYOUT, parallel_layout="tp1-pp1",
+        hash_seed=os.environ.get("PYTHONHASHSEED", ""))).validate()
+    reporter = Reporter(fleet, ns, args.report_s)
+    for (a, b), bps in measured.link_bytes_per_s.items():
+        reporter.links[b].append(LinkSample(a, b, bps))
+    for node in fleet.names:
+        reporter.engines[node].append(EngineSample(node, measured.prefill_tokens_per_s))
+    await reporter.flush()
+    links = list(measured.link_bytes_per_s.values())
+    fixed = statistics.median(measured.link_fixed_ms.values())
+    delta = threshold_tokens(kv_bytes, measured.prefill_tokens_per_s, links, 1e12, fixed)
+    deltas = {"break-even": min(delta, args.max_prompt * 4), "one": 1, "none": 0}
+    windows = [scaled_window(Path(args.trace), s, plan.requests, args.block_tokens, args.max_prompt, 1)
+               for s in plan.starts]
+    service_ms = statistics.fmean(measured.recompute_ms(r.input_tokens, 0) for w in windows for r in w)
+    stop = asyncio.Event()
+    reporting = asyncio.create_task(reporter.run(stop))
+    runs: dict[tuple, list[Served]] = {}
+    spans: dict[tuple, float] = {}
+    scaled: dict[tuple, list[TraceRequest]] = {}
+    salt = 0
+    try:
+        for rep, window in enumerate(windows):
+            for pace in args.paces:
+                span_ms = len(window) * service_ms / (len(fleet.names) * pace)
+                scale = max(1e-9, window[-1].arrival_ms) / span_ms
+                timed = [dataclasses.replace(r, arrival_ms=r.arrival_ms / scale) for r in window]
+                scaled[(pace, rep)] = timed
+                order = list(args.policies)
+                rng.shuffle(order)
+                for name in order:
+                    salt += 1
+                    t0 = time.perf_counter()
+                    runs[(name, pace, rep)] = await replay(fleet, ns, timed, Prompts(vocab, args.block_tokens, salt),
+                                                           name, deltas[POLICIES[name].delta], kv_bytes, reporter,
+                                                           f"{name}-{pace}-{rep}")
+                    spans[(name, pace, rep)] = time.perf_counter() - t0
+    finally:
+        stop.set()
+        await reporting
+    return runs, spans, scaled, measured, deltas
+
+
+def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas: dict, nodes: int) -> dict:
+    """The issue's JSON object (and the details behind it) from the runs; the simulations run here."""
+    names, units = list(args.policies), sorted({(p, r) for _, p, r in runs})
+    per = {k: summarize(v, measured, args.ttft_slo_ms) for k, v in runs.items()}
+    for k, r in per.items():
+        r["goodput_rps"] = r["met"] / max(1e-9, spans[k])
+    policies = {}
+    for n in names:
+        rows = [per[(n, p, r)] for p, r in units]
+        policies[n] = {"ttft_p50_ms": round(statistics.fmean(x["ttft_p50_ms"] for x in rows), 1),
+                       "ttft_p90_ms": round(statistics.fmean(x["ttft_p90_ms"] for x in rows), 1),
+                       "goodput_rps": round(statistics.fmean(x["goodput_rps"] for x in rows), 3),
+                       "pulls": sum(x["pulls"] for x in rows)}
+    paired = {}
+    for n in names:
+        if n == BASELINE or BASELINE not in names:
+            continue
+        d50, ci50 = _ci([per[(n, p, r)]["ttft_p50_ms"] - per[(BASELINE, p, r)]["ttft_p50_ms"] for p, r in units])
+        d90, ci90 = _ci([per[(n, p, r)]["ttft_p90_ms"] - per[(BASELINE, p, r)]["ttft_p90_ms"] for p, r in units])
+        dg, cig = _ci([per[(n, p, r)]["goodput_rps"] - per[(BASELINE, p, r)]["goodput_rps"] for p, r in units], 3)
+        paired[n] = {"delta_p50_ms": d50, "ci95_p50_ms": ci50, "delta_p90_ms": d90, "ci95_p90_ms": ci90,
+                     "delta_goodput_rps": dg, "ci95_goodput_rps": cig}
+    by_pace = {str(p): {n: {"ttft_p50_ms": round(statistics.fmean(per[(n, p, r)]["ttft_p50_ms"]
+                                                                   for q, r in units if q == p), 1)}
+                        for n in names} for p in args.paces}
+    grouped = {n: [runs[(n, p, r)] for p, r in units] for n in names}
+    sim_p50 = {n: statistics.fmean(pct(simulate(scaled[(p, r)], n, measured, kv_bytes, nodes,
+                                                 args.block_tokens, deltas[POLICIES[n].delta], r), 0.5)
+                                   for p, r in units) for n in names}
+    real_p50 = {n: policies[n]["ttft_p50_ms"] for n in names}
+    real_ties = {n: paired[n]["ci95_p50_ms"] for n in paired}
+    return {
+        "policies": policies,
+        "paired_vs_cost_aware": paired,
+        "repetitions": args.repetitions,
+        "decision_audit": audit(grouped, measured, kv_bytes),
+        "sim_to_real": {"rank_agreement": rank_agreement(real_p50, sim_p50, real_ties),
+                        "max_p50_error": round(max(abs(sim_p50[n] - real_p50[n]) / max(1e-9, real_p50[n])
+                                                   for n in names), 3),
+                        "sim_ttft_p50_ms": {n: round(v, 1) for n, v in sim_p50.items()}},
+        "by_pace": by_pace,
+        "setup": {"nodes": nodes, "paces": args.paces, "requests_per_window": len(next(iter(runs.values()))),
+                  "kv_bytes_per_token": kv_bytes, "block_tokens": args.block_tokens, "max_prompt": args.max_prompt,
+                  "fast_mbit": args.fast_mbit, "slow_mbit": args.slow_mbit, "slow_delay_ms": args.slow_delay_ms,
+                  "min_cached_token_delta": deltas["break-even"], "trace": args.trace,
+                  "prefill_tokens_per_s": round(measured.prefill_tokens_per_s),
+                  "calibration_ms": [[n, round(ms, 1)] for n, ms in measured.samples],
+                  "link_bytes_per_s": {f"{a}>{b}": round(v) for (a, b), v in measured.link_bytes_per_s.items()},
+                  "link_fixed_ms": {f"{a}>{b}": round(v, 1) for (a, b), v in measured.link_fixed_ms.items()},
+                  "ttft_slo_ms": args.ttft_slo_ms, "report_s": args.report_s},
+    }
+
+
+def _print(result: dict) -> None:
+    print(f"{'policy':<14}{'p50 ms':>9}{'p90 ms':>9}{'good/s':>8}{'pulls':>7}{'Δp50 vs cost-aware (95%)':>34}")
+    for n, r in result["policies"].items():
+        d = result["paired_vs_cost_aware"].get(n)
+        delta = f"{d['delta_p50_ms']:+.1f} {d['ci95_p50_ms']}" if d else "-"
+        print(f"{n:<14}{r['ttft_p50_ms']:>9.1f}{r['ttft_p90_ms']:>9.1f}{r['goodput_rps']:>8.2f}{r['pulls']:>7}"
+              f"{delta:>34}")
+    print(f"decision audit: {json.dumps(result['decision_audit'])}")
+    print(f"sim-to-real: {json.dumps(result['sim_to_real'])}")
