@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "scale": ("kvmesh_apps.bench.scale", "main", "10M blocks over 1,000 nodes on Redis and a Redis Cluster: bytes, lookups, failover"),
     "replay": ("kvmesh_apps.replay.bench", "main", "policies compared on a Mooncake trace (simulated engines), swept"),
     "sim-to-real": ("kvmesh_apps.bench.sim_to_real", "main", "the replay simulator's TTFT against real vLLM CPU engines"),
+    "prefetch": ("kvmesh_apps.bench.prefetch", "main", "route-time prefetch vs pull-on-ask vs recompute: TTFT (vLLM)"),
 }
 
 
