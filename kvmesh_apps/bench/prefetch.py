@@ -104,6 +104,9 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
     prefixes = {(r, m, i): draw(args.prefix_tokens) for r in range(reps + 1) for m in MODES for i in range(n)}
     prompts = {key: prefix + draw(SUFFIX_TOKENS) for key, prefix in prefixes.items()}
     os.environ["KVMESH_DP_PREFETCH_USE_WINDOW_MS"] = str(USE_WINDOW_MS)
+    # each prefetch-mode prompt is routed twice (for its kv_transfer_params up front, and at its arrival to hand the
+    # order over): no speculative entry from the first may make the second see the prefix as held on dst already
+    os.environ["KVMESH_CP_ROUTE_SPECULATIVE_TTL_MS"] = "0"
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-prefetch-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
         bytes_wasted=int(counted["wasted"]),
         wasted_bytes_fraction=round(counted["wasted"] / counted["prefetched"], 4) if counted["prefetched"] else None,
         prefetches={k.split('"')[1]: int(v) for k, v in metrics.items() if k.startswith("kvmesh_dp_prefetches_total")},
-        model=f"tiny Llama ({args.layers} layers, {shape.bytes_per_token} KV bytes per token, {block_bytes // 1024} "
+        model=f"tiny Llama ({args.layers} layers, {shape.bytes_per_token()} KV bytes per token, {block_bytes // 1024} "
               f"KiB blocks)", prefix_tokens=args.prefix_tokens, suffix_tokens=SUFFIX_TOKENS,
         max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs, repetitions=reps, requests_per_mode=n,
         link="loopback, unshaped (UCX over lo)")
