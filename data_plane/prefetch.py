@@ -16,8 +16,10 @@ Bounds:
 * its bytes that no local engine acquired within ``prefetch_use_window_ms`` after they landed are counted
   wasted (``kvmesh_dp_prefetch_bytes_total{kind="wasted"}``) and the record is dropped.
 
-A prefetch that fails or is late changes nothing for the request: its own Pull waits for joined blocks no longer
-than its own deadline, and what did not arrive is a MISS (recomputed), as without prefetch.
+A prefetch that fails or is late changes nothing for the request: its own Pull (:meth:`Prefetcher.pull`) waits for
+joined blocks no longer than its own deadline; blocks a failed prefetch did not bring are fetched by that Pull itself
+with the time it has left (as if there had been no prefetch), and what is still missing at its deadline is a MISS
+(recomputed), as without prefetch.
 
 Each prefetch is one span, ``kvmesh.prefetch``, under the Prefetch call (which continues the scheduler's Route
 trace); the engine's later Acquire of its blocks links to it.
@@ -42,7 +44,7 @@ from kvmesh import tracing
 from kvmesh.namespace import Namespace
 from tenancy.grants import PrefetchTicket, prefetch_blocks_digest
 
-from data_plane.types import PullResult
+from data_plane.types import LookupStatus, PullResult
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +93,12 @@ class PrefetchMetrics:
 
 class Prefetcher:
     def __init__(self, pull: PullFn, block_bytes: int, registry: CollectorRegistry, *, enabled: bool,
-                 timeout_ms: int, cap_bytes: int, use_window_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_ms: int, cap_bytes: int, use_window_s: float, pull_timeout_ms: int,
+                 max_pull_timeout_ms: int, clock: Callable[[], float] = time.monotonic) -> None:
+        """``pull``: the core's; ``pull_timeout_ms`` / ``max_pull_timeout_ms``: the bound of a Pull that names
+        none, and the longest one may name (the core's)."""
         self._pull = pull
+        self._pull_bounds = (pull_timeout_ms, max_pull_timeout_ms)
         self._block_bytes = block_bytes
         self._enabled = enabled
         self._timeout_ms = timeout_ms
@@ -102,6 +107,7 @@ class Prefetcher:
         self._clock = clock
         self.metrics = PrefetchMetrics(registry)
         self._records: dict[tuple[str, str], Prefetch] = {}  # (namespace fingerprint, blocks digest) -> record
+        self._by_block: dict[tuple[str, bytes], Prefetch] = {}  # (namespace fingerprint, block hash) -> its record
         self._inflight_bytes = 0
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
@@ -128,6 +134,7 @@ class Prefetcher:
             tracing.ATTR.SOURCE_NODE: ticket.prefetch_source_node_id})
         record = Prefetch(ns, tuple(hashes), reserved, span)
         self._records[(ns.fingerprint, prefetch_blocks_digest(hashes))] = record
+        self._by_block.update({(ns.fingerprint, h): record for h in hashes})
         self._inflight_bytes += reserved
         self.metrics.inflight.set(self._inflight_bytes)
         task = asyncio.get_running_loop().create_task(self._run(record, ticket))
@@ -169,22 +176,40 @@ class Prefetcher:
         self._count_used(record, set())
         self.sweep()
 
+    async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
+                   timeout_ms: int = 0, **options) -> PullResult:
+        """A local engine's Pull (the core's, same arguments). The core joins blocks a prefetch is bringing; when
+        that prefetch fails, the blocks it did not bring come back MISS although this Pull may have time left: then
+        they are pulled once more, by this Pull, within what is left of its own bound."""
+        started = time.monotonic()
+        joining = any((r := self._by_block.get((ns.fingerprint, h))) is not None and r.state is PrefetchState.RUNNING
+                      for h in hashes)
+        first = await self._pull(ns, hashes, source_node_id, source_address, timeout_ms=timeout_ms, **options)
+        default_ms, max_ms = self._pull_bounds
+        left_ms = int(min(timeout_ms or default_ms, max_ms) - (time.monotonic() - started) * 1000)
+        if not joining or first.refused or all(st is LookupStatus.HIT for st in first.statuses) or left_ms <= 0:
+            return first
+        again = await self._pull(ns, hashes, source_node_id, source_address, timeout_ms=left_ms, **options)
+        return PullResult(again.statuses, first.pulled + again.pulled, first.already_local,
+                          first.bytes_pulled + again.bytes_pulled, first.lookup_ms + again.lookup_ms,
+                          first.transfer_ms + again.transfer_ms, first.joined + again.joined, again.refused)
+
     def acquired(self, ns: Namespace, hashes: list[bytes]) -> None:
         """A local engine acquired ``hashes``: prefetched bytes among them are used; the current span (the
         engine's Acquire) links to each prefetch that brought them."""
-        if not self._records:
+        if not self._by_block:
             return
-        wanted = set(hashes)
+        mine: dict[int, tuple[Prefetch, set[bytes]]] = {}
+        for h in hashes:
+            record = self._by_block.get((ns.fingerprint, h))
+            if record is not None:
+                mine.setdefault(id(record), (record, set()))[1].add(h)
         current = trace.get_current_span()
-        for record in self._records.values():
-            if record.ns.fingerprint != ns.fingerprint:
-                continue
-            mine = wanted.intersection(record.hashes)
-            if not mine:
-                continue
+        for record, blocks in mine.values():
             current.add_link(record.span.get_span_context(), {"kvmesh.link": "prefetch"})
-            self._count_used(record, mine)
-        self.sweep()
+            self._count_used(record, blocks)
+        if mine:
+            self.sweep()
 
     def _count_used(self, record: Prefetch, hashes: set[bytes]) -> None:
         record.acquired |= hashes
@@ -203,6 +228,9 @@ class Prefetcher:
             r.used_bytes >= r.moved_bytes or now - r.landed_at >= self._use_window_s)]
         for key in done:
             record = self._records.pop(key)
+            for h in record.hashes:
+                if self._by_block.get((key[0], h)) is record:
+                    del self._by_block[(key[0], h)]
             wasted = record.moved_bytes - record.used_bytes
             if wasted:
                 self.metrics.bytes.labels("wasted").inc(wasted)

@@ -129,7 +129,8 @@ async def _serve(config: DataPlaneConfig, metrics: DataPlaneMetrics, endpoint: M
     auth.watch_epochs(core.learn_epoch)
     prefetcher = Prefetcher(core.pull, core.block_bytes, metrics.registry, enabled=config.prefetch_enabled,
                             timeout_ms=config.prefetch_timeout_ms, cap_bytes=config.prefetch_cap_bytes,
-                            use_window_s=config.prefetch_use_window_ms / 1000)
+                            use_window_s=config.prefetch_use_window_ms / 1000,
+                            pull_timeout_ms=config.pull_timeout_ms, max_pull_timeout_ms=config.max_pull_timeout_ms)
     try:
         binding = ServiceBinding(DataPlaneServicer(core, auth, prefetcher),
                                  data_plane_pb2_grpc.add_DataPlaneServicer_to_server,

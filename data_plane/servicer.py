@@ -87,7 +87,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Pull(self, request, context):
         self._auth.require_local("Pull")
-        result = await self._core.pull(
+        result = await self._prefetcher.pull(  # the core's pull, joining route-time prefetches (data_plane.prefetch)
             Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,

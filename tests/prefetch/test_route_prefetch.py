@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
@@ -32,6 +33,7 @@ from control_plane.model import ALL_TIERS
 from control_plane.scheduler_client import Candidate, Policy, SchedulerClient
 from control_plane.server import serve as serve_control_plane
 from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.server import TRANSFERS_HEALTH
 from kvmesh_apps.dp_process import DataPlaneProcess
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -64,6 +66,7 @@ class World:
             api_key=await self.key(role=tpb.ROLE_NODE, node_id=node_id), control_plane_address=self.address,
             metrics_listen="127.0.0.1:0", lease_sweep_ms=50, **flags))
         self.nodes[node_id] = proc
+        await asyncio.to_thread(wait_transfers_ready, proc)  # a loaded host starts the NIXL agent late
         for _ in range(200):  # registration is asynchronous
             if any(n.node.node_id == node_id and n.live for n in await self.cp.core.block_map.list_nodes()):
                 return proc
@@ -113,6 +116,16 @@ async def store(w: World, node: str, ns: Namespace, n: int) -> list[bytes]:
             return hashes
         await asyncio.sleep(0.05)
     raise AssertionError(f"the map never named {node} as the holder")
+
+
+def wait_transfers_ready(proc: DataPlaneProcess, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(proc.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while health.Check(health_pb2.HealthCheckRequest(service=TRANSFERS_HEALTH), timeout=10).status != \
+                health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, f"{proc.node_id}'s NIXL agent did not start in {timeout_s}s"
+            time.sleep(0.05)
 
 
 def metric(proc: DataPlaneProcess, name: str, **labels: str) -> float:
@@ -294,3 +307,24 @@ async def test_a_frozen_source_neither_delays_the_request_past_its_deadline_nor_
         assert await free_slots(dst, NS_A) == SLOTS, "slots leaked"
     finally:
         os.kill(src.proc.pid, signal.SIGCONT)
+
+
+async def test_a_prefetch_that_fails_leaves_the_request_to_pull_itself_within_its_deadline(world):
+    src, dst = world.nodes["src"], world.nodes["dst"]
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    hashes = await store(world, "src", NS_A, 8)
+    os.kill(src.proc.pid, signal.SIGSTOP)  # longer than the prefetch's bound (3 s), shorter than the ask's (8 s)
+    try:
+        decision = await route(world, NS_A, a_key, hashes)
+        assert decision.prefetch_status == "STARTED"
+        t0 = time.monotonic()
+        asking = asyncio.ensure_future(ask(world, NS_A, hashes, decision, timeout_ms=8_000))
+        await asyncio.sleep(PREFETCH_TIMEOUT_MS / 1000 + 0.5)
+        assert metric(dst, "kvmesh_dp_prefetches_total", outcome="failed") == 1  # the prefetch gave up
+        assert not asking.done()
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
+    pulled, slots = await asking
+    assert time.monotonic() - t0 < 8.0 + 0.5
+    # the ask joined the failed prefetch, then pulled the blocks itself, as it would have without a prefetch
+    assert pulled.pulled == 8 and pulled.bytes_pulled == 8 * BLOCK and len(slots) == 8
