@@ -169,7 +169,8 @@ class Prefetcher:
                                         tracing.ATTR.OUTCOME: "pulled" if moved else "miss"})
         self._inflight_bytes -= record.reserved_bytes
         self.metrics.inflight.set(self._inflight_bytes)
-        self.metrics.prefetches.labels("landed" if moved else "failed").inc()
+        here = result is not None and bool(result.statuses) and result.statuses[0] is LookupStatus.HIT
+        self.metrics.prefetches.labels("landed" if moved else "joined" if here else "failed").inc()
         self.metrics.bytes.labels("prefetched").inc(moved)
         record.state, record.moved_bytes, record.landed_at = PrefetchState.LANDED, moved, self._clock()
         record.landed = frozenset(record.hashes[start:start + pulled])

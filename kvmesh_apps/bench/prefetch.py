@@ -4,7 +4,7 @@ A local fleet (Redis, control plane, two data planes, mutual TLS) and two vLLM C
 Llama: ``src`` on dp1 computes every prefix once (its connector saves them to dp1) and is then stopped; ``dst`` on
 dp2 serves every measured request. Per repetition, each mode (in a rotated order) sends ``--requests`` requests
 (a ``--prefix-tokens`` prefix dp1 holds + a fresh 32-token suffix, ``--max-tokens`` output tokens) to ``dst`` one
-every ``--spacing-ms`` (default: 0.7 of a pulled request's measured service time, so requests queue in the engine),
+every ``--spacing-ms`` (default: 0.7 of a pulled request's median service time in a warm-up, so requests queue in the engine),
 through the engine host's ``concurrent`` op:
 
 * ``recompute``: no source (the engine prefills the whole prompt);
@@ -154,10 +154,12 @@ async def _measure(args, say, fleet: Fleet, dst, ns: Namespace, key: str, prompt
         warm = {m: [prompts[(reps, m, i)] for i in range(n)] for m in MODES}
         pulled = await _routes(client, warm["pull"], prefetch=False)
         assert all(d.source is not None for d in pulled), "Route named no source: dp1 does not hold the prefixes"
-        t = time.perf_counter()
+        took = []
         for prompt, d in zip(warm["pull"], pulled):
+            t = time.perf_counter()
             await asyncio.to_thread(dst.generate, prompt, args.max_tokens, {**d.kv_transfer_params(), **NO_SAVE})
-        service_s = (time.perf_counter() - t) / n
+            took.append(time.perf_counter() - t)
+        service_s = statistics.median(took)  # the first ones pay one-time costs (compiles, the first connection)
         for prompt in warm["recompute"]:
             await asyncio.to_thread(dst.generate, prompt, args.max_tokens, NO_SAVE)
         spacing_s = args.spacing_ms / 1000 if args.spacing_ms else 0.7 * service_s
