@@ -4,8 +4,8 @@ A local fleet (Redis, control plane, two data planes, mutual TLS) and two vLLM C
 Llama: ``src`` on dp1 computes every prefix once (its connector saves them to dp1) and is then stopped; ``dst`` on
 dp2 serves every measured request. Per repetition, each mode (in a rotated order) sends ``--requests`` requests
 (a ``--prefix-tokens`` prefix dp1 holds + a fresh 32-token suffix, ``--max-tokens`` output tokens) to ``dst`` one
-every ``--spacing-ms`` (default: 0.7 of a pulled request's median service time in a warm-up, so requests queue in the engine),
-through the engine host's ``concurrent`` op:
+every ``--spacing-ms`` (default: 0.7 of a pulled request's median service time in a warm-up, so requests queue in
+the engine), through the engine host's ``concurrent`` op:
 
 * ``recompute``: no source (the engine prefills the whole prompt);
 * ``pull``: the source Route named (``prefetch=False``): the engine pulls when its scheduler first examines the

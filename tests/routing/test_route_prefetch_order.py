@@ -62,7 +62,8 @@ async def test_a_pull_decision_carries_a_signed_order_for_the_engines_node(sched
         verifier.verify_prefetch(order.ticket.encode(), namespace_fingerprint=ns.fingerprint, tenant=ns.tenant,
                                  block_hashes=list(order.block_hashes)[:39])
     # the hand-over failed (nothing listens at node-b's address): said, and the route stands
-    assert d.prefetch_status == "UNAVAILABLE" and d.kv_transfer_params()["remote_kv_source"]["remote_node_id"] == "node-a"
+    assert d.prefetch_status == "UNAVAILABLE"
+    assert d.kv_transfer_params()["remote_kv_source"]["remote_node_id"] == "node-a"
 
 
 async def test_a_request_opts_out(scheduler, tokens):
