@@ -29,6 +29,7 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.model import (
     Ack, AckStatus, EventBatch, NodeInfo, NodeStatus, PrefixMatch, Registration, Stored, validate_node_id,
 )
+from control_plane.prefetch import prefetch_order
 from control_plane.routing.router import Router
 from control_plane.routing.types import RouteDecision, RouteRequest, StatsReport
 from control_plane.watch import BlockMapUpdate, BlockMapWatch
@@ -261,7 +262,15 @@ class ControlPlane:
         source = decision.source
         token = self.signer.sign(RouteToken(request.namespace.tenant, source.node_id, source.address,
                                             int(time.time() * 1000) + self.config.grant_ttl_ms))
-        return dataclasses.replace(decision, source=dataclasses.replace(source, route_token=token.decode()))
+        source = dataclasses.replace(source, route_token=token.decode())
+        order = None
+        if self.config.route_prefetch:  # route-time prefetch (control_plane.prefetch)
+            tenant = await self.authz.tenant(request.namespace.tenant)
+            order = await prefetch_order(
+                request, decision.engine_id, source, nodes=self.block_map.list_nodes, signer=self.signer,
+                node_allowed=lambda node_id: self._allows(tenant.policy, node_id),
+                ttl_ms=self.config.route_prefetch_ttl_ms)
+        return dataclasses.replace(decision, source=source, prefetch=order)
 
     async def report_stats(self, principal: Principal, report: StatsReport) -> None:
         if principal.role is Role.SCHEDULER:

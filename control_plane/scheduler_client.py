@@ -20,6 +20,12 @@ The namespace must be exactly the engines' (any field off and every lookup finds
 control plane named a peer to pull the prefix from, else ``{}``. Errors are
 ``grpc.aio.AioRpcError`` with the status codes of docs/api.md.
 
+With such a source, ``route`` also hands Route's prefetch order to the chosen
+engine's data plane (``DataPlane.Prefetch``), which starts the pull at once:
+the engine's own ask joins it later (docs/scheduling.md#prefetch-at-route-time).
+``route(..., prefetch=False)`` opts a request out; the order's outcome is in
+``decision.prefetch_status`` (a failed hand-over only costs the head start).
+
 A scheduler that only needs prefix lookups, at a high rate, calls
 ``await client.lookup_prefix(token_ids=...)`` from as many tasks as it likes:
 the lookups share one ``LookupPrefixStream`` the client keeps open (answers in
@@ -37,6 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import logging
 from typing import Sequence
 
 import grpc
@@ -45,7 +53,9 @@ from kvmesh.channels import ClientTLS
 from kvmesh.grpc_server import channel_options
 from kvmesh.hashing import Extras, HashAlgo
 from kvmesh.namespace import VLLM_DEFAULT_HASH_ALGO, Namespace, engine_namespace
+from kvmesh import tracing
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
+from kvmesh.v1 import data_plane_pb2 as dp_pb, data_plane_pb2_grpc as dp_grpc
 
 from control_plane import wire as cp_wire
 from control_plane.watch import ReplicaView
@@ -57,6 +67,10 @@ from control_plane.routing.types import (
 
 __all__ = ["Candidate", "EngineSample", "LinkSample", "Medium", "Policy", "PrefixMatch", "PullOutcome",
            "RouteDecision", "SchedulerClient"]
+
+log = logging.getLogger(__name__)
+
+PREFETCH_CALL_TIMEOUT_S = 1.0  # the hand-over answers at once (the pull runs in the background)
 
 
 class SchedulerClient:
@@ -71,15 +85,15 @@ class SchedulerClient:
             raise TypeError(f"namespace must be a kvmesh.namespace.Namespace (SchedulerClient.namespace_for) or a "
                             f"kvmesh.v1.Namespace message, not {type(namespace).__name__}")
         self.namespace = namespace.validate()
-        options = channel_options()
-        self._channel = (grpc.aio.insecure_channel(address, options=options) if tls is None else
-                         grpc.aio.secure_channel(address, tls.credentials(), options=tls.options(options)))
+        self._channel = _open_channel(address, tls)
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout = timeout_s
         self._lookups: _LookupStream | None = None
         self._replica: ReplicaView | None = None
         self._watching: asyncio.Task | None = None
+        self._tls = tls
+        self._data_planes: dict[str, grpc.aio.Channel] = {}  # address -> channel, for prefetch orders
 
     @staticmethod
     def namespace_for(model: str, *, block_size: int, kv_dtype: str, tenant: str = "default",
@@ -102,14 +116,38 @@ class SchedulerClient:
     async def route(self, candidates: Sequence[Candidate], *, token_ids: Sequence[int] = (),
                     block_hashes: Sequence[bytes] = (), prompt_tokens: int = 0, extras: Extras = Extras(),
                     policy: Policy | None = None, p2p: bool = True, min_cached_token_delta: int = 0,
-                    kv_bytes_per_token: int = 0, kv_request_id: str = "") -> RouteDecision:
-        """The engine to run on, the KV source to pull from (if any) and why. ``policy`` None: the server's."""
+                    kv_bytes_per_token: int = 0, kv_request_id: str = "", prefetch: bool = True) -> RouteDecision:
+        """The engine to run on, the KV source to pull from (if any) and why. ``policy`` None: the server's.
+        ``prefetch``: hand Route's prefetch order (if any) to the chosen engine's data plane, which starts the
+        pull now; False: no order is asked for (the engine pulls when it first sees the request)."""
         request = RouteRequest(self.namespace, tuple(candidates), tuple(block_hashes), tuple(token_ids), extras,
                                prompt_tokens, policy, p2p, min_cached_token_delta, kv_bytes_per_token,
-                               kv_request_id)
-        reply = await self._stub.Route(wire.route_request_to_pb(request), metadata=self._metadata,
-                                       timeout=self._timeout)
-        return wire.route_decision(reply)
+                               kv_request_id, prefetch)
+        with tracing.tracer("kvmesh.scheduler").start_as_current_span("kvmesh.scheduler.route"):
+            reply = await self._stub.Route(wire.route_request_to_pb(request), metadata=self._metadata,
+                                           timeout=self._timeout)
+            decision = wire.route_decision(reply)
+            if decision.prefetch is not None:
+                decision = dataclasses.replace(decision, prefetch_status=await self._hand_over(decision))
+        return decision
+
+    async def _hand_over(self, decision: RouteDecision) -> str:
+        """Gives the prefetch order to its data plane; its answer (``STARTED``, ``IN_FLIGHT``, ``DISABLED``,
+        ``OVER_CAP``), or the status code of a failed call (logged: the engine then pulls on its own)."""
+        order = decision.prefetch
+        ch = self._data_planes.get(order.data_plane_address)
+        if ch is None:
+            ch = self._data_planes[order.data_plane_address] = _open_channel(order.data_plane_address, self._tls)
+        request = dp_pb.PrefetchRequest(namespace=self.namespace.to_proto(), block_hashes=order.block_hashes,
+                                        ticket=order.ticket)
+        try:
+            reply = await dp_grpc.DataPlaneStub(ch).Prefetch(request, metadata=self._metadata,
+                                                             timeout=min(self._timeout, PREFETCH_CALL_TIMEOUT_S))
+        except grpc.aio.AioRpcError as exc:
+            log.warning("prefetch order to %s (%s) failed: %s %s", order.node_id, order.data_plane_address,
+                        exc.code().name, exc.details())
+            return exc.code().name
+        return dp_pb.PrefetchStatus.Name(reply.status).removeprefix("PREFETCH_STATUS_")
 
     async def report_stats(self, *, links: Sequence[LinkSample] = (), engines: Sequence[EngineSample] = (),
                            pulls: Sequence[PullOutcome] = ()) -> None:
@@ -193,6 +231,8 @@ class SchedulerClient:
         await self._stop_replica()
         if self._lookups is not None:
             await self._lookups.close()
+        for ch in self._data_planes.values():
+            await ch.close()
         await self._channel.close()
 
     async def __aenter__(self) -> "SchedulerClient":
@@ -200,6 +240,14 @@ class SchedulerClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _open_channel(address: str, tls: ClientTLS | None) -> grpc.aio.Channel:
+    """A channel that carries the trace context (when tracing is on), over TLS when ``tls`` is given."""
+    options, interceptors = channel_options(), tracing.client_interceptors()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=tls.options(options), interceptors=interceptors)
 
 
 class _Unanswered(Exception):

@@ -39,7 +39,7 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from tenancy import api_keys
 from tenancy.auth import current_principal, grant_from
-from tenancy.grants import Grant, GrantVerifier, UnknownGrantKey
+from tenancy.grants import Grant, GrantVerifier, PrefetchTicket, UnknownGrantKey
 from tenancy.model import Principal, Role
 from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall, ProofVerifier
 
@@ -245,6 +245,18 @@ class NodeAuth:
             if not await self._refresh_grant_keys(GRANT_KEYS_MIN_REFRESH_S):
                 raise
             self._verifier.verify_route(token, **where)
+
+    async def check_prefetch(self, token: bytes, ns: Namespace, block_hashes: list[bytes]) -> PrefetchTicket:
+        """The ticket of a Route's PrefetchOrder for this node, ``ns`` and these blocks (PermissionDenied
+        otherwise)."""
+        verifier = await self._grant_verifier()
+        what = dict(namespace_fingerprint=ns.fingerprint, tenant=ns.tenant, block_hashes=block_hashes)
+        try:
+            return verifier.verify_prefetch(token, **what)
+        except UnknownGrantKey:
+            if not await self._refresh_grant_keys(GRANT_KEYS_MIN_REFRESH_S):
+                raise
+            return self._verifier.verify_prefetch(token, **what)
 
     def peer_proof(self, grant: bytes, call: PeerCall, target_node_id: str) -> str:
         """This node's proof for a peer ``call`` to ``target_node_id`` under ``grant``."""

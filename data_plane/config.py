@@ -114,6 +114,14 @@ class DataPlaneConfig(BaseSettings):
                                       "remote_kv_source.route_token); off: any registered node may be named")
     grant_keys_refresh_s: float = Field(60.0, gt=0, description="how often the grant keys fetched from the control "
                                         "plane are refreshed (a rotation's overlap must be longer)")
+    prefetch_enabled: bool = Field(True, description="start the pulls Route decided for this node's engine when the "
+                                   "scheduler hands its order over (Prefetch); off: answer DISABLED")
+    prefetch_timeout_ms: int = Field(10_000, ge=1, description="bound of a prefetch's pull: by then its slots are "
+                                     "settled (committed as ordinary evictable cache, or freed)")
+    prefetch_max_inflight_bytes: int = Field(0, ge=0, description="most bytes of prefetches running at once on this "
+                                             "node (0: a quarter of capacity_bytes); beyond: OVER_CAP, not started")
+    prefetch_use_window_ms: int = Field(30_000, ge=1, description="prefetched bytes no local engine acquired within "
+                                        "this long after they landed are counted wasted (they stay ordinary cache)")
 
     def node_key(self) -> str:
         """The node's API key; ValueError when neither api_key nor api_key_file gives one."""
@@ -137,6 +145,10 @@ class DataPlaneConfig(BaseSettings):
     def quarantine_budget(self) -> int:
         """Slots one source's failed transfers may hold quarantined here."""
         return self.quarantine_budget_blocks or max(1, self.num_slots // 8)
+
+    @property
+    def prefetch_cap_bytes(self) -> int:
+        return self.prefetch_max_inflight_bytes or int(self.capacity_bytes) // 4
 
     @property
     def disk_slots(self) -> int:

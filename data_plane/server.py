@@ -39,6 +39,7 @@ from data_plane.core import DataPlaneCore
 from data_plane.disk import DiskTier
 from data_plane.eviction import PolicyRegistry
 from data_plane.metrics import DataPlaneMetrics, TierUsageCollector
+from data_plane.prefetch import Prefetcher
 from data_plane.shm import SharedRegion
 from data_plane.servicer import DataPlaneServicer
 from data_plane.transfer import NixlTransport
@@ -56,6 +57,7 @@ class RunningDataPlane:
     publisher: Any | None  # control_plane.publisher.EventPublisher
     metrics: MetricsEndpoint
     auth: NodeAuth
+    prefetcher: Prefetcher
     transfers_ready: asyncio.Task | None = None  # reports the NIXL agent's readiness (TRANSFERS_HEALTH)
 
     @property
@@ -72,6 +74,7 @@ class RunningDataPlane:
         if self.publisher is not None:
             await self.publisher.flush(timeout=2.0)
             await self.publisher.stop()
+        await self.prefetcher.close()
         await self.core.close()
         await self.auth.close()
 
@@ -124,8 +127,13 @@ async def _serve(config: DataPlaneConfig, metrics: DataPlaneMetrics, endpoint: M
     core = build_core(config, auth, metrics)
     metrics.registry.register(TierUsageCollector(config.node_id, core.usage))
     auth.watch_epochs(core.learn_epoch)
+    prefetcher = Prefetcher(core.pull, core.block_bytes, metrics.registry, enabled=config.prefetch_enabled,
+                            timeout_ms=config.prefetch_timeout_ms, cap_bytes=config.prefetch_cap_bytes,
+                            use_window_s=config.prefetch_use_window_ms / 1000,
+                            pull_timeout_ms=config.pull_timeout_ms, max_pull_timeout_ms=config.max_pull_timeout_ms)
     try:
-        binding = ServiceBinding(DataPlaneServicer(core, auth), data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
+        binding = ServiceBinding(DataPlaneServicer(core, auth, prefetcher),
+                                 data_plane_pb2_grpc.add_DataPlaneServicer_to_server,
                                  "kvmesh.v1.DataPlane")
         interceptors = [RpcMetricsInterceptor(metrics.registry, "data-plane"),
                         AuthInterceptor(auth.authenticate, peer=auth.peer_principal)]
@@ -147,7 +155,7 @@ async def _serve(config: DataPlaneConfig, metrics: DataPlaneMetrics, endpoint: M
                                    metadata=auth_metadata(auth.node_key), tls=config.client_tls())
         core.events = publisher
         await publisher.start()
-    return RunningDataPlane(core, server, publisher, endpoint, auth, transfers_ready)
+    return RunningDataPlane(core, server, publisher, endpoint, auth, prefetcher, transfers_ready)
 
 
 async def _report_transfers_ready(core: DataPlaneCore, server: RunningServer) -> None:

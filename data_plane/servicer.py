@@ -17,6 +17,8 @@ from tenancy.peer_proof import PeerCall
 from data_plane import wire
 from data_plane.auth import NodeAuth
 from data_plane.core import DataPlaneCore
+from data_plane.prefetch import Prefetcher
+from data_plane.types import validate_hashes
 
 # A send's WRITE must end (or be cancelled) before the caller's deadline: the caller quarantines on a timeout.
 SEND_MARGIN_S = 0.25
@@ -29,9 +31,10 @@ def lease_holder(grant: Grant | None) -> str:
 
 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
-    def __init__(self, core: DataPlaneCore, auth: NodeAuth) -> None:
+    def __init__(self, core: DataPlaneCore, auth: NodeAuth, prefetcher: Prefetcher) -> None:
         self._core = core
         self._auth = auth
+        self._prefetcher = prefetcher
 
     # ---- peer API ----
 
@@ -84,12 +87,21 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Pull(self, request, context):
         self._auth.require_local("Pull")
-        result = await self._core.pull(
+        result = await self._prefetcher.pull(  # the core's pull, joining route-time prefetches (data_plane.prefetch)
             Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
             grant=wire.grant_token(request.grant), route_token=wire.grant_token(request.route_token.encode()))
         return wire.pull_response(result)
+
+    @grpc_errors
+    async def Prefetch(self, request, context):
+        """Route's order (its signed ticket is the authority, not the caller's key: data_plane.prefetch)."""
+        ns = Namespace.from_proto(request.namespace).validate()
+        hashes = validate_hashes(ns, list(request.block_hashes), self._core.config.max_hashes_per_request)
+        ticket = await self._auth.check_prefetch(request.ticket.encode(), ns, hashes)
+        status = self._prefetcher.start(ns, hashes, ticket)
+        return pb.PrefetchResponse(status=status.value)
 
     @grpc_errors
     async def DescribeTier(self, request, context):
@@ -125,8 +137,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Acquire(self, request, context):
         self._auth.require_local("Acquire")
-        slots, lease_id = await self._core.acquire(Namespace.from_proto(request.namespace), list(request.block_hashes),
-                                             wire.media_from_pb(request.media), request.lease_ms)
+        ns, hashes = Namespace.from_proto(request.namespace), list(request.block_hashes)
+        slots, lease_id = await self._core.acquire(ns, hashes, wire.media_from_pb(request.media), request.lease_ms)
+        self._prefetcher.acquired(ns, hashes[:len(slots)])
         return pb.AcquireResponse(slots=slots, lease_id=lease_id)
 
     @grpc_errors

@@ -120,6 +120,8 @@ class JsonFileExporter:
                 "end_ns": span.end_time,
                 "attributes": {k: v if isinstance(v, (str, int, float, bool)) else list(v)
                                for k, v in (span.attributes or {}).items()},
+                "links": [{"trace_id": format(link.context.trace_id, "032x"),
+                           "span_id": format(link.context.span_id, "016x")} for link in span.links or ()],
             }))
         with open(self._path, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))

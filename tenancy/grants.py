@@ -61,6 +61,30 @@ class RouteToken:
     issued_unix_ms: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PrefetchTicket:
+    """``Route``'s order for one destination node to start a decided pull now (route-time prefetch): signed after
+    the control plane checked the caller's rights on the tenant and that the tenant's policy allows the node. The
+    destination pulls under its own grant; the ticket only says what to start (fields differ from a Grant's and a
+    RouteToken's, so none passes as another)."""
+
+    prefetch_tenant: str
+    prefetch_namespace_fingerprint: str
+    prefetch_destination_node_id: str
+    prefetch_source_node_id: str
+    prefetch_source_address: str
+    prefetch_blocks_sha256: str  # of the block hashes, concatenated in chain order (prefetch_blocks_digest)
+    prefetch_route_token: str  # the RouteToken of the same source (for nodes with require_route_token)
+    expires_unix_ms: int
+    key_id: str = ""
+    issued_unix_ms: int = 0
+
+
+def prefetch_blocks_digest(block_hashes: list[bytes]) -> str:
+    """The digest a PrefetchTicket names its blocks by (each hash is fixed-size per namespace)."""
+    return hashlib.sha256(b"".join(block_hashes)).hexdigest()
+
+
 def key_id(public_key: bytes) -> str:
     """A grant key's id: the first 16 hex digits of the SHA-256 of its raw 32 bytes."""
     return hashlib.sha256(public_key).hexdigest()[:16]
@@ -135,7 +159,7 @@ class GrantSigner:
     def key_id(self) -> str:
         return key_id(self.public_key)
 
-    def sign(self, grant: Grant | RouteToken) -> bytes:
+    def sign(self, grant: Grant | RouteToken | PrefetchTicket) -> bytes:
         grant = dataclasses.replace(grant, key_id=self.key_id, issued_unix_ms=int(time.time() * 1000))
         payload = json.dumps(asdict(grant), sort_keys=True, separators=(",", ":")).encode()
         return f"{_b64(payload)}.{_b64(self._key.sign(payload))}".encode()
@@ -235,6 +259,26 @@ class GrantVerifier:
             raise PermissionDenied(f"the route token names {route.route_source_node_id} at "
                                    f"{route.route_source_address}, not {source_node_id} at {source_address}")
         return route
+
+    def verify_prefetch(self, token: bytes, *, namespace_fingerprint: str, tenant: str, block_hashes: list[bytes],
+                        now_ms: int | None = None) -> PrefetchTicket:
+        """A prefetch ticket for this node, this tenant's namespace and exactly these blocks (PermissionDenied
+        otherwise: issued for another node, namespace or prompt, expired, forged)."""
+        if not token:
+            raise PermissionDenied("a prefetch needs the ticket of Route's PrefetchOrder")
+        ticket = self._open(token, PrefetchTicket, "prefetch ticket")
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        if ticket.expires_unix_ms <= now_ms:
+            raise PermissionDenied("prefetch ticket expired")
+        if ticket.prefetch_destination_node_id != self._node_id:
+            raise PermissionDenied(f"the prefetch ticket is for node {ticket.prefetch_destination_node_id!r}, "
+                                   f"not {self._node_id!r}")
+        if (ticket.prefetch_tenant, ticket.prefetch_namespace_fingerprint) != (tenant, namespace_fingerprint):
+            raise PermissionDenied(f"the prefetch ticket is for tenant {ticket.prefetch_tenant!r} namespace "
+                                   f"{ticket.prefetch_namespace_fingerprint}, not {tenant!r} {namespace_fingerprint}")
+        if ticket.prefetch_blocks_sha256 != prefetch_blocks_digest(block_hashes):
+            raise PermissionDenied("the prefetch ticket is for other blocks")
+        return ticket
 
     def _open(self, token: bytes, kind, what: str):
         """The signed claims of ``kind`` in ``token``, every field type-checked, then the signature checked

@@ -230,6 +230,8 @@ def test_keys_issue_checks_secret_out_before_issuing(control_plane, secrets, tmp
     ("kvmesh bench pull", ["bench", "pull", "--rounds", "many"], ["--rounds"]),
     ("kvmesh bench replay", ["bench", "replay", "--trace", "/nonexistent.jsonl"], ["/nonexistent.jsonl"]),
     ("kvmesh bench engine", ["bench", "engine", "--pullers", "-3"], ["--pullers"]),
+    ("kvmesh bench prefetch", ["bench", "prefetch", "--repetitions", "0"], ["--repetitions"]),
+    ("kvmesh bench prefetch", ["bench", "prefetch", "--prefix-tokens", "100"], ["--prefix-tokens", "32"]),
     ("kvmesh", ["frobnicate"], ["unknown command"]),
     ("kvmesh bench", ["bench"], ["no benchmark"]),
 ])

@@ -44,3 +44,8 @@ class RoutingSettings(BaseModel):
         0.3, gt=0, le=1, description="weight of a new sample in the reported figures' moving average")
     route_stats_refresh_ms: int = Field(
         1000, ge=0, description="how long a replica reuses the reported figures it read from Redis")
+    route_prefetch: bool = Field(
+        True, description="route-time prefetch: a PULL decision carries a signed order for the chosen engine's data "
+                          "plane to start that pull at once (docs/scheduling.md#prefetch-at-route-time); off: never")
+    route_prefetch_ttl_ms: int = Field(
+        5000, ge=100, description="how long a prefetch order's ticket is valid (a data plane refuses it after)")

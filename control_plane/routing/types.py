@@ -80,6 +80,7 @@ class RouteRequest:
     min_cached_token_delta: int = 0   # 0: the server's default
     kv_bytes_per_token: int = 0       # 0: the server's default
     kv_request_id: str = ""
+    prefetch: bool = True             # False: the scheduler opts this request out of route-time prefetch
 
     def validate(self) -> "RouteRequest":
         """Raises InvalidArgument saying what is wrong (hash lengths are checked by the lookup)."""
@@ -154,6 +155,17 @@ class KvSource:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchOrder:
+    """Route's signed order for the chosen engine's data plane to start the decided pull now
+    (``DataPlane.Prefetch``; docs/scheduling.md#prefetch-at-route-time)."""
+
+    node_id: str
+    data_plane_address: str
+    ticket: str  # tenancy.grants.PrefetchTicket, signed
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Estimate:
     """The cost model's time to first token for one option, in milliseconds."""
 
@@ -177,6 +189,8 @@ class RouteDecision:
     local_cached_tokens: int
     estimate: Estimate
     source: KvSource | None = None
+    prefetch: PrefetchOrder | None = None  # set by the control plane with a PULL, unless off or opted out
+    prefetch_status: str = ""  # SchedulerClient: the destination's answer to the order ("": none handed over)
 
     def kv_transfer_params(self) -> dict:
         """``{"remote_kv_source": {...}}`` when a source was named, else ``{}``."""

@@ -8,7 +8,7 @@ from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 from control_plane import wire as cp_wire
 from control_plane.model import Medium
 from control_plane.routing.types import (
-    Candidate, EngineSample, Estimate, KvSource, LinkSample, Policy, PullOutcome, Reason, RouteDecision,
+    Candidate, EngineSample, Estimate, KvSource, LinkSample, Policy, PrefetchOrder, PullOutcome, Reason, RouteDecision,
     RouteRequest, SourceDecision, StatsReport,
 )
 
@@ -36,6 +36,7 @@ def route_request(msg: pb.RouteRequest) -> RouteRequest:
         min_cached_token_delta=msg.min_cached_token_delta,
         kv_bytes_per_token=msg.kv_bytes_per_token,
         kv_request_id=msg.kv_request_id,
+        prefetch=not msg.disable_prefetch,
     )
 
 
@@ -54,6 +55,10 @@ def route_decision_to_pb(d: RouteDecision) -> pb.RouteResponse:
                                            cached_tokens=s.cached_tokens, kv_request_id=s.kv_request_id,
                                            route_token=s.route_token))
         out.remote_kv_source_json = s.to_json()
+    if d.prefetch is not None:
+        p = d.prefetch
+        out.prefetch.CopyFrom(pb.PrefetchOrder(node_id=p.node_id, data_plane_address=p.data_plane_address,
+                                               ticket=p.ticket, block_hashes=p.block_hashes))
     return out
 
 
@@ -75,7 +80,7 @@ def route_request_to_pb(r: RouteRequest) -> pb.RouteRequest:
                                          cache_salt=r.extras.cache_salt),
         prompt_tokens=r.prompt_tokens, policy=r.policy.value if r.policy else 0, disable_p2p=not r.p2p,
         min_cached_token_delta=r.min_cached_token_delta, kv_bytes_per_token=r.kv_bytes_per_token,
-        kv_request_id=r.kv_request_id,
+        kv_request_id=r.kv_request_id, disable_prefetch=not r.prefetch,
     )
 
 
@@ -86,10 +91,15 @@ def route_decision(msg: pb.RouteResponse) -> RouteDecision:
         s = msg.kv_source
         source = KvSource(s.node_id, s.host, s.port, Medium(s.tier), s.cached_tokens, s.kv_request_id,
                           s.route_token)
+    prefetch = None
+    if msg.HasField("prefetch"):
+        p = msg.prefetch
+        prefetch = PrefetchOrder(p.node_id, p.data_plane_address, p.ticket, tuple(p.block_hashes))
     return RouteDecision(
         engine_id=msg.engine_id, reason=Reason(msg.reason), source_decision=SourceDecision(msg.source_decision),
         prompt_tokens=msg.prompt_tokens, local_cached_tokens=msg.local_cached_tokens,
         estimate=Estimate(e.queue_ms, e.lookup_ms, e.transfer_ms, e.promotion_ms, e.prefill_ms), source=source,
+        prefetch=prefetch,
     )
 
 

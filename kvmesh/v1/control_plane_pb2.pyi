@@ -316,7 +316,7 @@ class EngineCandidate(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., node_id: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "token_ids", "extras", "prompt_tokens", "candidates", "policy", "disable_p2p", "min_cached_token_delta", "kv_bytes_per_token", "kv_request_id")
+    __slots__ = ("namespace", "block_hashes", "token_ids", "extras", "prompt_tokens", "candidates", "policy", "disable_p2p", "min_cached_token_delta", "kv_bytes_per_token", "kv_request_id", "disable_prefetch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class RouteRequest(_message.Message):
     MIN_CACHED_TOKEN_DELTA_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_PREFETCH_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -339,7 +340,8 @@ class RouteRequest(_message.Message):
     min_cached_token_delta: int
     kv_bytes_per_token: int
     kv_request_id: str
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., extras: _Optional[_Union[_common_pb2.HashExtras, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[EngineCandidate, _Mapping]]] = ..., policy: _Optional[_Union[RoutePolicy, str]] = ..., disable_p2p: _Optional[bool] = ..., min_cached_token_delta: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_request_id: _Optional[str] = ...) -> None: ...
+    disable_prefetch: bool
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., extras: _Optional[_Union[_common_pb2.HashExtras, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[EngineCandidate, _Mapping]]] = ..., policy: _Optional[_Union[RoutePolicy, str]] = ..., disable_p2p: _Optional[bool] = ..., min_cached_token_delta: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_request_id: _Optional[str] = ..., disable_prefetch: _Optional[bool] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("node_id", "host", "port", "tier", "cached_tokens", "kv_request_id", "route_token")
@@ -376,7 +378,7 @@ class RouteEstimate(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., promotion_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("engine_id", "kv_source", "reason", "source_decision", "prompt_tokens", "local_cached_tokens", "estimate", "remote_kv_source_json", "explanation")
+    __slots__ = ("engine_id", "kv_source", "reason", "source_decision", "prompt_tokens", "local_cached_tokens", "estimate", "remote_kv_source_json", "explanation", "prefetch")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +388,7 @@ class RouteResponse(_message.Message):
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_KV_SOURCE_JSON_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     kv_source: KvSource
     reason: RouteReason
@@ -395,7 +398,20 @@ class RouteResponse(_message.Message):
     estimate: RouteEstimate
     remote_kv_source_json: str
     explanation: str
-    def __init__(self, engine_id: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., reason: _Optional[_Union[RouteReason, str]] = ..., source_decision: _Optional[_Union[SourceDecision, str]] = ..., prompt_tokens: _Optional[int] = ..., local_cached_tokens: _Optional[int] = ..., estimate: _Optional[_Union[RouteEstimate, _Mapping]] = ..., remote_kv_source_json: _Optional[str] = ..., explanation: _Optional[str] = ...) -> None: ...
+    prefetch: PrefetchOrder
+    def __init__(self, engine_id: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., reason: _Optional[_Union[RouteReason, str]] = ..., source_decision: _Optional[_Union[SourceDecision, str]] = ..., prompt_tokens: _Optional[int] = ..., local_cached_tokens: _Optional[int] = ..., estimate: _Optional[_Union[RouteEstimate, _Mapping]] = ..., remote_kv_source_json: _Optional[str] = ..., explanation: _Optional[str] = ..., prefetch: _Optional[_Union[PrefetchOrder, _Mapping]] = ...) -> None: ...
+
+class PrefetchOrder(_message.Message):
+    __slots__ = ("node_id", "data_plane_address", "ticket", "block_hashes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_plane_address: str
+    ticket: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, node_id: _Optional[str] = ..., data_plane_address: _Optional[str] = ..., ticket: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LinkSample(_message.Message):
     __slots__ = ("source_node_id", "dest_node_id", "bytes_per_s")

@@ -14,10 +14,23 @@ class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_STATUS_HIT: _ClassVar[BlockStatus]
     BLOCK_STATUS_MISS: _ClassVar[BlockStatus]
     BLOCK_STATUS_HIT_PENDING: _ClassVar[BlockStatus]
+
+class PrefetchStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_STATUS_UNSPECIFIED: _ClassVar[PrefetchStatus]
+    PREFETCH_STATUS_STARTED: _ClassVar[PrefetchStatus]
+    PREFETCH_STATUS_IN_FLIGHT: _ClassVar[PrefetchStatus]
+    PREFETCH_STATUS_DISABLED: _ClassVar[PrefetchStatus]
+    PREFETCH_STATUS_OVER_CAP: _ClassVar[PrefetchStatus]
 BLOCK_STATUS_UNSPECIFIED: BlockStatus
 BLOCK_STATUS_HIT: BlockStatus
 BLOCK_STATUS_MISS: BlockStatus
 BLOCK_STATUS_HIT_PENDING: BlockStatus
+PREFETCH_STATUS_UNSPECIFIED: PrefetchStatus
+PREFETCH_STATUS_STARTED: PrefetchStatus
+PREFETCH_STATUS_IN_FLIGHT: PrefetchStatus
+PREFETCH_STATUS_DISABLED: PrefetchStatus
+PREFETCH_STATUS_OVER_CAP: PrefetchStatus
 
 class ExchangeAgentMetadataRequest(_message.Message):
     __slots__ = ("node_id", "agent_metadata", "block_bytes", "agent_challenge_answer")
@@ -234,3 +247,19 @@ class AcquireResponse(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     lease_id: str
     def __init__(self, slots: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "ticket")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    namespace: _common_pb2.Namespace
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    ticket: str
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., ticket: _Optional[str] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: PrefetchStatus
+    def __init__(self, status: _Optional[_Union[PrefetchStatus, str]] = ...) -> None: ...

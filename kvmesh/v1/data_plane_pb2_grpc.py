@@ -56,6 +56,11 @@ class DataPlaneStub:
                 request_serializer=kvmesh_dot_v1_dot_data__plane__pb2.PullRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_data__plane__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvmesh.v1.DataPlane/Prefetch',
+                request_serializer=kvmesh_dot_v1_dot_data__plane__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_data__plane__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.DescribeTier = channel.unary_unary(
                 '/kvmesh.v1.DataPlane/DescribeTier',
                 request_serializer=kvmesh_dot_v1_dot_data__plane__pb2.DescribeTierRequest.SerializeToString,
@@ -119,6 +124,15 @@ class DataPlaneServicer:
         """---- local API (the node's engine, schedulers) ----
 
         Pulls blocks from a source node into this node's CPU tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Starts, in the background, the pull a Route decided (route-time prefetch):
+        authorised by the ticket of Route's PrefetchOrder, not by the caller's key.
+        Answers at once; the engine's later Pull joins it or finds its blocks here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -188,6 +202,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=kvmesh_dot_v1_dot_data__plane__pb2.PullRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_data__plane__pb2.PullResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvmesh_dot_v1_dot_data__plane__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_data__plane__pb2.PrefetchResponse.SerializeToString,
             ),
             'DescribeTier': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeTier,
@@ -329,6 +348,33 @@ class DataPlane:
             '/kvmesh.v1.DataPlane/Pull',
             kvmesh_dot_v1_dot_data__plane__pb2.PullRequest.SerializeToString,
             kvmesh_dot_v1_dot_data__plane__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.DataPlane/Prefetch',
+            kvmesh_dot_v1_dot_data__plane__pb2.PrefetchRequest.SerializeToString,
+            kvmesh_dot_v1_dot_data__plane__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

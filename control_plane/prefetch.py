@@ -1,0 +1,56 @@
+"""Route-time prefetch, the control plane's half: the signed order for the chosen engine's data plane.
+
+With a PULL decision, ``Route`` adds a :class:`PrefetchOrder`: the chosen engine's node, its registered data-plane
+address, the leading block hashes the source holds, and a ticket (``tenancy.grants.PrefetchTicket``) signed with the
+grant key. The caller (``SchedulerClient``) hands it to that data plane's ``Prefetch``, which checks the ticket and
+starts the pull at once under the node's own grant (data_plane.prefetch). The control plane holds no node key and
+calls no data plane; what it vouches for, it checked first:
+
+* the caller may read the tenant (the decision saw the block map under the caller's rights: no rights, no source);
+* the tenant's policy allows the destination node to hold its blocks (a scheduler key of tenant B cannot send a
+  prefetch to a node B's policy excludes), and the node is registered and live;
+* the ticket names the destination, the tenant and namespace, the source, and the blocks (by digest): a data plane
+  refuses it for any other node, namespace or prompt, and after ``route_prefetch_ttl_ms``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Awaitable, Callable
+
+from kvmesh.namespace import Namespace
+from tenancy.grants import GrantSigner, PrefetchTicket, prefetch_blocks_digest
+
+from control_plane.model import NodeStatus
+from control_plane.routing.types import KvSource, PrefetchOrder, RouteRequest
+
+
+def prompt_block_hashes(request: RouteRequest) -> list[bytes]:
+    """The prompt's full-block hashes, as the lookup computed them (token ids hashed like LookupPrefix does)."""
+    if request.block_hashes:
+        return list(request.block_hashes)
+    cfg = request.namespace.cache_config
+    return cfg.hasher().block_hashes(list(request.token_ids), cfg.block_size, request.extras)
+
+
+async def prefetch_order(request: RouteRequest, engine_id: str, source: KvSource, *,
+                         nodes: Callable[[], Awaitable[list[NodeStatus]]],
+                         node_allowed: Callable[[str], Awaitable[bool]], signer: GrantSigner,
+                         ttl_ms: int) -> PrefetchOrder | None:
+    """The order for ``engine_id``'s node to pull ``source``'s leading blocks now; None when the request opted
+    out, the node is not live, or the tenant's policy does not allow it."""
+    if not request.prefetch:
+        return None
+    destination = next(c.node_id for c in request.candidates if c.engine_id == engine_id)
+    if destination == source.node_id or not await node_allowed(destination):
+        return None
+    address = next((n.node.data_plane_address for n in await nodes() if n.node.node_id == destination and n.live), "")
+    if not address:
+        return None
+    ns: Namespace = request.namespace
+    hashes = prompt_block_hashes(request)[:source.cached_tokens // ns.cache_config.block_size]
+    if not hashes:
+        return None
+    ticket = PrefetchTicket(ns.tenant, ns.fingerprint, destination, source.node_id, source.address,
+                            prefetch_blocks_digest(hashes), source.route_token, int(time.time() * 1000) + ttl_ms)
+    return PrefetchOrder(destination, address, signer.sign(ticket).decode(), tuple(hashes))

@@ -1,0 +1,330 @@
+"""Route-time prefetch (issue 21) on real parts: a control plane over Valkey in this process, data-plane processes
+pulling over NIXL, schedulers with their tenants' keys over gRPC.
+
+Nodes: ``src`` holds the blocks; ``dst`` runs the engine a Route picks (its ask is a local Pull + Acquire, what the
+engine connector sends); ``far`` is a node tenant B's policy excludes. Each test stores fresh blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.channels import channel
+from kvmesh.namespace import CacheConfig, Namespace
+from kvmesh.v1 import data_plane_pb2 as dp_pb, data_plane_pb2_grpc as dp_grpc
+from kvmesh.v1 import tenant_admin_pb2 as tpb, tenant_admin_pb2_grpc as tpb_grpc
+from tenancy.grants import GrantSigner, PrefetchTicket, prefetch_blocks_digest
+
+from control_plane.config import ControlPlaneConfig
+from control_plane.model import ALL_TIERS
+from control_plane.scheduler_client import Candidate, Policy, SchedulerClient
+from control_plane.server import serve as serve_control_plane
+from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.server import TRANSFERS_HEALTH
+from kvmesh_apps.dp_process import DataPlaneProcess
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+BLOCK = 64 * 1024
+SLOTS = 32
+NS_A = Namespace("t-alpha", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
+NS_B = Namespace("t-beta", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
+USE_WINDOW_MS = 1_500
+PREFETCH_TIMEOUT_MS = 3_000
+CAP_BLOCKS = 24  # dst's prefetch_max_inflight_bytes, in blocks
+
+
+class World:
+    def __init__(self, cp, admin_key: str, shm_dir: Path) -> None:
+        self.cp, self.admin_key, self.shm_dir = cp, admin_key, shm_dir
+        self.address = f"127.0.0.1:{cp.port}"
+        self.nodes: dict[str, DataPlaneProcess] = {}
+
+    async def admin(self, call: str, request):
+        async with channel(self.address, self.admin_key) as ch:
+            return await getattr(tpb_grpc.TenantAdminStub(ch), call)(request)
+
+    async def key(self, **fields) -> str:
+        return (await self.admin("IssueKey", tpb.IssueKeyRequest(**fields))).secret
+
+    async def start(self, node_id: str, **flags) -> DataPlaneProcess:
+        proc = await asyncio.to_thread(DataPlaneProcess, node_id, dict(
+            listen="127.0.0.1:0", shm_dir=self.shm_dir, block_bytes=BLOCK, capacity_bytes=SLOTS * BLOCK,
+            api_key=await self.key(role=tpb.ROLE_NODE, node_id=node_id), control_plane_address=self.address,
+            metrics_listen="127.0.0.1:0", lease_sweep_ms=50, **flags))
+        self.nodes[node_id] = proc
+        await asyncio.to_thread(wait_transfers_ready, proc)  # a loaded host starts the NIXL agent late
+        for _ in range(200):  # registration is asynchronous
+            if any(n.node.node_id == node_id and n.live for n in await self.cp.core.block_map.list_nodes()):
+                return proc
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{node_id} never registered")
+
+    def scheduler(self, ns: Namespace, key: str) -> SchedulerClient:
+        return SchedulerClient(self.address, ns, api_key=key)
+
+
+@pytest.fixture
+async def world(redis_server, key_prefix, admin_key):
+    cp = await serve_control_plane(ControlPlaneConfig(
+        listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix, admin_key=admin_key,
+        policy_ttl_s=0, route_speculative_ttl_ms=0, route_min_cached_token_delta=32))
+    shm_dir = Path("/dev/shm") / f"kvmesh-pf-{uuid.uuid4().hex[:10]}"
+    shm_dir.mkdir()
+    w = World(cp, admin_key, shm_dir)
+    await w.admin("CreateTenant", tpb.CreateTenantRequest(tenant_id=NS_A.tenant))
+    await w.admin("CreateTenant", tpb.CreateTenantRequest(tenant_id=NS_B.tenant, policy=tpb.TenantPolicy(
+        allowed_nodes=["src", "dst"])))  # B's blocks may live on src and dst, never on far
+    await w.start("src")
+    await w.start("dst", prefetch_use_window_ms=USE_WINDOW_MS, prefetch_timeout_ms=PREFETCH_TIMEOUT_MS,
+                  prefetch_max_inflight_bytes=CAP_BLOCKS * BLOCK)
+    yield w
+    for proc in w.nodes.values():  # SIGCONT first: a test may leave a node stopped
+        if proc.proc.poll() is None:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+            await asyncio.to_thread(proc.stop)
+    await cp.stop()
+    shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+async def store(w: World, node: str, ns: Namespace, n: int) -> list[bytes]:
+    """``n`` fresh blocks written and committed on ``node``; returns once the block map names it their holder."""
+    proc = w.nodes[node]
+    hashes = [os.urandom(32) for _ in range(n)]
+    async with DataPlaneClient(proc.address, key=proc.api_key) as owner:
+        tier = SharedTier.open(await owner.describe_tier())
+        for slot in await owner.reserve(ns, hashes):
+            tier.slot(slot)[:] = np.frombuffer(os.urandom(BLOCK), dtype=np.uint8)
+        tier.close()
+        assert await owner.commit(ns, hashes) == n
+    for _ in range(200):
+        match = await w.cp.core.block_map.lookup_prefix(ns, hashes, ALL_TIERS)
+        if any(h.node_id == node and h.leading_blocks == n for h in match.holders):
+            return hashes
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the map never named {node} as the holder")
+
+
+def wait_transfers_ready(proc: DataPlaneProcess, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(proc.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while health.Check(health_pb2.HealthCheckRequest(service=TRANSFERS_HEALTH), timeout=10).status != \
+                health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, f"{proc.node_id}'s NIXL agent did not start in {timeout_s}s"
+            time.sleep(0.05)
+
+
+def metric(proc: DataPlaneProcess, name: str, **labels: str) -> float:
+    url = next(m.group(1) for line in list(proc.output) if (m := re.search(r"metrics on (\S+)", line)))
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    series = f"{name}{{{want}}}" if labels else name
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.rpartition(" ")[0] == series)
+
+
+async def route(w: World, ns: Namespace, key: str, hashes: list[bytes], engine_node: str = "dst", **kwargs):
+    async with w.scheduler(ns, key) as scheduler:
+        return await scheduler.route([Candidate(f"{engine_node}:engine", engine_node)], block_hashes=hashes,
+                                     policy=Policy.LOAD_AWARE, **kwargs)
+
+
+async def ask(w: World, ns: Namespace, hashes: list[bytes], decision, timeout_ms: int = 8_000):
+    """What the engine connector does for a routed request: Pull from the named source, then Acquire."""
+    dst = w.nodes["dst"]
+    async with DataPlaneClient(dst.address, key=dst.api_key) as engine:
+        pulled = await engine.pull(ns, hashes, decision.source.node_id, decision.source.address,
+                                   timeout_ms=timeout_ms, route_token=decision.source.route_token)
+        slots, lease = await engine.acquire(ns, hashes)
+        if lease:
+            await engine.release(lease)
+    return pulled, slots
+
+
+async def free_slots(proc: DataPlaneProcess, ns: Namespace) -> int:
+    """How many fresh blocks the node's tier takes now (evicting unpinned cache; pinned or reserved slots are
+    not free); the reservations are aborted again."""
+    hashes = [os.urandom(32) for _ in range(SLOTS)]
+    async with DataPlaneClient(proc.address, key=proc.api_key) as owner:
+        slots = await owner.reserve(ns, hashes)
+        await owner.abort(ns, hashes)
+    return sum(1 for s in slots if s >= 0)
+
+
+async def test_a_request_whose_prefetch_is_in_flight_joins_it_one_transfer_not_two(world):
+    src, dst = world.nodes["src"], world.nodes["dst"]
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    hashes = await store(world, "src", NS_A, 12)
+    served_before = metric(src, "kvmesh_dp_bytes_total", direction="served")
+
+    os.kill(src.proc.pid, signal.SIGSTOP)  # holds the prefetch in flight until the engine's ask has joined it
+    try:
+        decision = await route(world, NS_A, a_key, hashes)
+        assert decision.source is not None and decision.source.node_id == "src"
+        assert decision.prefetch is not None and decision.prefetch.node_id == "dst"
+        assert decision.prefetch_status == "STARTED"
+        asking = asyncio.ensure_future(ask(world, NS_A, hashes, decision))
+        await asyncio.sleep(0.5)
+        assert not asking.done()
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
+    pulled, slots = await asking
+
+    assert pulled.pulled == 12 and pulled.joined == 12 and pulled.bytes_pulled == 0  # it joined the prefetch
+    assert len(slots) == 12
+    # one transfer: the source served the blocks once, the destination pulled them once
+    assert metric(src, "kvmesh_dp_bytes_total", direction="served") - served_before == 12 * BLOCK
+    assert metric(dst, "kvmesh_dp_bytes_total", direction="pulled") == 12 * BLOCK
+    assert metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="prefetched") == 12 * BLOCK
+    assert metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="used") == 12 * BLOCK
+
+    # opted out: no order, the engine's ask moves the blocks itself (the counters above do count transfers)
+    others = await store(world, "src", NS_A, 12)
+    decision = await route(world, NS_A, a_key, others, prefetch=False)
+    assert decision.source is not None and decision.prefetch is None and decision.prefetch_status == ""
+    pulled, _ = await ask(world, NS_A, others, decision)
+    assert pulled.pulled == 12 and pulled.joined == 0 and pulled.bytes_pulled == 12 * BLOCK
+    assert metric(src, "kvmesh_dp_bytes_total", direction="served") - served_before == 24 * BLOCK
+
+    # a second order for blocks already being prefetched starts nothing new
+    again = await store(world, "src", NS_A, 4)
+    first = await route(world, NS_A, a_key, again)
+    second = await route(world, NS_A, a_key, again)
+    assert (first.prefetch_status, second.prefetch_status) == ("STARTED", "IN_FLIGHT")
+
+
+async def test_a_prefetch_whose_request_never_comes_is_released_within_the_bound(world):
+    dst = world.nodes["dst"]
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    hashes = await store(world, "src", NS_A, 24)
+    decision = await route(world, NS_A, a_key, hashes)
+    assert decision.prefetch_status == "STARTED"
+    t0 = time.monotonic()
+    while metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="wasted") < 24 * BLOCK:
+        assert time.monotonic() - t0 < (PREFETCH_TIMEOUT_MS + USE_WINDOW_MS) / 1000 + 2.0, "not released in time"
+        await asyncio.sleep(0.1)
+    assert metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="prefetched") == 24 * BLOCK
+    assert metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="used") == 0
+    assert metric(dst, "kvmesh_dp_prefetch_inflight_bytes") == 0
+    # released: the prefetched blocks are ordinary cache, evicted for new blocks (the whole tier is free) ...
+    async with DataPlaneClient(dst.address, key=dst.api_key) as engine:
+        slots, lease = await engine.acquire(NS_A, hashes)
+        assert len(slots) == 24, "the prefetched blocks are in dst's tier"
+        # ... whereas blocks something still pins are not (negative control: the check sees a held slot)
+        assert await free_slots(dst, NS_A) == SLOTS - 24
+        await engine.release(lease)
+    assert await free_slots(dst, NS_A) == SLOTS
+
+
+async def test_a_scheduler_of_tenant_b_cannot_prefetch_a_namespace_or_to_a_node_b_excludes(world):
+    await world.start("far")
+    dst, far = world.nodes["dst"], world.nodes["far"]
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    b_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_B.tenant)
+    a_hashes = await store(world, "src", NS_A, 8)
+    b_hashes = await store(world, "src", NS_B, 8)
+
+    # positive control: A's own scheduler prefetches A's blocks into dst, and to far (A's policy allows every node)
+    a_order = await route(world, NS_A, a_key, a_hashes)
+    assert a_order.prefetch_status == "STARTED"
+    assert (await route(world, NS_A, a_key, a_hashes, engine_node="far")).prefetch_status == "STARTED"
+
+    # B routing A's namespace sees no holder: no source, no order
+    stolen = await route(world, NS_A, b_key, a_hashes)
+    assert stolen.source is None and stolen.prefetch is None
+
+    # B routing its own prompt to far (excluded by B's policy): a source, but no order
+    b_far = await route(world, NS_B, b_key, b_hashes, engine_node="far")
+    assert b_far.source is not None and b_far.prefetch is None
+    b_dst = await route(world, NS_B, b_key, b_hashes)
+    assert b_dst.prefetch_status == "STARTED"
+
+    async def prefetch(proc: DataPlaneProcess, ns: Namespace, hashes: list[bytes], ticket: str, key: str):
+        async with grpc.aio.insecure_channel(proc.address) as ch:
+            return await dp_grpc.DataPlaneStub(ch).Prefetch(dp_pb.PrefetchRequest(
+                namespace=ns.to_proto(), block_hashes=hashes, ticket=ticket),
+                metadata=(("authorization", f"Bearer {key}"),), timeout=5)
+
+    attacks = {
+        "B's ticket, to far (the ticket names dst)": (far, NS_B, b_hashes, b_dst.prefetch.ticket),
+        "B's ticket, for A's namespace and blocks": (dst, NS_A, a_hashes, b_dst.prefetch.ticket),
+        "B's ticket, for A's blocks in B's namespace": (dst, NS_B, a_hashes, b_dst.prefetch.ticket),
+        "no ticket": (dst, NS_A, a_hashes, ""),
+        "a ticket B signed itself": (dst, NS_A, a_hashes, GrantSigner.generate().sign(PrefetchTicket(
+            NS_A.tenant, NS_A.fingerprint, "dst", "src", world.nodes["src"].address,
+            prefetch_blocks_digest(a_hashes), "", int(time.time() * 1000) + 60_000)).decode()),
+    }
+    for what, (proc, ns, hashes, ticket) in attacks.items():
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await prefetch(proc, ns, hashes, ticket, b_key)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+    # positive control of the same call: A's ticket, as Route gave it, is taken (already running: IN_FLIGHT)
+    reply = await prefetch(dst, NS_A, a_hashes, a_order.prefetch.ticket, a_key)
+    assert reply.status in (dp_pb.PREFETCH_STATUS_IN_FLIGHT, dp_pb.PREFETCH_STATUS_STARTED)
+    t0 = time.monotonic()
+    while metric(far, "kvmesh_dp_prefetches_total", outcome="landed") < 1:  # far's first pull: a new NIXL peer
+        assert time.monotonic() - t0 < 10, "\n".join(far.output)
+        await asyncio.sleep(0.1)
+    async with DataPlaneClient(far.address, key=far.api_key) as engine:
+        assert len((await engine.acquire(NS_B, b_hashes))[0]) == 0, "none of B's blocks reached far"
+        assert len((await engine.acquire(NS_A, a_hashes))[0]) == 8, "A's own prefetch to far landed"
+
+
+async def test_a_frozen_source_neither_delays_the_request_past_its_deadline_nor_leaks_slots(world):
+    src, dst = world.nodes["src"], world.nodes["dst"]
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    hashes = await store(world, "src", NS_A, 16)
+    more = await store(world, "src", NS_A, 12)
+    os.kill(src.proc.pid, signal.SIGSTOP)
+    try:
+        decision = await route(world, NS_A, a_key, hashes)
+        assert decision.prefetch_status == "STARTED"
+        # the per-node cap: 16 blocks in flight, 12 more would pass 24
+        assert (await route(world, NS_A, a_key, more)).prefetch_status == "OVER_CAP"
+        t0 = time.monotonic()
+        pulled, slots = await ask(world, NS_A, hashes, decision, timeout_ms=1_500)
+        took = time.monotonic() - t0
+        assert pulled.pulled == 0 and slots == []  # MISS: the engine recomputes
+        assert took < 1.5 + 0.5, f"the request waited {took:.2f}s, past its 1.5 s deadline"
+        t0 = time.monotonic()
+        while metric(dst, "kvmesh_dp_prefetch_inflight_bytes") > 0:
+            assert time.monotonic() - t0 < PREFETCH_TIMEOUT_MS / 1000 + 2.0, "the prefetch outlived its bound"
+            await asyncio.sleep(0.1)
+        assert metric(dst, "kvmesh_dp_prefetches_total", outcome="failed") == 1
+        assert await free_slots(dst, NS_A) == SLOTS, "slots leaked"
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
+
+
+async def test_a_prefetch_that_fails_leaves_the_request_to_pull_itself_within_its_deadline(world):
+    src, dst = world.nodes["src"], world.nodes["dst"]
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    hashes = await store(world, "src", NS_A, 8)
+    os.kill(src.proc.pid, signal.SIGSTOP)  # longer than the prefetch's bound (3 s), shorter than the ask's (8 s)
+    try:
+        decision = await route(world, NS_A, a_key, hashes)
+        assert decision.prefetch_status == "STARTED"
+        t0 = time.monotonic()
+        asking = asyncio.ensure_future(ask(world, NS_A, hashes, decision, timeout_ms=8_000))
+        await asyncio.sleep(PREFETCH_TIMEOUT_MS / 1000 + 0.5)
+        assert metric(dst, "kvmesh_dp_prefetches_total", outcome="failed") == 1  # the prefetch gave up
+        assert not asking.done()
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
+    pulled, slots = await asking
+    assert time.monotonic() - t0 < 8.0 + 0.5
+    # the ask joined the failed prefetch, then pulled the blocks itself, as it would have without a prefetch
+    assert pulled.pulled == 8 and pulled.bytes_pulled == 8 * BLOCK and len(slots) == 8
