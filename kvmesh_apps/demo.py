@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.command_line import Parser, positive_int
+from kvmesh.command_line import Parser, positive_int, run_command
 from kvmesh.channels import channel
 from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
@@ -356,4 +356,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh demo", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives

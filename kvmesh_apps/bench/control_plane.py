@@ -42,7 +42,7 @@ import redis
 import redis.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.command_line import Parser, positive_int
+from kvmesh.command_line import Parser, positive_int, run_command
 from kvmesh.channels import channel
 from kvmesh.grpc_server import server_options
 from kvmesh_apps.procs import ServiceProcess, cpu_seconds
@@ -427,4 +427,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh bench control-plane", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives

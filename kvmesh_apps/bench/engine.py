@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.command_line import Parser, positive_int
+from kvmesh.command_line import Parser, positive_int, run_command
 from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import same_computation
@@ -225,4 +225,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh bench engine", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives

@@ -34,7 +34,7 @@ import numpy as np
 import redis
 
 from data_plane.client import DataPlaneClient, SharedTier
-from kvmesh.command_line import Parser
+from kvmesh.command_line import Parser, run_command
 from kvmesh.errors import PermissionDenied
 from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
@@ -604,4 +604,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh bench faults", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives

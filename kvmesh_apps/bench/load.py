@@ -34,7 +34,9 @@ from pathlib import Path
 import grpc
 import redis
 
-from kvmesh.command_line import Parser, non_negative_float, non_negative_int, positive_float, positive_int
+from kvmesh.command_line import (
+    Parser, non_negative_float, non_negative_int, positive_float, positive_int, run_command,
+)
 from kvmesh.channels import channel
 from kvmesh.grpc_server import channel_options
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
@@ -506,4 +508,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh bench load", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives

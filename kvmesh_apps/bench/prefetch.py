@@ -39,7 +39,7 @@ import numpy as np
 from control_plane.scheduler_client import Candidate, Policy, SchedulerClient
 from engine_connector.config import KV_LAYOUT
 from kvmesh.channels import channel
-from kvmesh.command_line import Parser, positive_int
+from kvmesh.command_line import Parser, positive_int, run_command
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
 from kvmesh_apps.engine_host import DTYPE, BLOCK_SIZE
@@ -227,4 +227,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh bench prefetch", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives

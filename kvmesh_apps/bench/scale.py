@@ -58,7 +58,7 @@ from control_plane.model import ALL_TIERS, Ack, AckStatus, EventBatch, Medium, N
 from control_plane.redis_block_map import RedisBlockMap
 from kvmesh import errors
 from kvmesh.channels import channel
-from kvmesh.command_line import Parser, positive_float, positive_int
+from kvmesh.command_line import Parser, positive_float, positive_int, run_command
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.redis_keys import Keys
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
@@ -589,4 +589,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("kvmesh bench scale", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives

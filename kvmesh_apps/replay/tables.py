@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from kvmesh_apps.replay.runs import BASELINE, verdict
+from kvmesh.command_line import run_command
 
 
 def _interval(ci: list[float] | None, digits: int) -> str:
@@ -74,4 +75,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("python -m kvmesh_apps.replay.tables", main, sys.argv[1:]))  # one line for any error, as `kvmesh` gives
