@@ -169,7 +169,7 @@ async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, 
             DataPlaneClient(source.address,
                             peer_proof=lambda g, method: attacker.proof(g, method, "src")) as mallory:
         free = consumer.core.tier.free_slots
-        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=1_000)
+        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=8_000)  # the first handshake vets metadata (seconds when loaded)
         assert result.pulled == 0 and consumer.core.tier.quarantined == N and len(leases) == 1
         attacker_grant = grant(attacker.public_key, "mallory", "src", ns)
         for _ in range(3):
@@ -239,7 +239,7 @@ async def test_a_stopping_source_keeps_its_port_until_its_writes_in_flight_end(c
     port = int(source.address.rpartition(":")[2])
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
-        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=1_000)
+        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=8_000)  # the first handshake vets metadata (seconds when loaded)
     assert result.pulled == 0 and consumer.core.tier.quarantined == N  # the WRITE is still held
     stopping = asyncio.create_task(source.stop())
     await asyncio.sleep(1.0)

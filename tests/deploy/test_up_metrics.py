@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
-_ROW = re.compile(r"^\| `([a-z_:]+)` \|")
+_ROW = re.compile(r"^\| `([a-z0-9_:]+)` \|")
 _TYPE = re.compile(r"^# TYPE (\S+) (\S+)$", re.M)
 
 
