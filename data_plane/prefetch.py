@@ -189,11 +189,26 @@ class Prefetcher:
         default_ms, max_ms = self._pull_bounds
         left_ms = int(min(timeout_ms or default_ms, max_ms) - (time.monotonic() - started) * 1000)
         if not joining or first.refused or all(st is LookupStatus.HIT for st in first.statuses) or left_ms <= 0:
-            return first
+            return self._as_joined(ns, hashes, first)
         again = await self._pull(ns, hashes, source_node_id, source_address, timeout_ms=left_ms, **options)
-        return PullResult(again.statuses, first.pulled + again.pulled, first.already_local,
-                          first.bytes_pulled + again.bytes_pulled, first.lookup_ms + again.lookup_ms,
-                          first.transfer_ms + again.transfer_ms, first.joined + again.joined, again.refused)
+        return self._as_joined(ns, hashes, PullResult(
+            again.statuses, first.pulled + again.pulled, first.already_local, first.bytes_pulled + again.bytes_pulled,
+            first.lookup_ms + again.lookup_ms, first.transfer_ms + again.transfer_ms, first.joined + again.joined,
+            again.refused))
+
+    def _as_joined(self, ns: Namespace, hashes: list[bytes], result: PullResult) -> PullResult:
+        """``result`` with the leading local blocks that a prefetch brought (it landed before this Pull came)
+        counted as pulled by this Pull and joined (moved by another pull), as blocks it joined in flight are: to
+        the engine, a prefix its route-time prefetch brought from the peer is a pull, not a local hit."""
+        start = result.already_local
+        while start > 0 and (r := self._by_block.get((ns.fingerprint, hashes[start - 1]))) is not None \
+                and hashes[start - 1] in r.landed:
+            start -= 1
+        moved_here = result.already_local - start
+        if not moved_here:
+            return result
+        return PullResult(result.statuses, result.pulled + moved_here, start, result.bytes_pulled, result.lookup_ms,
+                          result.transfer_ms, result.joined + moved_here, result.refused)
 
     def acquired(self, ns: Namespace, hashes: list[bytes]) -> None:
         """A local engine acquired ``hashes``: prefetched bytes among them are used; the current span (the

@@ -206,6 +206,29 @@ async def test_a_request_whose_prefetch_is_in_flight_joins_it_one_transfer_not_t
     assert (first.prefetch_status, second.prefetch_status) == ("STARTED", "IN_FLIGHT")
 
 
+async def test_a_request_whose_prefetch_landed_first_reports_a_pull_joined_not_a_local_hit(world):
+    """The prefetch ends before the engine asks (the usual case when the engine queues the request): the ask finds
+    the blocks committed, and they count as pulled by it (joined, moved by the prefetch), so the engine reports
+    a pull from the source. Control: blocks that were on dst before any prefetch stay ``already_local``."""
+    dst = world.nodes["dst"]
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    hashes = await store(world, "src", NS_A, 8)
+    decision = await route(world, NS_A, a_key, hashes)
+    assert decision.prefetch_status == "STARTED"
+    t0 = time.monotonic()
+    while metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="prefetched") < 8 * BLOCK:
+        assert time.monotonic() - t0 < PREFETCH_TIMEOUT_MS / 1000 + 2.0, "the prefetch never landed"
+        await asyncio.sleep(0.05)
+    pulled, slots = await ask(world, NS_A, hashes, decision)
+    assert (pulled.pulled, pulled.already_local, pulled.joined, pulled.bytes_pulled) == (8, 0, 8, 0), pulled
+    assert len(slots) == 8
+
+    # control: the same blocks asked for again once the prefetch settled (used) are a local hit, not a pull
+    pulled, slots = await ask(world, NS_A, hashes, decision)
+    assert (pulled.pulled, pulled.already_local, pulled.joined) == (0, 8, 0), pulled
+    assert len(slots) == 8
+
+
 async def test_a_prefetch_whose_request_never_comes_is_released_within_the_bound(world):
     dst = world.nodes["dst"]
     a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
