@@ -38,6 +38,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from kvmesh.channels import ClientTLS, channel
 from kvmesh.errors import Unauthenticated
 from kvmesh_apps.engine_host import EngineProcess
@@ -50,6 +52,7 @@ from tenancy import api_keys
 from tenancy.grants import GrantSigner
 
 DEFAULT_BLOCK_BYTES = 2 * 1024 * 1024
+PROVISION_RETRY_S = 30.0  # how long provisioning rides out an UNAVAILABLE control plane at start
 
 
 class Fleet:
@@ -122,6 +125,19 @@ class Fleet:
         return self
 
     async def _provision(self, nodes: list[str]) -> dict[str, str]:
+        """:meth:`_provision_once`, again while the control plane answers UNAVAILABLE (its Redis stalled past the
+        socket timeout: an ACL SAVE's fsync on a machine busy starting engines), for up to
+        ``PROVISION_RETRY_S``; then the last error stands."""
+        deadline = asyncio.get_running_loop().time() + PROVISION_RETRY_S
+        while True:
+            try:
+                return await self._provision_once(nodes)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    async def _provision_once(self, nodes: list[str]) -> dict[str, str]:
         """The tenant (created unless it exists) and a node key per data plane: the one in its key file when the
         control plane still knows it for that node (a restart), else a new one (admin API)."""
         async with channel(self.control_plane.address, self.admin_key, self.client_tls()) as ch:

@@ -339,7 +339,7 @@ def slope_per_hour(samples: list[tuple[float, float]]) -> float:
 async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: int, rate: float) -> dict:
     """Simulated nodes join, stream, evict, restart and leave for ``seconds``, ``rate`` actions/s; counts each."""
     rng = random.Random(seed)
-    counts = {"join": 0, "evict": 0, "restart": 0, "leave": 0, "stored_blocks": 0}
+    counts = {"join": 0, "evict": 0, "restart": 0, "leave": 0, "stored_blocks": 0, "register_refused": 0}
     live: dict[str, tuple[int, int, list[list[bytes]]]] = {}  # node -> (incarnation, seq, runs)
     async with channel(address, admin_key) as ch:
         stub = pb_grpc.ControlPlaneStub(ch)
@@ -351,9 +351,17 @@ async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: 
                                                    events=events), timeout=10)
             live[node_id] = (inc, seq, runs)
 
-        async def join(node_id: str) -> None:
-            reply = await stub.RegisterNode(pb.RegisterNodeRequest(
-                node=pb.NodeInfo(node_id=node_id, data_plane_address="10.0.2.1:7000")), timeout=10)
+        async def join(node_id: str) -> bool:
+            """Registers (again) and streams a snapshot; False when the control plane refused (the node
+            re-registered faster than garbage collection retires its old slots: a real node retries later)."""
+            try:
+                reply = await stub.RegisterNode(pb.RegisterNodeRequest(
+                    node=pb.NodeInfo(node_id=node_id, data_plane_address="10.0.2.1:7000")), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                counts["register_refused"] += 1
+                return False
             runs = [[hashlib.sha256(f"{node_id}:{rng.random()}:{b}".encode()).digest() for b in range(64)]
                     for _ in range(4)]
             live[node_id] = (reply.incarnation, reply.next_seq - 1, runs)
@@ -361,6 +369,7 @@ async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: 
                 await publish(node_id, [pb.KvEvent(stored=pb.BlockStored(
                     block_hashes=run, block_size=BLOCK_SIZE, medium=common_pb2.MEDIUM_CPU))])
                 counts["stored_blocks"] += len(run)
+            return True
 
         start = time.monotonic()
         deadline = start + seconds
@@ -371,8 +380,7 @@ async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: 
             actions += 1
             node_id = rng.choice(pool)
             if node_id not in live:
-                await join(node_id)
-                counts["join"] += 1
+                counts["join"] += await join(node_id)
                 continue
             action = rng.choices(["evict", "restart", "leave", "heartbeat"], [5, 2, 2, 3])[0]
             inc, seq, runs = live[node_id]
@@ -387,8 +395,7 @@ async def churn(address: str, admin_key: str, seconds: float, nodes: int, seed: 
                 counts["evict"] += 1
                 counts["stored_blocks"] += len(fresh)
             elif action == "restart":
-                await join(node_id)  # a new incarnation fences the old one's entries
-                counts["restart"] += 1
+                counts["restart"] += await join(node_id)  # a new incarnation fences the old one's entries
             elif action == "leave":
                 await stub.DeregisterNode(pb.DeregisterNodeRequest(node_id=node_id, incarnation=inc), timeout=10)
                 del live[node_id]
