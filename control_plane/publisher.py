@@ -298,7 +298,8 @@ class EventPublisher:
                 if not self._unacked and not self._queue:
                     self._idle.set()
         except asyncio.CancelledError:
-            if self._need_register:
+            # the call was cancelled by feed() for a resync: register again; this task cancelled (stop()): end
+            if self._need_register and not asyncio.current_task().cancelling():
                 return
             raise
         finally:

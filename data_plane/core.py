@@ -1,10 +1,12 @@
 """The data plane of one node, as plain Python: what every RPC does.
 
 It owns the CPU tier (:mod:`.tier`), the optional disk tier (:mod:`.disk`),
-the leases that pin blocks for readers (:mod:`.leases`), its pulls from
-other nodes (:mod:`.pulls`, over :mod:`.peers` and :mod:`.transfer`) and the
-consumers' agents it sends to (:mod:`.peer_agents`), and reports every tier
-change to an :class:`~data_plane.events.EventSink`. The gRPC servicer only
+the leases that pin blocks for readers (:mod:`.leases`) and the tenants'
+epochs, answers local engines and peers' Lookups, and reports every tier
+change to an :class:`~data_plane.events.EventSink`. Its parts by
+responsibility: pulls from other nodes (:mod:`.pulls`, over :mod:`.peers` and
+:mod:`.transfer`), sends to consumers' agents (:mod:`.sends`), slots a failed
+transfer may still write into (:mod:`.quarantine`). The gRPC servicer only
 converts.
 
 Failure policy (docs/data_plane.md has the full table):
@@ -28,11 +30,7 @@ import time
 from collections import defaultdict
 from typing import Awaitable, Callable, Iterable, Iterator
 
-import grpc
-
-from kvmesh.errors import (
-    FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
-)
+from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvmesh.channels import ClientTLS
 from kvmesh.namespace import Namespace
 
@@ -45,24 +43,19 @@ from data_plane.events import EventSink, NoEvents
 from data_plane.eviction import EvictionPolicy, block_info
 from data_plane.leases import Clock, LeaseTable, SystemClock
 from data_plane.metrics import DataPlaneMetrics
-from data_plane.peer_agents import PeerAgents
-from data_plane.peers import Peer, PeerPool, PeerProof
+from data_plane.peers import PeerPool, PeerProof
 from data_plane.pulls import Pulls
-from data_plane.reclaim import Quarantine, Reclaimer, Verdict
+from data_plane.quarantine import Quarantine
+from data_plane.sends import Sends, lease_scope
 from data_plane.shm import SharedRegion
 from data_plane.tier import Block, MemoryTier
-from data_plane.transfer import TransferFailed, Transport
+from data_plane.transfer import Transport
 from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, validate_hashes
 
 log = logging.getLogger(__name__)
 
 LOCAL_HOLDER = "local"
 _ENGINE = "engine"
-
-
-def _scope(ns: Namespace, epoch: Epoch) -> str:
-    """What a peer's lease pins: blocks of one namespace, served under one tenant epoch."""
-    return f"{ns.fingerprint}@{epoch}"
 
 
 # (namespace, source node id, timeout in s) -> a pull grant signed by the control plane, and the source's
@@ -114,7 +107,7 @@ class DataPlaneCore:
         self.transport = transport
         self.events: EventSink = events or NoEvents()
         self._clock = clock or SystemClock()
-        self._leases: LeaseTable[Block] = LeaseTable(self._clock)
+        self.leases: LeaseTable[Block] = LeaseTable(self._clock)
         self._grants = grants
         self._limits = limits
         self._routes = routes
@@ -122,7 +115,6 @@ class DataPlaneCore:
         self.epochs = TenantEpochs()
         self.metrics = metrics or DataPlaneMetrics()
         self._peers = PeerPool(self.node_id, transport, self.block_bytes, peer_proof, peer_tls)
-        self._agents = PeerAgents(self.transport)  # the consumers' NIXL agents sends WRITE to (handshakes)
         self._writers: dict[BlockKey, str] = {}  # uncommitted block -> who reserved it
         self._namespaces: dict[str, Namespace] = {}
         # the tenant's CPU-tier limit on this node as last learned (a Reserve's or a pull's); a promotion from
@@ -131,15 +123,8 @@ class DataPlaneCore:
         self._sweeper: asyncio.Task | None = None
         self._epoch_sweeper: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        # lease id -> holder, of sends whose WRITE may still land: from the moment the send takes the lease
-        # until the WRITE ends or NIXL releases it (never, for one NIXL could not release)
-        self._writing: dict[str, str] = {}
-        self._sends: set[asyncio.Task] = set()  # the WRITEs of sends in flight
-        self._draining = False
-        self._renewing = False  # the NIXL agent is being replaced: no pull or send starts
-        self._reclaimer = Reclaimer(self._ask_settled, self._reclaim, config.reclaim_retry_ms / 1000,
-                                    config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000,
-                                    force=self._renew_transport, force_after_s=config.reclaim_force_after_ms / 1000)
+        self.quarantine = Quarantine(self)
+        self.sends = Sends(self)
         self.pulls = Pulls(self)
 
     # ---- lifecycle ----
@@ -153,25 +138,14 @@ class DataPlaneCore:
         sweepers = [t for t in (self._sweeper, self._epoch_sweeper) if t is not None]
         for task in [*sweepers, *self._background]:
             task.cancel()
-        for task in self._sends:
-            task.cancel()
-        await asyncio.gather(*self._background, *self._sends, *sweepers, return_exceptions=True)
-        await self._reclaimer.close()
+        await asyncio.gather(*self._background, *sweepers, return_exceptions=True)
+        await self.sends.close()
+        await self.quarantine.close()
         await self._peers.close()
         self.transport.close()
         if self.disk is not None:
             self.disk.close()
         self.region.close()
-
-    async def drain_sends(self, timeout_s: float) -> None:
-        """Refuses new sends and waits, at most ``timeout_s``, for the WRITEs in flight to end. Called before
-        the server gives up its port: a replacement that binds the port afterwards proves to consumers that
-        this process moves no more bytes (data_plane.reclaim). A WRITE NIXL could not release is not waited
-        for (it has ended as far as this process can tell; it stops with the process)."""
-        self._draining = True
-        if self._sends:
-            log.info("stopping: waiting up to %.1fs for %d sends in flight", timeout_s, len(self._sends))
-            await asyncio.wait(set(self._sends), timeout=timeout_s)
 
     async def _sweep_leases(self) -> None:
         while True:
@@ -221,7 +195,7 @@ class DataPlaneCore:
 
     def expire_leases(self) -> int:
         """Unpins what expired leases held; returns how many leases expired."""
-        expired = self._leases.expire()
+        expired = self.leases.expire()
         for lease in expired:
             log.info("lease %s of %s expired; unpinning %d blocks", lease.lease_id, lease.holder, len(lease.items))
             for block in lease.items:
@@ -230,7 +204,7 @@ class DataPlaneCore:
 
     # ---- validation ----
 
-    def _check(self, ns: Namespace, hashes: list[bytes]) -> list[bytes]:
+    def check(self, ns: Namespace, hashes: list[bytes]) -> list[bytes]:
         ns.validate()
         want = self.config.block_tokens
         if want and ns.cache_config.block_size != want:
@@ -268,7 +242,7 @@ class DataPlaneCore:
 
         ResourceExhausted, with nothing reserved, when the new blocks would take the tenant past
         ``tenant_limit_bytes`` on this node (its policy's max_cpu_tier_bytes_per_node)."""
-        hashes = self._check(ns, hashes)
+        hashes = self.check(ns, hashes)
         block_size, fp = ns.cache_config.block_size, ns.fingerprint
         self._tenant_limits[ns.tenant] = tenant_limit_bytes
         if tenant_limit_bytes is not None:
@@ -299,7 +273,7 @@ class DataPlaneCore:
     def commit(self, ns: Namespace, hashes: list[bytes]) -> int:
         """Checksums and publishes blocks the engine wrote; all or nothing. Committed ones are skipped, and
         those reserved under a tenant epoch that has ended since are dropped instead (not counted)."""
-        hashes = self._check(ns, hashes)
+        hashes = self.check(ns, hashes)
         if not self._known(ns):
             raise NotFound(f"unknown namespace {ns.fingerprint} ({ns.model}): nothing was reserved in it")
         todo, fp = [], ns.fingerprint
@@ -326,7 +300,7 @@ class DataPlaneCore:
 
     def abort(self, ns: Namespace, hashes: list[bytes]) -> None:
         """Frees the engine's uncommitted reservations among ``hashes`` (others are left alone)."""
-        hashes = self._check(ns, hashes)
+        hashes = self.check(ns, hashes)
         fp = ns.fingerprint
         for h in hashes:
             key = BlockKey(fp, h)
@@ -344,7 +318,7 @@ class DataPlaneCore:
         reach this node's UCX worker), so each block's CRC-32C is checked against the one recorded when it
         was stored before the engine gets its slot: a block that changed is dropped from the tier and ends
         the run (MISS from there)."""
-        hashes = self._check(ns, hashes)
+        hashes = self.check(ns, hashes)
         pinned: list[Block] = []
         epoch = self.epochs.current(ns.tenant)
         if self._known(ns) and epoch is not GONE:
@@ -374,7 +348,7 @@ class DataPlaneCore:
 
     def release(self, lease_id: str, holder: str | None = None) -> None:
         """Ends a lease; with ``holder``, only a lease that holder took (a peer releases its own leases only)."""
-        for block in self._leases.release(lease_id, holder):
+        for block in self.leases.release(lease_id, holder):
             self.tier.unpin(block)
 
     def settle(self, lease_id: str, holder: str | None = None) -> bool:
@@ -384,14 +358,14 @@ class DataPlaneCore:
         send's taking the lease and recording its WRITE do: whichever comes first, no WRITE lands after a
         True. Another holder's lease is neither released nor reported (True: no write of *its* is out)."""
         self.release(lease_id, holder)
-        writer = self._writing.get(lease_id)
+        writer = self.sends.writing.get(lease_id)
         return writer is None or (holder is not None and writer != holder)
 
     def _lease(self, holder: str, blocks: list[Block], lease_ms: int, scope: str = "") -> str:
         if not blocks:
             return ""
         ttl = self._bounded(lease_ms, self.config.lease_ms, self.config.max_lease_ms)
-        return self._leases.grant(holder, blocks, ttl, scope)
+        return self.leases.grant(holder, blocks, ttl, scope)
 
     def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium], caller: str,
                   epoch: Epoch) -> Block | None:
@@ -463,49 +437,13 @@ class DataPlaneCore:
 
     # ---- peer API ----
 
-    async def exchange_metadata(self, node_id: str, metadata: bytes, block_bytes: int, timeout_s: float = 10.0,
-                                challenge_answer: bytes = b"") -> tuple[str, bytes, bytes]:
-        """One call of a consumer's handshake: this node's agent name, its metadata (serve_peer_reads only) and
-        the SHA-256 of the challenge the caller's agent was sent (empty: none). Waits at most ``timeout_s`` for this node's own agent
-        (Unavailable: still starting).
-
-        The agent handed over is the one this node WRITEs ``node_id``'s blocks to, so it must be ``node_id``'s
-        own, which takes two calls. The first hands over its metadata: an agent of ``node_id`` (named
-        ``<node_id>-<incarnation>``; PermissionDenied otherwise) and exactly what an agent hands out
-        (InvalidArgument otherwise), both checked before NIXL is given anything; the agent is loaded and sent a
-        NIXL notification holding a random nonce. The second answers with that nonce (``challenge_answer``):
-        only then does the agent become the endpoint sends to ``node_id`` use. Metadata that names the node's
-        agent around another process's worker address cannot be answered: the nonce reaches that process.
-        Until the answer, and after any refusal, the endpoint the node had stays in place."""
-        if not node_id:
-            raise InvalidArgument("node_id must be set")
-        if block_bytes != self.block_bytes:
-            raise FailedPrecondition(
-                f"block_bytes mismatch: this node stores {self.block_bytes}-byte blocks, the caller {block_bytes}")
-        if metadata and challenge_answer:
-            raise InvalidArgument("a handshake call carries agent_metadata or agent_challenge_answer, not both")
-        await self.transport.ready(timeout_s)
-        digest = b""
-        if metadata:
-            agent = self.transport.describe_peer(metadata)
-            if agent.node_id != node_id or agent.name == self.transport.agent_name:
-                raise PermissionDenied(f"the agent metadata describes agent {agent.name!r}, not one of node "
-                                       f"{node_id!r}: a node hands over its own agent's metadata only")
-            await self.transport.vet_peer(metadata, timeout_s)
-            digest = self._agents.challenge(node_id, metadata, agent)
-        elif challenge_answer:
-            self._agents.answer(node_id, challenge_answer)
-        # Without serve_peer_reads the caller gets no rkey of this node: bytes leave only by send().
-        return (self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b"",
-                digest)
-
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
                      lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),
                      holder: str = "", grant_epoch: str | None = None) -> LookupAnswer:
         """Per hash HIT (pinned under the returned lease) or MISS; pending writes are awaited, bounded.
         Only blocks stored under ``grant_epoch`` (a peer's grant's) or, for a local caller (None), under the
         tenant's current epoch are HITs."""
-        hashes = self._check(ns, hashes)
+        hashes = self.check(ns, hashes)
         n = len(hashes)
         blocks: list[Block | None] = [None] * n
         pending: list[int] = []
@@ -546,7 +484,7 @@ class DataPlaneCore:
         pinned = [b for b in blocks if b is not None]
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
-        lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms, _scope(ns, epoch))
+        lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms, lease_scope(ns, epoch))
         base, bb = self.region.base_addr, self.block_bytes
         return LookupAnswer(
             statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
@@ -554,82 +492,6 @@ class DataPlaneCore:
             checksums=[b.checksum if b else 0 for b in blocks],
             lease_id=lease_id,
         )
-
-    async def send(self, ns: Namespace, lease_id: str, hashes: list[bytes], landing_addrs: list[int],
-                   consumer_node_id: str, holder: str, *, timeout_s: float, grant_epoch: str = "") -> int:
-        """The gated byte path: WRITEs the blocks pinned under ``lease_id`` (an earlier :meth:`lookup` by
-        ``holder`` in ``ns`` under ``grant_epoch``: the namespace and tenant epoch of the caller's grant)
-        to the consumer's landing addresses and ends the lease (nothing stays pinned): how many leading
-        blocks of ``hashes`` were written. ``hashes`` must be the leading blocks of the lease, in order:
-        they are not looked up again (a block purged since, e.g. by a new tenant epoch, ends the run).
-        Only these blocks leave: the consumer holds no rkey of this node. A lease that is not ``holder``'s
-        in ``ns`` under ``grant_epoch`` (or expired) writes nothing (0). Unavailable when the write failed
-        and could not be cancelled (the landing slots may still change); a write that failed cleanly
-        answers 0."""
-        hashes = self._check(ns, hashes)
-        n = len(hashes)
-        if len(landing_addrs) != n:
-            raise InvalidArgument(f"{len(landing_addrs)} landing addresses for {n} hashes")
-        if not lease_id:
-            raise InvalidArgument("landing_addrs needs the lease_id of this caller's Lookup of the blocks")
-        lease = self._leases.take(lease_id, holder, _scope(ns, grant_epoch))
-        if lease is None:
-            log.info("send to %s: lease %s is not its own in %s, or expired; answering MISS",
-                     consumer_node_id, lease_id, ns.fingerprint)
-            return 0
-        if self._draining or self._renewing:
-            for block in lease.items:
-                self.tier.unpin(block)
-            log.info("send to %s: this node is %s; answering MISS", consumer_node_id,
-                     "stopping" if self._draining else "replacing its NIXL agent")
-            return 0
-        self._writing[lease_id] = holder
-        # The WRITE runs in a task of its own: a caller that goes away (its deadline passed) cancels this
-        # handler, not the WRITE, which ends within its own bound and only then leaves the ledger.
-        task = asyncio.get_running_loop().create_task(
-            self._send_lease(lease.lease_id, lease.items, hashes, landing_addrs, consumer_node_id, timeout_s))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its caller may be gone
-        return await asyncio.shield(task)
-
-    async def _send_lease(self, lease_id: str, blocks: list[Block], hashes: list[bytes], landing_addrs: list[int],
-                          consumer_node_id: str, timeout_s: float) -> int:
-        n = len(hashes)
-        sent = indexed = 0
-        stuck = False  # the WRITE may land until this process exits: never reported settled
-        try:
-            if n > len(blocks) or any(b.key.block_hash != h for b, h in zip(blocks, hashes)):
-                raise InvalidArgument(f"block_hashes are not the leading blocks of lease {lease_id}")
-            agent = self._agents.get(consumer_node_id)
-            if agent is None:
-                raise FailedPrecondition(f"node {consumer_node_id!r} has not handshaken with this node: call "
-                                         "ExchangeAgentMetadata first")
-            if not agent.holds_slots(landing_addrs, self.block_bytes):
-                raise InvalidArgument(f"landing_addrs must be whole {self.block_bytes}-byte slots of the memory "
-                                      f"node {consumer_node_id!r}'s agent registered")
-            get = self.tier.get
-            indexed = next((i for i, b in enumerate(blocks[:n]) if get(b.key) is not b), n)
-            if indexed:
-                offset = self.region.offset
-                await self.transport.write(agent.name, [offset(b.slot) for b in blocks[:indexed]],
-                                           landing_addrs[:indexed], self.block_bytes, timeout_s)
-            sent = indexed
-        except TransferFailed as exc:
-            log.warning("sending %d blocks to %s failed: %s", indexed, consumer_node_id, exc)
-            if exc.may_still_write:
-                # Released or not: over UCX tcp, bytes already in this host's socket buffers still land when
-                # the path drains (after a cut heals), so only the "gone" proof (a new process at this
-                # address) may hand the consumer's landing slots back.
-                stuck = True
-                raise Unavailable(f"the WRITE to {consumer_node_id} failed and may still land (timed out, or could "
-                                  "not be cancelled)") from None
-        finally:
-            for block in blocks:
-                self.tier.unpin(block)
-            if not stuck:
-                del self._writing[lease_id]
-        return sent
 
     # ---- pulls (data_plane.pulls) ----
 
@@ -644,7 +506,7 @@ class DataPlaneCore:
         that bound) even if the caller goes away, so no transfer is left writing into slots that
         were handed back.
         """
-        hashes = self._check(ns, hashes)
+        hashes = self.check(ns, hashes)
         if not source_address or not source_node_id:
             raise InvalidArgument("source_node_id and source_address must be set")
         if source_node_id == self.node_id or source_address == self.address:
@@ -658,89 +520,6 @@ class DataPlaneCore:
         self.pulls.in_flight.add(task)
         task.add_done_callback(self.pulls.in_flight.discard)
         return await asyncio.shield(task)
-
-    # ---- quarantine ----
-
-    def _source_refusal(self, source_node_id: str) -> str:
-        """Why this node does not pull from that source now ("": it may): its failed transfers hold its whole
-        quarantine budget here, or it never proved over a transfer whose slots were reclaimed by force."""
-        if self._renewing:
-            return "this node is replacing its NIXL agent (quarantined slots reclaimed by force); retry"
-        if self._reclaimer.owes(source_node_id):
-            return (f"node {source_node_id} never proved a failed transfer into this node over (its slots were "
-                    "reclaimed by force); it is not pulled from until it does")
-        held, budget = self._reclaimer.quarantined_from(source_node_id), self.config.quarantine_budget
-        if held >= budget:
-            return (f"node {source_node_id}'s failed transfers hold {held} quarantined slots here (its budget: "
-                    f"{budget}); it is not pulled from until it proves them over")
-        return ""
-
-    async def _renew_transport(self) -> bool:
-        """The reclaimer's path that does not depend on any source: once no pull or send of this node is in
-        flight (new ones are refused meanwhile, at most one pull bound), the NIXL agent is replaced, so no
-        WRITE into this node's memory still in flight can land; peers handshake again. False (tried again
-        later) when that cannot be done now: a pull or send outlived the bound, or a send's WRITE failed in a
-        way that may still land (only this process's exit ends it)."""
-        if self._renewing:
-            return False
-        self._renewing = True
-        try:
-            busy = self.pulls.in_flight | self._sends
-            if busy:
-                await asyncio.wait(busy, timeout=self.config.max_pull_timeout_ms / 1000)
-            if self.pulls.in_flight or self._sends or self._writing or not await self.transport.rotate():
-                return False
-            self._agents.forget_all()  # their agents (and the challenged ones) were loaded into the old one
-            await self._peers.close()  # this node's metadata changed: every source gets the new one
-            return True
-        finally:
-            self._renewing = False
-
-    def _quarantine(self, blocks: list[Block], peer: Peer, ns: Namespace, lease_id: str, grant: bytes) -> None:
-        """Quarantines the landing slots of a transfer that may still write; the reclaimer frees them once
-        that is proven over (data_plane.reclaim)."""
-        slots = [self.tier.quarantine(block) for block in blocks]
-        self.metrics.quarantined(len(slots), self.tier.quarantined)
-        self._reclaimer.add(Quarantine(slots, ns, peer.node_id, peer.address, peer.incarnation, lease_id, grant))
-
-    def _reclaim(self, slots: list[int]) -> None:
-        self.tier.reclaim(slots)
-        self.metrics.reclaimed(len(slots), self.tier.quarantined)
-
-    async def _ask_settled(self, record: Quarantine, timeout_s: float) -> Verdict:
-        """Asks the source's address whether a write into ``record``'s slots can still land (its Release
-        of the lease, under the pull's grant, renewed once from the control plane when refused)."""
-        client = self._peers.client(record.source_address, record.source_node_id)
-        deadline = time.monotonic() + timeout_s
-        try:
-            for renewed in (False, True):
-                try:
-                    settled, agent = await client.release(record.lease_id, timeout=deadline - time.monotonic(),
-                                                          grant=record.grant)
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    refused = exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
-                    if not refused or renewed or self._grants is None:
-                        log.info("quarantined slots: %s did not answer (%s)", record.source_address,
-                                 exc.code().name)
-                        return Verdict.PENDING
-                    record.grant, _ = await self._grants(record.ns, record.source_node_id,
-                                                         deadline - time.monotonic())
-            if agent and agent != record.source_agent:
-                return Verdict.GONE
-            return Verdict.SETTLED if settled and record.lease_id else Verdict.PENDING
-        except (Unavailable, PermissionDenied) as exc:  # no new grant
-            log.info("quarantined slots: no grant to ask %s (%s)", record.source_address, exc)
-            return Verdict.PENDING
-        finally:
-            await client.close()
-
-    async def _release_remote(self, peer: Peer, lease_id: str, grant: bytes) -> None:
-        try:
-            await peer.client.release(lease_id, timeout=5.0, grant=grant)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:  # UsageError: the failed pull closed the peer
-            log.info("releasing lease %s on %s failed (%s); it will expire", lease_id, peer.address,
-                     exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

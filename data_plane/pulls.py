@@ -13,7 +13,7 @@ NIXL transfer itself takes one descriptor per run of slots contiguous on both no
 
 Failure policy: a source that is unreachable, refuses, times out or sends a bad block is a MISS for what did not
 arrive; landing slots a failed transfer may still write into are quarantined by the node
-(:meth:`DataPlaneCore._quarantine`, :mod:`data_plane.reclaim`), never handed back.
+(:mod:`data_plane.quarantine`), never handed back.
 
 The pull path shares the node's tier, its writers ledger (who reserved an uncommitted block), its quarantine and
 its background tasks, so it is given the node itself (:class:`~data_plane.core.DataPlaneCore`) and reaches its
@@ -161,11 +161,11 @@ class Pulls:
                      ) -> tuple[int, float, float, str]:
         """Brings ``wanted`` (indexes, chain order) from the source; (blocks moved, lookup ms, transfer ms,
         why it was refused before any transfer, or "")."""
-        refusal = self._node._source_refusal(source_node_id)
+        refusal = self._node.quarantine.refusal(source_node_id)
         if refusal:
             log.warning("pull from %s: %s; answering MISS", source_address, refusal)
             return 0, 0.0, 0.0, refusal
-        held = self._node._reclaimer.quarantined_from(source_node_id)
+        held = self._node.quarantine.reclaimer.quarantined_from(source_node_id)
         if held:  # a source that failed here already: a pull puts at most what is left of its budget at risk
             wanted = wanted[:self.config.quarantine_budget - held]
         try:
@@ -261,7 +261,7 @@ class Pulls:
             transfer_ms = (time.perf_counter() - t1) * 1000
         finally:
             if answer.lease_id:
-                self._node._spawn(self._node._release_remote(peer, answer.lease_id, grant))
+                self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
         return (blocks, checksums, lookup_ms, transfer_ms) if arrived else ([], [], lookup_ms, transfer_ms)
 
     async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
@@ -281,7 +281,7 @@ class Pulls:
                                                       answer)
         if not blocks:
             if answer.lease_id:
-                self._node._spawn(self._node._release_remote(peer, answer.lease_id, grant))
+                self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
             return None
         base = self.region.base_addr
         offset = self.region.offset
@@ -309,7 +309,7 @@ class Pulls:
             for block in blocks:
                 self._writers.pop(block.key, None)
             if outcome == "quarantine":
-                self._node._quarantine(blocks, peer, ns, answer.lease_id, grant)
+                self._node.quarantine.add(blocks, peer, ns, answer.lease_id, grant)
             else:
                 for block in blocks:
                     self.tier.abort(block)
@@ -404,9 +404,17 @@ class Pulls:
                 for block in blocks:
                     self._writers.pop(block.key, None)
                 if exc.may_still_write:  # the consumer's own READ: only the source's exit proves it over
-                    self._node._quarantine(blocks, peer, blocks[0].namespace, "", grant)
+                    self._node.quarantine.add(blocks, peer, blocks[0].namespace, "", grant)
                 else:
                     for block in blocks:
                         self.tier.abort(block)
                 await self._peers.forget(peer)
                 return False
+
+    async def _release_remote(self, peer: Peer, lease_id: str, grant: bytes) -> None:
+        try:
+            await peer.client.release(lease_id, timeout=5.0, grant=grant)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:  # UsageError: the failed pull closed the peer
+            log.info("releasing lease %s on %s failed (%s); it will expire", lease_id, peer.address,
+                     exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
+

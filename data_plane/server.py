@@ -66,7 +66,7 @@ class RunningDataPlane:
 
     async def stop(self) -> None:
         # the WRITEs in flight end before the port is given up (a new incarnation there proves none is left)
-        await self.core.drain_sends(self.core.config.max_pull_timeout_ms / 1000)
+        await self.core.sends.drain(self.core.config.max_pull_timeout_ms / 1000)
         if self.transfers_ready is not None:
             self.transfers_ready.cancel()
         await self.server.stop()

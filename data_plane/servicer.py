@@ -45,7 +45,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         if grant is not None and grant.consumer_node_id != request.node_id:
             raise PermissionDenied(f"the grant was issued to node {grant.consumer_node_id!r}, "
                                    f"not {request.node_id!r}")
-        name, metadata, digest = await self._core.exchange_metadata(
+        name, metadata, digest = await self._core.sends.exchange_metadata(
             request.node_id, request.agent_metadata, request.block_bytes, context.time_remaining() or 10.0,
             request.agent_challenge_answer)
         return pb.ExchangeAgentMetadataResponse(node_id=self._core.node_id, agent_name=name,
@@ -65,7 +65,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             timeout_s = min(self._core.config.pull_timeout_ms / 1000 if remaining is None else remaining,
                             self._core.config.max_pull_timeout_ms / 1000)
             hashes = list(request.block_hashes)
-            sent = await self._core.send(
+            sent = await self._core.sends.send(
                 ns, request.lease_id, hashes, list(request.landing_addrs), grant.consumer_node_id,
                 lease_holder(grant), timeout_s=max(0.0, timeout_s - SEND_MARGIN_S), grant_epoch=grant.tenant_epoch)
             return wire.send_response(sent, len(hashes), self._core.block_bytes)

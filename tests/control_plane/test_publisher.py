@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 
@@ -100,3 +101,19 @@ async def test_fenced_node_reregisters_and_resyncs_its_snapshot(control_plane, a
         assert await longest(control_plane, hs) == 3
     finally:
         await pub.stop()
+
+
+async def test_stop_ends_the_publisher_while_a_resync_is_pending(control_plane, admin_key):
+    """stop() cancels the stream while the node must register again (the control plane asked for a resync and
+    the stream's feeder has not cancelled the call yet): the cancellation ends the publisher; it was taken for
+    the feeder's: the stopping publisher registered the node again and streamed on (a data plane's stop hung
+    once in a test teardown under load)."""
+    node = Node()
+    pub = publisher(control_plane.port, node, admin_key)
+    await pub.start()
+    pub.stored(NS, hashes(2), int(Medium.CPU))
+    assert await pub.flush(5)  # streaming
+    incarnation = pub.incarnation
+    pub._need_register = True  # what a resync code from a heartbeat sets (its wake-up not delivered yet)
+    await asyncio.wait_for(pub.stop(), 5)
+    assert pub.incarnation == incarnation, "the stopped publisher registered the node again"

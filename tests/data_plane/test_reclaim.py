@@ -156,13 +156,13 @@ async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, 
     held = HeldWrites(source.core.transport)
     source.core.transport = held
     leases: list[str] = []
-    real_send = source.core.send
+    real_send = source.core.sends.send
 
     async def send_recording_lease(ns_, lease_id, *args, **kwargs):
         leases.append(lease_id)
         return await real_send(ns_, lease_id, *args, **kwargs)
 
-    monkeypatch.setattr(source.core, "send", send_recording_lease)
+    monkeypatch.setattr(source.core.sends, "send", send_recording_lease)
     attacker = NodeIdentity()
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local, \

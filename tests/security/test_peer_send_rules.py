@@ -9,7 +9,7 @@ each case: the same peer's well-formed send of a fresh lease writes the source's
 
 The source is a real data plane served in this process (gRPC on loopback, NIXL over UCX tcp); the peer is a NIXL
 agent of this process with a registered buffer, calling as a peer (grant and proof, no API key). The source's
-own hooks stand in for what the control plane and a SIGTERM do (its ``learn_epoch``, its ``drain_sends``).
+own hooks stand in for what the control plane and a SIGTERM do (its ``learn_epoch``, its ``sends.drain``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ async def test_a_draining_node_starts_no_new_write(source, peer):
     buf[:] = 0
     hashes, _ = await store(source, TENANT_A)
     lease = await looked_up(client, grant, hashes)
-    await source.node.core.drain_sends(0.0)
+    await source.node.core.sends.drain(0.0)
     assert await client.send(TENANT_A, lease, hashes, landing(buf), grant=grant) == (0, BLOCK)
     await asyncio.sleep(0.1)
     assert not buf.any(), "a draining node wrote"

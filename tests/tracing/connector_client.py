@@ -1,9 +1,12 @@
-"""A stand-in scheduler and engine for the prefetch tracing test, in one child process (it owns its TracerProvider).
+"""A stand-in engine (and, for the prefetch test, its scheduler) for the tracing tests, in one child process that
+owns its TracerProvider.
 
-``python prefetch_client.py ARGS_JSON``: routes a prompt (given as block hashes) to the engine on dp2 with
-``SchedulerClient`` (prefetch on: the order goes to dp2), then has the connector's scheduler side ask for it with
+``python connector_client.py ARGS_JSON``: configures tracing from the environment under ``args["service"]``, builds
+the connector's NodeLink + SchedulerSide for the given node and asks how many tokens of a prompt (given as block
+hashes) it can load, with ``args["kv_transfer_params"]``; or, when ``args`` names a ``scheduler_key``, first
+routes the prompt to the engine on dp2 with ``SchedulerClient`` (prefetch on: the order goes to dp2) and asks with
 the ``kv_transfer_params`` Route returned, as the engine would. Prints one JSON line:
-``{"prefetch_status": ..., "matched_tokens": N, "report": {...}}``.
+``{"prefetch_status": ... (routed only), "matched_tokens": N, "report": {...}}``.
 """
 
 from __future__ import annotations
@@ -46,24 +49,29 @@ async def route(args: dict, ns: Namespace, hashes: list[bytes]):
 
 
 def main(args: dict) -> None:
-    tracing.configure("kvmesh-scheduler")
+    tracing.configure(args["service"])
     config = ConnectorConfig.from_extra_config(args["connector"])
     ns = Namespace(config.tenant, "tiny", "rev1", CacheConfig(block_size=BS, kv_dtype="float32",
                                                               kv_layout=KV_LAYOUT)).validate()
     hashes = [bytes.fromhex(h) for h in args["hashes"]]
-    decision = asyncio.run(route(args, ns, hashes))
+    out: dict = {}
+    if "scheduler_key" in args:
+        decision = asyncio.run(route(args, ns, hashes))
+        out["prefetch_status"], params = decision.prefetch_status, decision.kv_transfer_params()
+    else:
+        params = args["kv_transfer_params"]
     link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address, tls=config.tls())
     side = SchedulerSide(link, ns, config, BS, can_load=True, can_save=True)
     side.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (list(range(1000)),)))
-    request = Request("prefetched-1", hashes, decision.kv_transfer_params())
+    request = Request(args["request_id"], hashes, params)
+    # The scheduler side answers None while its background lookup and pull run; vLLM asks each step.
     deadline = time.monotonic() + 30
     while (matched := side.num_new_matched_tokens(request, 0)) is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    report = side.finished(request)[1]["kvmesh"]
+    out["matched_tokens"], out["report"] = matched, side.finished(request)[1]["kvmesh"]
     link.close()
     tracing.shutdown()
-    print(json.dumps({"prefetch_status": decision.prefetch_status, "matched_tokens": matched, "report": report}),
-          flush=True)
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
