@@ -207,5 +207,10 @@ class SharedTier:
             raise IndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
         return self._region.slot(slot)
 
+    def slots(self) -> np.ndarray:
+        """Every slot as one writable ``[num_slots, block_bytes]`` uint8 matrix (no copy), for copies of many
+        slots at once (fancy indexing by slot number). Drop it before :meth:`close`."""
+        return self._region.array.reshape(self.num_slots, self.block_bytes)
+
     def close(self) -> None:
         self._region.close()

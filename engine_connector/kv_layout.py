@@ -1,4 +1,4 @@
-"""Byte-level access to vLLM's paged KV cache, one block at a time, on CPU or on a GPU.
+"""Byte-level access to vLLM's paged KV cache, a step's blocks at a time, on CPU or on a GPU.
 
 vLLM 0.32's CPU attention backend (``CPU_ATTN``) gives every attention layer its own
 contiguous tensor of shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
@@ -8,19 +8,24 @@ block index to be the leading dimension (the CPU layout, and GPU backends with t
 ``NHD``/blocks-first layout); anything else is refused at registration.
 
 A data-plane slot holds the concatenation of ``kv[b]``'s bytes over the layers in
-registration order; :class:`PagedKVLayout` copies between that form and the engine's cache.
+registration order. :class:`PagedKVLayout` copies a step's blocks between the tier (its
+slots viewed as one ``[num_slots, block_nbytes]`` matrix) and the engine's cache with one
+gather/scatter per layer over the step's block ids (numpy fancy indexing on CPU,
+``index_copy_``/``index_select`` on a GPU), not a Python loop per block.
 
-On CPU a copy is a ``memcpy`` done when called. On a GPU (``kv.device.type == "cuda"``) copies
-are queued on a side CUDA stream (host slots <-> device rows, asynchronous when the host
-memory is page-locked: the worker registers the tier's mapping with ``cudaHostRegister``);
-:meth:`fence` returns an event to poll and :meth:`synchronize` waits for the stream. The GPU
-path was written against the PyTorch CUDA API and has not been run on a GPU (see
-docs/engine_connector.md). Not thread-safe; the worker connector calls it from the model
+On CPU a copy is done when called. On a GPU (``kv.device.type == "cuda"``) loads are gathered
+on the host into a page-locked staging buffer, then queued on a side CUDA stream (one
+host -> device copy, one ``index_copy_`` per layer); :meth:`fence` returns an event to poll and
+:meth:`synchronize` waits for the stream. Saves gather on the device, copy to a page-locked
+buffer and scatter into the slots on the host: :meth:`read_blocks` returns once the slots hold
+the bytes. The GPU path was written against the PyTorch CUDA API and has not been run on a GPU
+(see docs/engine_connector.md). Not thread-safe; the worker connector calls it from the model
 runner's thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +33,7 @@ import torch
 
 
 class PagedKVLayout:
-    """Copies whole blocks (all layers) between vLLM's KV cache and flat byte buffers."""
+    """Copies whole blocks (all layers) between vLLM's KV cache and a matrix of slots."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap the per-layer caches vLLM passes to ``register_kv_caches``.
@@ -58,8 +63,9 @@ class PagedKVLayout:
             raise ValueError("no KV cache tensors to register")
         self.device = device
         self.num_blocks = num_blocks
-        self._offsets = np.cumsum([0] + [r.shape[1] for r in rows]).tolist()
-        self.block_nbytes = int(self._offsets[-1])
+        offsets = np.cumsum([0] + [r.shape[1] for r in rows]).tolist()
+        self._columns = list(zip(offsets, offsets[1:]))  # each layer's bytes within a slot
+        self.block_nbytes = int(offsets[-1])
         self._on_gpu = device.type == "cuda"
         if self._on_gpu:
             self._rows = rows
@@ -71,44 +77,67 @@ class PagedKVLayout:
     def on_gpu(self) -> bool:
         return self._on_gpu
 
-    def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Copy block ``block_id`` for all layers into ``out`` (``block_nbytes`` bytes; a new array if None).
+    def write_blocks(self, block_ids: Sequence[int], slots: np.ndarray, slot_ids: Sequence[int]) -> None:
+        """Overwrite block ``block_ids[i]`` in every layer with row ``slot_ids[i]`` of ``slots``
+        (``[num_slots, block_nbytes]`` uint8), for all i at once.
 
-        On a GPU the copy is queued after the work already queued on the current stream (the
-        forward that wrote the block); call :meth:`synchronize` before reading ``out``.
+        On a GPU the copies are queued on the side stream; :meth:`fence` tells when they landed.
+        Raises ``IndexError`` (nothing copied) when an id is out of range.
         """
-        if out is None:
-            out = np.empty(self.block_nbytes, dtype=np.uint8)
-        elif out.nbytes != self.block_nbytes:
-            raise ValueError(f"buffer is {out.nbytes} bytes, cache blocks are {self.block_nbytes}")
+        blocks, rows = self._indices(block_ids, slots, slot_ids)
+        if not len(blocks):
+            return
         if self._on_gpu:
-            host = torch.from_numpy(out)
+            staged = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8, pin_memory=True)
+            torch.index_select(torch.from_numpy(slots), 0, torch.from_numpy(rows), out=staged)  # host gather
+            with torch.cuda.stream(self._stream):
+                on_device = staged.to(self.device, non_blocking=True)
+                index = torch.from_numpy(blocks).to(self.device, non_blocking=True)
+                for row, (start, end) in zip(self._rows, self._columns):
+                    row.index_copy_(0, index, on_device[:, start:end])
+            return
+        for view, (start, end) in zip(self._views, self._columns):
+            view[blocks] = slots[rows, start:end]
+
+    def read_blocks(self, block_ids: Sequence[int], slots: np.ndarray, slot_ids: Sequence[int]) -> None:
+        """Copy block ``block_ids[i]`` (all layers) into row ``slot_ids[i]`` of ``slots``, for all i at once;
+        the rows hold the bytes when this returns.
+
+        On a GPU the copies are ordered after the work already queued on the current stream (the
+        forward that wrote the blocks). Raises ``IndexError`` (nothing copied) when an id is out of range.
+        """
+        blocks, rows = self._indices(block_ids, slots, slot_ids)
+        if not len(blocks):
+            return
+        if self._on_gpu:
+            staged = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8, pin_memory=True)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                for row, start, end in zip(self._rows, self._offsets, self._offsets[1:]):
-                    host[start:end].copy_(row[block_id], non_blocking=True)
-            return out
-        for view, start, end in zip(self._views, self._offsets, self._offsets[1:]):
-            out[start:end] = view[block_id]
-        return out
-
-    def write_block(self, block_id: int, data: np.ndarray) -> None:
-        """Overwrite block ``block_id`` in every layer with ``data`` (``block_nbytes`` bytes).
-
-        On a GPU the copy is queued on the side stream; :meth:`fence` tells when it landed.
-        """
-        if data.nbytes != self.block_nbytes:
-            raise ValueError(f"block data is {data.nbytes} bytes, cache blocks are {self.block_nbytes}")
-        if not 0 <= block_id < self.num_blocks:
-            raise IndexError(f"block {block_id} is outside the cache's {self.num_blocks} blocks")
-        if self._on_gpu:
-            host = torch.from_numpy(data)
-            with torch.cuda.stream(self._stream):
-                for row, start, end in zip(self._rows, self._offsets, self._offsets[1:]):
-                    row[block_id].copy_(host[start:end], non_blocking=True)
+                index = torch.from_numpy(blocks).to(self.device, non_blocking=True)
+                on_device = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8, device=self.device)
+                for row, (start, end) in zip(self._rows, self._columns):
+                    on_device[:, start:end] = row.index_select(0, index)  # device gather
+                staged.copy_(on_device, non_blocking=True)
+            self._stream.synchronize()
+            slots[rows] = staged.numpy()  # host scatter
             return
-        for view, start, end in zip(self._views, self._offsets, self._offsets[1:]):
-            view[block_id] = data[start:end]
+        for view, (start, end) in zip(self._views, self._columns):
+            slots[rows, start:end] = view[blocks]
+
+    def _indices(self, block_ids: Sequence[int], slots: np.ndarray,
+                 slot_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        rows = np.asarray(slot_ids, dtype=np.int64)
+        if slots.ndim != 2 or slots.shape[1] != self.block_nbytes or slots.dtype != np.uint8:
+            raise ValueError(f"slots are {slots.dtype} {slots.shape}, expected uint8 rows of {self.block_nbytes} "
+                             f"bytes")
+        if blocks.shape != rows.shape or blocks.ndim != 1:
+            raise ValueError(f"{blocks.size} block ids for {rows.size} slots")
+        if len(blocks) and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            raise IndexError(f"block ids {blocks.min()}..{blocks.max()} leave the cache's {self.num_blocks} blocks")
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(slots)):
+            raise IndexError(f"slots {rows.min()}..{rows.max()} leave the tier's {len(slots)} slots")
+        return blocks, rows
 
     def fence(self) -> Any:
         """A marker of the copies queued so far: None on CPU (they are done), else a recorded CUDA event."""
@@ -127,12 +156,3 @@ class PagedKVLayout:
         """Wait for every queued copy (GPU); nothing to wait for on CPU."""
         if self._on_gpu:
             self._stream.synchronize()
-
-
-def pin_host_memory(address: int, nbytes: int) -> bool:
-    """Page-lock ``nbytes`` at ``address`` for the CUDA driver (``cudaHostRegister``) so device copies from and
-    to it run asynchronously; False (copies stay correct, only synchronous) when CUDA is absent or refuses."""
-    if not torch.cuda.is_available():
-        return False
-    result = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-    return int(result) == 0

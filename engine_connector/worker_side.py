@@ -5,13 +5,14 @@ is mapped into this process (``SharedTier``), so loads and saves are memory copi
 
 * loads (``start_load_kv``): the scheduler side already pulled and pinned the slots
   (``Acquire``) of requests waiting in ``WAITING_FOR_REMOTE_KVS``; their blocks are in no
-  forward, so each slot is copied into its engine block (on CPU at once, on a GPU queued on
-  a side stream); once the copies of a step have landed its leases are released and its
-  requests are reported through ``take_finished_loads`` (vLLM's ``finished_recving``);
+  forward, so the step's slots are copied into their engine blocks, all requests at once (one
+  gather/scatter per layer, :class:`PagedKVLayout`; on CPU at once, on a GPU queued on a side
+  stream); once the copies of a step have landed its leases are released and its requests are
+  reported through ``take_finished_loads`` (vLLM's ``finished_recving``);
 * saves (``wait_for_save``, after the forward; on CPU every layer's KV of the step is then in
-  the cache): ``Reserve`` slots for the step's newly full blocks, copy, ``Commit`` (the data
-  plane checksums and publishes them). ``-1`` slots (already stored, beyond the request's
-  offload cap, or no evictable slot) are skipped.
+  the cache): ``Reserve`` slots for the step's newly full blocks (one RPC per request), one
+  copy for the whole step, ``Commit`` (the data plane checksums and publishes them). ``-1``
+  slots (already stored, beyond the request's offload cap, or no evictable slot) are skipped.
 
 A failed copy is reported through ``take_failed_block_ids`` no later than its request's
 ``finished_recving`` and vLLM recomputes from the first failed block. The saves of a step with
@@ -32,13 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from kvmesh.namespace import Namespace
 
 from data_plane.client import SharedTier
 from engine_connector.block_shape import EngineBlocks, SlotSizeMismatch
-from engine_connector.kv_layout import PagedKVLayout, pin_host_memory
+from engine_connector.kv_layout import PagedKVLayout
 from engine_connector.metadata import BlockLoad, KvmeshConnectorMetadata, SaveRun
 from engine_connector.node_link import NodeLink
 
@@ -80,8 +82,6 @@ class WorkerSide:
         except SlotSizeMismatch:
             tier.close()
             raise
-        if layout.on_gpu and not pin_host_memory(tier.slot(0).ctypes.data, tier.num_slots * tier.block_bytes):
-            logger.warning("could not page-lock the CPU tier for the GPU: host<->device copies are synchronous")
         return tier
 
     def _current_tier(self) -> bool:
@@ -116,18 +116,30 @@ class WorkerSide:
         layout, tier = self._require()
         started = time.perf_counter()
         loads = self._misplaced(meta.loads) if self._misplace else meta.loads
-        failed = 0
-        for load in loads:
-            try:
-                layout.write_block(load.block_id, tier.slot(load.slot))
-            except (IndexError, ValueError, RuntimeError) as exc:
-                failed += 1
-                self._failed_block_ids.add(load.block_id)
-                # str(exc): a logged exception would keep a view of the tier alive through its traceback.
-                logger.warning("request %s: loading slot %d failed: %s", load.req_id, load.slot, str(exc))
+        copied = self._copy_in(layout, tier, loads)
         self._in_flight.append(_InFlight({load.req_id for load in loads}, list(meta.leases), layout.fence()))
         logger.info("%s %d of %d block(s) in %.1f ms", "queued" if layout.on_gpu else "loaded",
-                    len(loads) - failed, len(loads), (time.perf_counter() - started) * 1e3)
+                    copied, len(loads), (time.perf_counter() - started) * 1e3)
+
+    def _copy_in(self, layout: PagedKVLayout, tier: SharedTier, loads: list[BlockLoad]) -> int:
+        """The step's slot -> block copies as one gather/scatter; a load whose block or slot is out of range fails
+        alone, a failed copy fails every block of the step. Returns how many blocks were copied."""
+        blocks = np.fromiter((load.block_id for load in loads), dtype=np.int64, count=len(loads))
+        slots = np.fromiter((load.slot for load in loads), dtype=np.int64, count=len(loads))
+        fits = (blocks >= 0) & (blocks < layout.num_blocks) & (slots >= 0) & (slots < tier.num_slots)
+        for i in np.flatnonzero(~fits):
+            self._failed_block_ids.add(int(blocks[i]))
+            logger.warning("request %s: loading slot %d into block %d failed: outside the tier's %d slots or the "
+                           "cache's %d blocks", loads[i].req_id, slots[i], blocks[i], tier.num_slots,
+                           layout.num_blocks)
+        try:
+            layout.write_blocks(blocks[fits], tier.slots(), slots[fits])
+        except (IndexError, ValueError, RuntimeError) as exc:
+            self._failed_block_ids.update(blocks[fits].tolist())
+            # str(exc): a logged exception would keep a view of the tier alive through its traceback.
+            logger.warning("loading %d block(s) failed: %s", int(fits.sum()), str(exc))
+            return 0
+        return int(fits.sum())
 
     @staticmethod
     def _misplaced(loads: list[BlockLoad]) -> list[BlockLoad]:
@@ -164,13 +176,27 @@ class WorkerSide:
         if self._failed_block_ids:
             logger.warning("dropping the saves of %d request(s): this step had failed loads", len(meta.saves))
             return
+        if not self._current_tier() and self._require()[1].replaced():
+            return  # no tier to write into: nothing is reserved
+        layout, tier = self._require()
         started = time.perf_counter()
+        block_ids: list[int] = []
+        slots: list[int] = []
         written: list[bytes] = []
         for run in meta.saves:
-            written += self._save_run(run)
+            for block_id, block_hash, slot in self._reserve(run):
+                block_ids.append(block_id)
+                slots.append(slot)
+                written.append(block_hash)
         if not written:
             return
-        self._require()[0].synchronize()  # the device -> slot copies must land before Commit checksums them
+        try:  # one copy for the step; done (also on a GPU) before Commit checksums the slots
+            layout.read_blocks(block_ids, tier.slots(), slots)
+        except (IndexError, ValueError, RuntimeError) as exc:
+            logger.warning("copying %d block(s) into their slots failed (%s); they stay unpublished", len(written),
+                           str(exc))
+            self._link.abort(self._ns, list(dict.fromkeys(written)))
+            return
         try:
             self._link.commit(self._ns, list(dict.fromkeys(written)))
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
@@ -182,22 +208,15 @@ class WorkerSide:
         (logger.warning if elapsed_ms > SLOW_SAVE_MS else logger.info)(
             "saved %d block(s) of %d request(s) in %.1f ms", len(written), len(meta.saves), elapsed_ms)
 
-    def _save_run(self, run: SaveRun) -> list[bytes]:
-        if not self._current_tier() and self._require()[1].replaced():
-            return []  # no tier to write into: nothing is reserved
-        layout, tier = self._require()
+    def _reserve(self, run: SaveRun) -> list[tuple[int, bytes, int]]:
+        """(block id, hash, slot) of the run's blocks given a slot (``-1``: not to be stored)."""
         try:
             slots = self._link.reserve(self._ns, run.block_hashes, max_offload_tokens=run.max_offload_tokens,
                                        first_block_index=run.first_index, protected_blocks=run.protected_blocks)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             logger.warning("request %s: reserving %d slot(s) failed: %s", run.req_id, len(run.block_hashes), exc)
             return []
-        written = []
-        for block_id, block_hash, slot in zip(run.block_ids, run.block_hashes, slots):
-            if slot >= 0:
-                layout.read_block(block_id, out=tier.slot(slot))
-                written.append(block_hash)
-        return written
+        return [(b, h, s) for b, h, s in zip(run.block_ids, run.block_hashes, slots) if s >= 0]
 
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM asks once per step)."""
