@@ -18,7 +18,15 @@ each token's arrival time recorded):
   ``pull_timeout_ms``; ``frozen_source_decode_ratio`` (``_vs_before``) as above over its wait;
 * ``coalesced``: ``--coalesced`` requests on one new prefix at once (16 by default):
   ``coalesced_bytes_ratio`` is the bytes their pulls moved (the data plane's ``bytes_pulled``
-  per Pull, summed) over one prefix's bytes; 1.0 when concurrent pulls share one transfer.
+  per Pull, summed) over one prefix's bytes; 1.0 when concurrent pulls share one transfer;
+* ``pull vs recompute`` (``--repetitions`` pairs, :mod:`kvmesh_apps.bench.engine_pace`): the same
+  ``--pullers`` requests admitted while the running requests decode, pulling their prefix and
+  recomputing it: ``decode_ratio_pull_vs_recompute`` (mean, 95 % interval, per repetition);
+* ``isolated`` (``--repetitions`` pairs): ``dst`` restarted pinned to the first CPU this process
+  may use, every other process of the benchmark (Redis, control plane, both data planes, ``src``,
+  this driver) pinned to the others; ``decode_ratio_during_pulls_isolated``: the running requests'
+  tokens/s while ``--pullers`` pulls are in flight over a run without pulls, same window. ``None``
+  with fewer than 2 CPUs. ``pinning`` in the JSON says what ran where.
 
 ``outputs_match``: every pulled or fallen-back request's tokens and top-5 logprobs equal a
 recompute of the same prompt on ``dst`` (cold cache, loads off) within
@@ -29,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import signal
 import sys
 import tempfile
@@ -39,6 +49,9 @@ from typing import Any
 import numpy as np
 
 from kvmesh.command_line import Parser, positive_int, run_command
+from kvmesh_apps.bench.cpu_pinning import descendants, pin_process, spawning_on
+from kvmesh_apps.bench.decode_windows import decode_ratios, pull_window, report
+from kvmesh_apps.bench.engine_pace import during_pulls_isolated, pull_vs_recompute
 from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import same_computation
@@ -51,45 +64,7 @@ TOP_K = 5
 QUIET = {"kvmesh": {"load": False, "save": False}}
 PULL_START_S = 3.0  # leaves a window of the same run before the pulls, as long as the longest pull window
 PULL_SPACING_S = 0.1
-
-
-def _rate(times: list[float], start: float, end: float) -> float:
-    """Tokens per second arriving in [start, end]."""
-    if end <= start:
-        return 0.0
-    return sum(start <= t <= end for t in times) / (end - start)
-
-
-def _ratio(during: float, baseline: float) -> float | None:
-    """during / baseline; None when the baseline produced nothing in the window (running requests ended first)."""
-    return round(during / baseline, 3) if baseline else None
-
-
-def _running_times(results: dict[str, dict[str, Any]], running: int) -> list[float]:
-    return [t for i in range(running) for t in results[f"run-{i}"]["token_times"]]
-
-
-def pull_window(results: dict[str, dict[str, Any]], ids: list[str]) -> tuple[float, float]:
-    """[first arrival, last answer] of requests ``ids``: while their lookups and pulls were in flight (the
-    connector's ``wait_ms`` from the first ask; the copies and the prefill of the suffix come after)."""
-    start = min(results[i]["added_s"] for i in ids)
-    end = max(results[i]["added_s"] + _report(results[i]).get("wait_ms", 0.0) / 1e3 for i in ids)
-    return start, end
-
-
-def decode_ratios(run: dict[str, dict[str, Any]], baseline: dict[str, dict[str, Any]], running: int,
-                  window: tuple[float, float]) -> tuple[float | None, float | None]:
-    """The running requests' decode rate in ``window`` of ``run`` over (the same window of ``baseline``, the
-    window of equal length just before it in ``run``)."""
-    start, end = window
-    during = _rate(_running_times(run, running), start, end)
-    return (_ratio(during, _rate(_running_times(baseline, running), start, end)),
-            _ratio(during, _rate(_running_times(run, running), 2 * start - end, start)))
-
-
-def _report(result: dict[str, Any]) -> dict[str, Any]:
-    """The connector's per-request report (``kv_transfer_params["kvmesh"]``)."""
-    return (result.get("kv_transfer_params") or {}).get("kvmesh", {})
+PACE_SLACK_S = 10.0  # the paced runs' running requests decode this long past the last arrival
 
 
 def run(args: argparse.Namespace, say) -> dict[str, Any]:
@@ -98,24 +73,29 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
     block_bytes = KVShape.from_checkpoint(model, dtype=DTYPE).block_bytes(BLOCK_SIZE)
     rng = np.random.default_rng(args.seed)
     draw = lambda n: rng.integers(2, spec.vocab, n).tolist()  # noqa: E731
+    paced = [f"{kind}-{r}-{i}" for kind in ("pvr", "iso") for r in range(args.repetitions)
+             for i in range(args.pullers)]
     prefixes = {name: draw(args.prefix_tokens) for name in
-                [f"pull-{i}" for i in range(args.pullers)] + ["frozen", "coalesced"]}
+                [f"pull-{i}" for i in range(args.pullers)] + ["frozen", "coalesced"] + paced}
     suffix = lambda: draw(16)  # noqa: E731
     running = [{"id": f"run-{i}", "prompt": draw(64), "max_tokens": args.decode_tokens} for i in range(args.running)]
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-engine-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
+        # Room for every prefix twice over (dp2 keeps what it pulled; nothing may be evicted before it is pulled).
+        slots = max(4096, 2 * len(prefixes) * math.ceil(args.prefix_tokens / BLOCK_SIZE))
         fleet = Fleet(workdir, 2, new_key()[1], tenant="bench", block_bytes=block_bytes, block_tokens=BLOCK_SIZE,
-                      capacity=f"{4096 * block_bytes}")
+                      capacity=f"{slots * block_bytes}")
         try:
             fleet.start()
             host, port = fleet.data_planes["dp1"].address.rsplit(":", 1)
             source = {"remote_kv_source": {"kv_request_id": "bench", "remote_host": host, "remote_port": int(port),
                                            "remote_node_id": "dp1"}}
             src = fleet.start_engine("src", model, "dp1")
-            dst = fleet.start_engine("dst", model, "dp2", connector={"pull_timeout_ms": args.pull_timeout_ms},
-                                     max_num_seqs=args.coalesced + args.running + 4)
+            dst_spec = {"connector": {"pull_timeout_ms": args.pull_timeout_ms},
+                        "max_num_seqs": args.coalesced + args.running + 4}
+            dst = fleet.start_engine("dst", model, "dp2", **dst_spec)
             say("starting two vLLM engines ...")
             src.wait_ready(), dst.wait_ready()
             for prefix in prefixes.values():
@@ -145,7 +125,7 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
                 frozen = dst.concurrent(running + [frozen_req])
             finally:
                 dp1.send_signal(signal.SIGCONT)
-            frozen_report = _report(frozen["frozen"])
+            frozen_report = report(frozen["frozen"])
             fallback_ms = frozen_report.get("wait_ms", 0.0)
             frozen_ratio, frozen_ratio_before = decode_ratios(frozen, baseline, args.running,
                                                               pull_window(frozen, ["frozen"]))
@@ -155,7 +135,19 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
                                "logprobs": TOP_K, "kv_transfer_params": source} for i in range(args.coalesced)]
             coalesced = dst.concurrent(coalesced_reqs)
             prefix_bytes = (args.prefix_tokens // BLOCK_SIZE) * block_bytes
-            moved = sum(_report(r).get("bytes_pulled", 0) for r in coalesced.values())
+            moved = sum(report(r).get("bytes_pulled", 0) for r in coalesced.values())
+
+            # The paced scenarios' running requests decode only as long as their windows need.
+            per_request_tok_s = len(baseline["run-0"]["token_times"]) / baseline["run-0"]["token_times"][-1]
+            paced_tokens = min(args.decode_tokens, math.ceil(per_request_tok_s * (
+                PULL_START_S + args.pullers * PULL_SPACING_S + PACE_SLACK_S)))
+            paced_running = [{**r, "max_tokens": paced_tokens} for r in running]
+            admitted = lambda kind, rep, params: [  # noqa: E731
+                {"id": f"{kind}-{rep}-{i}", "prompt": prefixes[f"{kind}-{rep}-{i}"] + suffix(), "max_tokens": 4,
+                 "logprobs": TOP_K, "kv_transfer_params": params, "at_s": PULL_START_S + i * PULL_SPACING_S}
+                for i in range(args.pullers)]
+            pace, pace_pairs = pull_vs_recompute(
+                dst, paced_running, [admitted("pvr", r, {}) for r in range(args.repetitions)], source, draw(8), say)
 
             say("references: every pulled prompt recomputed on a cold cache")
             checked = [(p, pulled[p["id"]]) for p in pullers] + [(frozen_req, frozen["frozen"])] + \
@@ -167,11 +159,42 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
                                    logprobs=TOP_K)
                 matches[request["id"]], diff = same_computation(result, ref)
                 worst = max(worst, diff)
+            for request, result, recomputed in pace_pairs:  # the same prompt pulled and recomputed, same engine
+                matches[request["id"]], diff = same_computation(result, recomputed)
+                worst = max(worst, diff)
+
+            cpus = sorted(os.sched_getaffinity(0))
+            pinning: dict[str, Any] = {"cpus": cpus}
+            isolated: dict[str, Any] = {"decode_ratio_during_pulls_isolated": None}
+            if len(cpus) >= 2:
+                engine_cpus, other_cpus = {cpus[0]}, set(cpus[1:])
+                say(f"isolated: dst restarted on CPU {cpus[0]}, the fleet, src and this driver on {sorted(other_cpus)}")
+                fleet.stop_engine("dst")
+                for pid in [os.getpid(), *descendants(os.getpid())]:
+                    pin_process(pid, other_cpus)
+                with spawning_on(engine_cpus):
+                    dst = fleet.start_engine("dst-pinned", model, "dp2", **dst_spec)
+                pin_process(os.getpid(), other_cpus)  # the thread reading the engine's output began on its CPU
+                dst.wait_ready()
+                dst.generate(draw(64), 4, QUIET, logprobs=TOP_K)
+                isolated = during_pulls_isolated(
+                    dst, paced_running, [admitted("iso", r, source) for r in range(args.repetitions)], say)
+                pinning.update(engine=sorted(engine_cpus), others=sorted(other_cpus),
+                               engine_processes="dst's engine host and everything it started (vLLM's engine core, "
+                                                "its OpenMP threads: vLLM binds them to the engine's CPU)",
+                               other_processes="Redis, control plane, data planes dp1 and dp2, src engine, driver")
+            else:
+                pinning["skipped"] = "fewer than 2 CPUs: nothing to isolate the engine on"
         finally:
             fleet.stop()
 
-    pulled_reports = [_report(pulled[p["id"]]) for p in pullers]
+    pulled_reports = [report(pulled[p["id"]]) for p in pullers]
     return {
+        **pace,
+        **isolated,
+        "pinning": pinning,
+        "repetitions": args.repetitions,
+        "paced_running_tokens": paced_tokens,
         "decode_ratio_during_pulls": decode_ratio,
         "decode_ratio_vs_before_pulls": decode_ratio_before,
         "pull_window_ms": round((end - start) * 1e3, 1),
@@ -188,8 +211,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
         "coalesced_bytes_moved": moved,
         "prefix_bytes": prefix_bytes,
         "coalesced_bytes_ratio": round(moved / prefix_bytes, 3),
-        "coalesced_peer_tokens": sum(_report(r).get("peer_tokens", 0) for r in coalesced.values()),
-        "coalesced_joined_blocks": sum(_report(r).get("joined_blocks", 0) for r in coalesced.values()),
+        "coalesced_peer_tokens": sum(report(r).get("peer_tokens", 0) for r in coalesced.values()),
+        "coalesced_joined_blocks": sum(report(r).get("joined_blocks", 0) for r in coalesced.values()),
         "outputs_match": all(matches.values()),
         "max_logprob_diff": worst,
         "running_requests": args.running,
@@ -208,6 +231,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--running", type=positive_int, default=4, help="requests already decoding")
     parser.add_argument("--decode-tokens", type=positive_int, default=1500, help="tokens each running request decodes (long enough to cover every window)")
     parser.add_argument("--pull-timeout-ms", type=positive_int, default=2000)
+    parser.add_argument("--repetitions", type=positive_int, default=3,
+                        help="paired runs of the pull-vs-recompute and isolated scenarios")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--workdir", default="", help="logs of the fleet and engines (default: a temp dir, removed)")
     args = parser.parse_args(argv)
