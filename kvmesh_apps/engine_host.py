@@ -16,7 +16,7 @@ Requests (one JSON object per line):
 * ``{"op": "concurrent", "requests": [{"id", "prompt", "max_tokens", "kv_transfer_params", "logprobs",
   "at_s"}]}``: drives the engine step by step, adding each request ``at_s`` seconds after the
   start, and answers ``{"requests": {id: {"token_ids", "logprobs", "token_times", "added_s",
-  "kv_transfer_params"}}}`` (times in seconds from the start): running requests keep decoding
+  "kv_transfer_params", "num_cached_tokens"}}}`` (times in seconds from the start): running requests keep decoding
   while later ones wait for their KV;
 * ``{"op": "metrics", "prefix": "vllm:"}`` -> ``{"metrics": {name{labels}: value}}`` (vLLM's own
   metrics snapshot, counters and gauges);
@@ -127,6 +127,7 @@ def _concurrent(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
             if out.finished:
                 result["logprobs"] = _logprobs(completion)
                 result["kv_transfer_params"] = out.kv_transfer_params
+                result["num_cached_tokens"] = out.num_cached_tokens
     return {"requests": results}
 
 

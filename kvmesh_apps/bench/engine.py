@@ -25,8 +25,9 @@ each token's arrival time recorded):
 * ``isolated`` (``--repetitions`` pairs): ``dst`` restarted pinned to the first CPU this process
   may use, every other process of the benchmark (Redis, control plane, both data planes, ``src``,
   this driver) pinned to the others; ``decode_ratio_during_pulls_isolated``: the running requests'
-  tokens/s while ``--pullers`` pulls are in flight over a run without pulls, same window. ``None``
-  with fewer than 2 CPUs. ``pinning`` in the JSON says what ran where.
+  tokens/s while ``--pullers`` pulls are in flight over a run without pulls, same window, and
+  ``decode_ratio_pulled_vs_cached_isolated`` over a run admitting the same prefixes from the
+  engine's prefix cache. ``None`` with fewer than 2 CPUs. ``pinning`` in the JSON says what ran where.
 
 ``outputs_match``: every pulled or fallen-back request's tokens and top-5 logprobs equal a
 recompute of the same prompt on ``dst`` (cold cache, loads off) within
@@ -64,7 +65,7 @@ TOP_K = 5
 QUIET = {"kvmesh": {"load": False, "save": False}}
 PULL_START_S = 3.0  # leaves a window of the same run before the pulls, as long as the longest pull window
 PULL_SPACING_S = 0.1
-PACE_SLACK_S = 10.0  # the paced runs' running requests decode this long past the last arrival
+PACE_SLACK_S = 5.0  # the paced runs' running requests decode this long past the last arrival
 
 
 def run(args: argparse.Namespace, say) -> dict[str, Any]:
@@ -178,7 +179,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
                 dst.wait_ready()
                 dst.generate(draw(64), 4, QUIET, logprobs=TOP_K)
                 isolated = during_pulls_isolated(
-                    dst, paced_running, [admitted("iso", r, source) for r in range(args.repetitions)], say)
+                    dst, paced_running, [admitted("iso", r, source) for r in range(args.repetitions)],
+                    [admitted("iso", r, {}) for r in range(args.repetitions)], say)
                 pinning.update(engine=sorted(engine_cpus), others=sorted(other_cpus),
                                engine_processes="dst's engine host and everything it started (vLLM's engine core, "
                                                 "its OpenMP threads: vLLM binds them to the engine's CPU)",
@@ -231,7 +233,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--running", type=positive_int, default=4, help="requests already decoding")
     parser.add_argument("--decode-tokens", type=positive_int, default=1500, help="tokens each running request decodes (long enough to cover every window)")
     parser.add_argument("--pull-timeout-ms", type=positive_int, default=2000)
-    parser.add_argument("--repetitions", type=positive_int, default=3,
+    parser.add_argument("--repetitions", type=positive_int, default=4,
                         help="paired runs of the pull-vs-recompute and isolated scenarios")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--workdir", default="", help="logs of the fleet and engines (default: a temp dir, removed)")

@@ -9,7 +9,11 @@
   over the recomputing run's, per repetition (the order alternates), mean and 95 % interval.
 * :func:`during_pulls_isolated`: on an engine pinned to its own CPU (the fleet's processes on the
   others), the running requests' tokens/s while N pulls are in flight (the ``pull_window``) over a
-  run without pulls in the same window, per repetition (the order alternates).
+  run without pulls in the same window (``decode_ratio_during_pulls_isolated``), and over a run
+  admitting the same N prefixes from the engine's own prefix cache (each with a new suffix, so it
+  computes as much as a pulled one: ``decode_ratio_pulled_vs_cached_isolated``, the pull's own cost
+  without that of serving the admitted requests), per repetition (the order alternates; the cached
+  run follows the pulls that put the prefixes in the cache).
 """
 
 from __future__ import annotations
@@ -65,37 +69,43 @@ def pull_vs_recompute(dst: EngineProcess, running: list[dict[str, Any]], admitte
 
 
 def during_pulls_isolated(dst: EngineProcess, running: list[dict[str, Any]], pullers: list[list[dict[str, Any]]],
-                          say: Callable[[str], None]) -> dict[str, Any]:
-    """``pullers[r]``: repetition r's N pulling requests (fresh prefixes held by the source)."""
+                          cached: list[list[dict[str, Any]]], say: Callable[[str], None]) -> dict[str, Any]:
+    """``pullers[r]``: repetition r's N pulling requests (fresh prefixes held by the source); ``cached[r]``: the
+    same prefixes with other suffixes, no transfer (``kvmesh.load`` off)."""
     vs_none: list[float] = []
     vs_before: list[float] = []
-    rates: dict[str, list[float]] = {"during_pulls": [], "none": []}
+    vs_cached: list[float] = []
+    rates: dict[str, list[float]] = {"during_pulls": [], "none": [], "cached": []}
     windows: list[float] = []
-    all_covered, peer_tokens = True, 0
+    all_covered, peer_tokens, cached_tokens = True, 0, 0
     for rep, requests in enumerate(pullers):
         ids = [r["id"] for r in requests]
-        say(f"isolated {rep + 1}/{len(pullers)}: {len(requests)} pulls and none, "
+        say(f"isolated {rep + 1}/{len(pullers)}: {len(requests)} pulls, none and cached, "
             f"{'pulls first' if rep % 2 == 0 else 'none first'}")
-        if rep % 2 == 0:
-            pulled = dst.concurrent(running + requests)
+        if rep % 2:
             baseline = dst.concurrent(running)
-        else:
+        pulled = dst.concurrent(running + requests)
+        from_cache = dst.concurrent(running + _with(cached[rep], QUIET))
+        if not rep % 2:
             baseline = dst.concurrent(running)
-            pulled = dst.concurrent(running + requests)
         window = pull_window(pulled, ids)
         ratio, before = decode_ratios(pulled, baseline, len(running), window)
         vs_none.append(ratio or 0.0)
         vs_before.append(before or 0.0)
-        rates["during_pulls"].append(running_rate(pulled, len(running), window))
-        rates["none"].append(running_rate(baseline, len(running), window))
+        vs_cached.append(decode_ratios(pulled, from_cache, len(running), window)[0] or 0.0)
+        for name, run in (("during_pulls", pulled), ("none", baseline), ("cached", from_cache)):
+            rates[name].append(running_rate(run, len(running), window))
+            all_covered &= covered(run, len(running), window)
         windows.append((window[1] - window[0]) * 1e3)
-        all_covered &= covered(pulled, len(running), window) and covered(baseline, len(running), window)
         peer_tokens += sum(report(pulled[i]).get("peer_tokens", 0) for i in ids)
+        cached_tokens += sum(from_cache[r["id"]].get("num_cached_tokens", 0) for r in cached[rep])
     return {
         "decode_ratio_during_pulls_isolated": interval(vs_none),
         "decode_ratio_during_pulls_isolated_vs_before": interval(vs_before),
+        "decode_ratio_pulled_vs_cached_isolated": interval(vs_cached),
         "isolated_decode_tok_s": {k: interval(v, 1) for k, v in rates.items()},
         "isolated_pull_window_ms": interval(windows, 1),
         "isolated_peer_tokens": peer_tokens,
+        "isolated_cached_run_cached_tokens": cached_tokens,
         "isolated_windows_covered": all_covered,
     }
