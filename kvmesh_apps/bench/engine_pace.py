@@ -42,7 +42,7 @@ def pull_vs_recompute(dst: EngineProcess, running: list[dict[str, Any]], admitte
     ratios: list[float] = []
     rates: dict[str, list[float]] = {"pulled": [], "recomputed": []}
     windows: dict[str, list[float]] = {"pulled": [], "recomputed": []}
-    all_covered, peer_tokens, pairs = True, 0, []
+    all_covered, peer_tokens, recomputed_cached, pairs = True, 0, 0, []
     for rep, requests in enumerate(admitted):
         ids = [r["id"] for r in requests]
         order = list(modes) if rep % 2 == 0 else list(reversed(modes))
@@ -57,12 +57,14 @@ def pull_vs_recompute(dst: EngineProcess, running: list[dict[str, Any]], admitte
             all_covered &= covered(runs[mode], len(running), window)
         ratios.append(rates["pulled"][-1] / rates["recomputed"][-1] if rates["recomputed"][-1] else 0.0)
         peer_tokens += sum(report(runs["pulled"][i]).get("peer_tokens", 0) for i in ids)
+        recomputed_cached += sum(runs["recomputed"][i].get("num_cached_tokens", 0) for i in ids)
         pairs += [(r, runs["pulled"][r["id"]], runs["recomputed"][r["id"]]) for r in requests]
     return {
         "decode_ratio_pull_vs_recompute": interval(ratios),
         "pull_vs_recompute_decode_tok_s": {mode: interval(v, 1) for mode, v in rates.items()},
         "pull_vs_recompute_window_ms": {mode: interval(v, 1) for mode, v in windows.items()},
         "pull_vs_recompute_peer_tokens": peer_tokens,
+        "pull_vs_recompute_recomputed_cached_tokens": recomputed_cached,  # 0: the recomputing runs found nothing
         "pull_vs_recompute_admitted": len(admitted[0]),
         "pull_vs_recompute_windows_covered": all_covered,
     }, pairs
