@@ -9,14 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh_apps.replay.runs import mean_ci
+from kvmesh_apps.bench.figures import interval_record, load_report as report  # noqa: F401 - report: used as ours
 
 Run = dict[str, dict[str, Any]]
 
-
-def report(result: dict[str, Any]) -> dict[str, Any]:
-    """The connector's per-request report (``kv_transfer_params["kvmesh"]``)."""
-    return (result.get("kv_transfer_params") or {}).get("kvmesh", {})
 
 
 def _rate(times: list[float], start: float, end: float) -> float:
@@ -71,7 +67,4 @@ def decode_ratios(run: Run, baseline: Run, running: int,
 
 def interval(values: list[float], digits: int = 3) -> dict[str, Any]:
     """Mean of per-repetition values with its 95 % confidence interval (Student t; None from one value)."""
-    mean, half = mean_ci(values)
-    return {"mean": round(mean, digits),
-            "ci95": None if half is None else [round(mean - half, digits), round(mean + half, digits)],
-            "per_repetition": [round(v, digits) for v in values]}
+    return interval_record(values, digits)

@@ -53,6 +53,7 @@ from kvmesh.command_line import Parser, positive_int, run_command
 from kvmesh_apps.bench.cpu_pinning import descendants, pin_process, spawning_on
 from kvmesh_apps.bench.decode_windows import decode_ratios, pull_window, report
 from kvmesh_apps.bench.engine_pace import during_pulls_isolated, pull_vs_recompute
+from kvmesh_apps.bench.figures import finish, progress
 from kvmesh_apps.engine_host import DTYPE
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_check import same_computation
@@ -238,16 +239,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--workdir", default="", help="logs of the fleet and engines (default: a temp dir, removed)")
     args = parser.parse_args(argv)
-    out = sys.stderr if args.json else sys.stdout
-    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    say = progress(args.json)
     started = time.perf_counter()
     result = run(args, say)
-    result["wall_s"] = round(time.perf_counter() - started, 1)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    else:
-        for key, value in result.items():
-            say(f"  {key:<28} {value}")
+    finish(result, started, args.json, say, width=28)
     return 0 if result["outputs_match"] else 1
 
 

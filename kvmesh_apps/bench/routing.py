@@ -45,7 +45,6 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import statistics
 import tempfile
 import time
@@ -57,30 +56,24 @@ import numpy as np
 from control_plane.routing.config import RoutingSettings
 from control_plane.routing.types import Candidate, EngineSample, LinkSample, Policy
 from control_plane.scheduler_client import SchedulerClient
-from engine_connector.config import KV_LAYOUT
-from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
-from kvmesh.v1 import tenant_admin_pb2 as ta_pb, tenant_admin_pb2_grpc as ta_grpc
+from kvmesh_apps.bench.figures import interval, load_report
+from kvmesh_apps.bench.shaped_fleet import ShapedFleet
 from kvmesh_apps.bench.sim_to_real import Prompts, rank_agreement, scaled_window
 from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_float, positive_float, positive_int, \
     subset
 from kvmesh_apps.engine_host import BLOCK_SIZE, DTYPE, EngineProcess
 from kvmesh_apps.kv_shape import KVShape
-from kvmesh_apps.netns import Network
-from kvmesh_apps.procs import ServiceProcess
-from kvmesh_apps.redis_server import RedisServer
 from kvmesh_apps.replay.backends import InProcessBackend
 from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile
-from kvmesh_apps.replay.runs import mean_ci, pct, threshold_tokens
+from kvmesh_apps.replay.runs import pct, threshold_tokens
 from kvmesh_apps.replay.sim import Simulation, Variant
 from kvmesh_apps.replay.trace import BlockHashes, TraceError, TraceRequest, scan, select_windows
 from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
-from tenancy.api_keys import new_key
 
 PROG = "kvmesh bench routing"
 TENANT = "routing"
-DP_PORT = 7000
 MODEL = dict(num_layers=4, hidden=512, heads=8, kv_heads=4)   # 8 KiB of fp32 KV per token
 CALIBRATION_LENGTHS = (64, 256, 512, 1024)
 PULL_SIZES = (256, 1024)
@@ -109,111 +102,6 @@ def _default_trace() -> Path:
 
 
 # ---- the fleet -----------------------------------------------------------------------------------------------
-
-
-class ShapedFleet:
-    """Redis and the control plane here; a data plane and an engine per network namespace; shaped links."""
-
-    def __init__(self, workdir: Path, nodes: int, fast_mbit: float, slow_mbit: float, slow_delay_ms: float,
-                 max_model_len: int, block_bytes: int) -> None:
-        self.workdir = workdir
-        self.block_bytes = block_bytes
-        self.names = [f"n{i + 1}" for i in range(nodes)]
-        self.net = Network()
-        self.redis = RedisServer(workdir / "redis")
-        self.admin_key = new_key()[1]
-        self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-routing-", dir="/dev/shm"))
-        self.cp: ServiceProcess | None = None
-        self.dps: dict[str, ServiceProcess] = {}
-        self.engines: dict[str, EngineProcess] = {}
-        self.key_files: dict[str, Path] = {}
-        self.fast_mbit, self.slow_mbit, self.slow_delay_ms = fast_mbit, slow_mbit, slow_delay_ms
-        self.max_model_len = max_model_len
-
-    def mbit(self, a: str, b: str) -> float:
-        return self.fast_mbit if {a, b} == {"n1", "n2"} else self.slow_mbit
-
-    def _shape(self) -> None:
-        """HTB on each node's egress: one class per destination at that pair's rate."""
-        for i, a in enumerate(self.names):
-            host = self.net.hosts[a]
-            self.net.run(host, "tc", "qdisc", "replace", "dev", "kv0", "root", "handle", "1:", "htb", "r2q", "100")
-            for j, b in enumerate(self.names):
-                if a == b:
-                    continue
-                cls = f"1:{10 + j}"
-                rate = f"{self.mbit(a, b)}mbit"
-                self.net.run(host, "tc", "class", "add", "dev", "kv0", "parent", "1:", "classid", cls, "htb", "rate",
-                             rate, "ceil", rate, "burst", "64kb")
-                self.net.run(host, "tc", "filter", "add", "dev", "kv0", "parent", "1:", "protocol", "ip", "prio", "1",
-                             "u32", "match", "ip", "dst", f"{self.net.hosts[b].ip}/32", "flowid", cls)
-            if self.slow_delay_ms and a not in ("n1", "n2"):
-                self.net.delay(host, self.slow_delay_ms)
-
-    def start(self, model: Path) -> None:
-        self.net.open()
-        for name in self.names:
-            self.net.add_host(name)
-        self._shape()
-        self.redis.start()
-        self.cp = ServiceProcess(["control-plane", "--listen", f"{self.net.host_ip}:0", "--redis-url", self.redis.url],
-                                 env={"KVMESH_CP_ADMIN_KEY": self.admin_key},
-                                 log_path=self.workdir / "control-plane.log").start()
-        keys = asyncio.run(self._provision())
-        secrets = self.workdir / "secrets"
-        secrets.mkdir(mode=0o700, exist_ok=True)
-        for name, key in keys.items():
-            path = self.key_files[name] = secrets / f"{name}.key"
-            path.write_text(key)
-            path.chmod(0o600)
-        for name in self.names:
-            host = self.net.hosts[name]
-            self.dps[name] = ServiceProcess(
-                ["data-plane", "--node-id", name, "--listen", f"{host.ip}:{DP_PORT}", "--control-plane-address",
-                 self.cp.address, "--shm-dir", str(self.shm_dir), "--capacity-bytes", "512MiB", "--block-bytes",
-                 str(self.block_bytes), "--block-tokens", str(BLOCK_SIZE), "--no-lock-memory",
-                 "--api-key-file", str(self.key_files[name])],
-                env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kv0"}, prefix=Network.prefix(host),
-                log_path=self.workdir / f"dp-{name}.log").start()
-        for name in self.names:
-            self.engines[name] = self._engine(name, model)
-        for engine in self.engines.values():
-            engine.wait_ready(600.0)
-
-    def _engine(self, name: str, model: Path) -> EngineProcess:
-        host = self.net.hosts[name]
-        work = self.workdir / "vllm"
-        (work / "rpc").mkdir(parents=True, exist_ok=True)
-        connector = {"data_plane_address": f"{host.ip}:{DP_PORT}", "api_key_file": str(self.key_files[name]),
-                     "control_plane_address": self.cp.address, "tenant": TENANT, "weight_version": "random-init"}
-        spec = {"model": str(model), "connector": connector, "max_model_len": self.max_model_len, "max_num_seqs": 1}
-        env = {"VLLM_CACHE_ROOT": str(work / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
-               "VLLM_RPC_BASE_PATH": str(work / "rpc"), "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "UCX_TLS": "tcp", "UCX_NET_DEVICES": "kv0"}
-        return EngineProcess(name, spec, env, self.workdir / f"engine-{name}.log",
-                             prefix=Network.prefix(host)).start()
-
-    async def _provision(self) -> dict[str, str]:
-        async with channel(self.cp.address, self.admin_key) as ch:
-            admin = ta_grpc.TenantAdminStub(ch)
-            await admin.CreateTenant(ta_pb.CreateTenantRequest(tenant_id=TENANT))
-            return {name: (await admin.IssueKey(ta_pb.IssueKeyRequest(role=ta_pb.ROLE_NODE, node_id=name))).secret
-                    for name in self.names}
-
-    def source(self, name: str, request_id: str) -> dict:
-        return {"remote_kv_source": {"kv_request_id": request_id, "remote_host": self.net.hosts[name].ip,
-                                     "remote_port": DP_PORT, "remote_node_id": name}}
-
-    def stop(self) -> None:
-        for engine in self.engines.values():
-            engine.stop()
-        for dp in self.dps.values():
-            dp.stop()
-        if self.cp is not None:
-            self.cp.stop()
-        self.redis.stop()
-        self.net.close()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 # ---- measured figures ----------------------------------------------------------------------------------------
@@ -259,7 +147,7 @@ def measure(fleet: ShapedFleet, vocab: int, kv_bytes: int) -> Measured:
                 time.sleep(0.3)
                 reply = fleet.engines[b].generate(prefix + draw(32), 1,
                                                   kv_transfer_params=fleet.source(a, f"cal-{a}{b}{n}"))
-                kv = _load_report(reply)
+                kv = load_report(reply)
                 if not kv.get("bytes_pulled"):
                     raise RuntimeError(f"calibration: {b} pulled nothing from {a}: {kv} (logs in {fleet.workdir})")
                 pulls.append((kv["bytes_pulled"], kv["pull_ms"]))
@@ -362,7 +250,7 @@ async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], 
             backlog[node][1] -= planned
             s.wait_ms, s.engine_ms = 1000.0 * (started - arrived), 1000.0 * reply["elapsed_s"]
             s.cached = reply["num_cached_tokens"]
-            kv = _load_report(reply)
+            kv = load_report(reply)
             s.pulled_bytes = kv.get("bytes_pulled", 0)
             if s.source and s.pulled_bytes > 0 and kv.get("pull_ms", 0) > 0:   # what the node measured
                 reporter.links[node].append(LinkSample(s.source, node, s.pulled_bytes / (kv["pull_ms"] / 1000.0)))
@@ -397,11 +285,6 @@ async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], 
             await q.put(None)
         await asyncio.gather(*workers)
     return served
-
-
-def _load_report(reply: dict) -> dict:
-    """The connector's account of the request's loads (``kv_transfer_params["kvmesh"]``)."""
-    return (reply.get("kv_transfer_params") or {}).get("kvmesh") or {}
 
 
 # ---- figures -------------------------------------------------------------------------------------------------
@@ -446,11 +329,6 @@ def audit(runs: dict[str, list[list[Served]]], measured: Measured, kv_bytes: int
             if recompute_ms else None,
             "error": "(estimated - measured) / measured TTFT; the oracle: measured fits, pull from the best holder "
                      "or recompute, per request"}
-
-
-def _ci(values: list[float], digits: int = 1) -> tuple[float, list[float] | None]:
-    mean, half = mean_ci(values)
-    return round(mean, digits), None if half is None else [round(mean - half, digits), round(mean + half, digits)]
 
 
 def simulate(window: list[TraceRequest], name: str, measured: Measured, kv_bytes: int, nodes: int,
@@ -519,8 +397,9 @@ def main(argv: list[str]) -> int:
         spec = TinyLlamaSpec.from_checkpoint(model)
         shape = KVShape.from_checkpoint(model, dtype=DTYPE)
         kv_bytes = shape.bytes_per_token()
-        fleet = ShapedFleet(work, args.nodes, args.fast_mbit, args.slow_mbit, args.slow_delay_ms, args.max_prompt + 64,
-                            kv_bytes * BLOCK_SIZE)
+        fleet = ShapedFleet(work, args.nodes, lambda a, b: args.fast_mbit if {a, b} == {"n1", "n2"} else args.slow_mbit,
+                            args.max_prompt + 64, kv_bytes * BLOCK_SIZE, tenant=TENANT,
+                            delay_ms={f"n{i + 1}": args.slow_delay_ms for i in range(2, args.nodes)})
         try:
             fleet.start(model)
             runs, spans, scaled, measured, deltas = asyncio.run(_bench(fleet, args, plan, spec.vocab, kv_bytes,
@@ -537,9 +416,7 @@ def main(argv: list[str]) -> int:
 async def _bench(fleet: ShapedFleet, args, plan, vocab: int, kv_bytes: int, shape: KVShape, model: Path,
                  rng: random.Random) -> tuple:
     measured = await asyncio.to_thread(measure, fleet, vocab, kv_bytes)
-    ns = Namespace(TENANT, str(model), "random-init", CacheConfig(
-        block_size=BLOCK_SIZE, kv_dtype=shape.dtype, kv_layout=KV_LAYOUT, parallel_layout="tp1-pp1",
-        hash_seed=os.environ.get("PYTHONHASHSEED", ""))).validate()
+    ns = fleet.namespace(model, shape)
     reporter = Reporter(fleet, ns, args.report_s)
     for (a, b), bps in measured.link_bytes_per_s.items():
         reporter.links[b].append(LinkSample(a, b, bps))
@@ -598,9 +475,9 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
     for n in names:
         if n == BASELINE or BASELINE not in names:
             continue
-        d50, ci50 = _ci([per[(n, p, r)]["ttft_p50_ms"] - per[(BASELINE, p, r)]["ttft_p50_ms"] for p, r in units])
-        d90, ci90 = _ci([per[(n, p, r)]["ttft_p90_ms"] - per[(BASELINE, p, r)]["ttft_p90_ms"] for p, r in units])
-        dg, cig = _ci([per[(n, p, r)]["goodput_rps"] - per[(BASELINE, p, r)]["goodput_rps"] for p, r in units], 3)
+        d50, ci50 = interval([per[(n, p, r)]["ttft_p50_ms"] - per[(BASELINE, p, r)]["ttft_p50_ms"] for p, r in units])
+        d90, ci90 = interval([per[(n, p, r)]["ttft_p90_ms"] - per[(BASELINE, p, r)]["ttft_p90_ms"] for p, r in units])
+        dg, cig = interval([per[(n, p, r)]["goodput_rps"] - per[(BASELINE, p, r)]["goodput_rps"] for p, r in units], 3)
         paired[n] = {"delta_p50_ms": d50, "ci95_p50_ms": ci50, "delta_p90_ms": d90, "ci95_p90_ms": ci90,
                      "delta_goodput_rps": dg, "ci95_goodput_rps": cig}
     by_pace = {str(p): {n: {"ttft_p50_ms": round(statistics.fmean(per[(n, p, r)]["ttft_p50_ms"]
