@@ -232,6 +232,7 @@ def test_keys_issue_checks_secret_out_before_issuing(control_plane, secrets, tmp
     ("kvmesh bench engine", ["bench", "engine", "--pullers", "-3"], ["--pullers"]),
     ("kvmesh bench prefetch", ["bench", "prefetch", "--repetitions", "0"], ["--repetitions"]),
     ("kvmesh bench prefetch", ["bench", "prefetch", "--prefix-tokens", "100"], ["--prefix-tokens", "32"]),
+    ("kvmesh bench prefetch", ["bench", "prefetch", "--link-mbit", "0"], ["--link-mbit"]),
     ("kvmesh", ["frobnicate"], ["unknown command"]),
     ("kvmesh bench", ["bench"], ["no benchmark"]),
 ])

@@ -8,9 +8,9 @@ Llama. Pulls cross the kernel's TCP stack between the namespaces (NIXL over UCX'
 the kernel has it, else :mod:`kvmesh_apps.netdelay`). ``src`` on ``n1`` computes every prefix once (its connector
 saves them to n1's data plane) and is then stopped; ``dst`` on ``n2`` serves every measured request. Per
 repetition, each mode (in a rotated order) sends ``--requests`` requests (a ``--prefix-tokens`` prefix n1 holds + a
-fresh 32-token suffix, ``--max-tokens`` output tokens) to ``dst`` one every ``--spacing-ms`` (default: 0.7 of a
-pulled-on-ask request's median service time in a warm-up, so requests queue in the engine), through the engine
-host's ``concurrent`` op:
+fresh 32-token suffix, ``--max-tokens`` output tokens) to ``dst`` one every ``--spacing-ms`` (default: :data:`PACE`
+x what a pulled request alone costs the engine beyond its pull, warm-up medians: requests queue in the engine in
+every mode, and the link is not the bottleneck), through the engine host's ``concurrent`` op:
 
 * ``recompute``: no source (the engine prefills the whole prompt);
 * ``pull``: the source Route named (``prefetch=False``): the engine pulls when its scheduler first examines the
@@ -58,6 +58,14 @@ SUFFIX_TOKENS = 32
 USE_WINDOW_MS = 3_000  # n2's prefetch_use_window_ms: wasted bytes are settled this long after they land
 NO_SAVE = {"kvmesh": {"save": False}}  # dst keeps nothing of its own in n2: each mode finds n2 as it was
 SRC, DST = "n1", "n2"
+# one KV head of 64 (512 bytes of fp32 KV per token and layer) under a 512-wide model: prefill costs as much per
+# KV byte as a real GQA model's does relative to its link, so a pull is worth it (at --link-mbit 160, 1,024 tokens
+# pull in ~120 ms and prefill in ~150 ms here) and costs a large share of TTFT
+MODEL = dict(hidden=512, heads=8, kv_heads=1)
+# arrivals every PACE x what a pulled request costs the engine beyond its pull (warm-up medians): faster than the
+# engine serves in every mode, so requests queue in it and a pull started at arrival has a queue wait to hide in,
+# while the link (one prefix's wire time per arrival) is not the bottleneck
+PACE = 0.85
 
 
 def _ttft_ms(result: dict[str, Any]) -> float:
@@ -87,7 +95,8 @@ async def _routes(client: SchedulerClient, prompts: list[list[int]], prefetch: b
 
 
 def run(args: argparse.Namespace, say) -> dict[str, Any]:
-    model = build_tiny_llama(Path(args.model_dir) / "tiny-prefetch", num_layers=args.layers)
+    model = build_tiny_llama(Path(args.model_dir) / f"tiny-prefetch-{args.layers}l-gqa", num_layers=args.layers,
+                             **MODEL)
     shape = KVShape.from_checkpoint(model, dtype=DTYPE)
     block_bytes = shape.block_bytes(BLOCK_SIZE)
     rng = np.random.default_rng(args.seed)
@@ -138,7 +147,8 @@ def run(args: argparse.Namespace, say) -> dict[str, Any]:
               "shaping": "tc htb per destination on each namespace's veth egress (NIXL over UCX TCP); delay: tc "
                          "netem where the kernel has it, else netdelay (NFQUEUE) on ingress",
               "prefix_bytes": prefix_bytes,
-              "prefix_wire_ms": round(1000 * prefix_bytes * 8 / (args.link_mbit * 1e6), 1)},
+              "prefix_wire_ms": round(1000 * prefix_bytes * 8 / (args.link_mbit * 1e6), 1),
+              "utilization": round(prefix_bytes * 8 / (args.link_mbit * 1e3) / result["arrival_spacing_ms"], 2)},
         model=f"tiny Llama ({args.layers} layers, {shape.bytes_per_token()} KV bytes per token, {block_bytes // 1024} "
               f"KiB blocks)", prefix_tokens=args.prefix_tokens, suffix_tokens=SUFFIX_TOKENS,
         max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs, repetitions=reps, requests_per_mode=n)
@@ -154,20 +164,24 @@ async def _measure(args, say, fleet: ShapedFleet, ns, key: str, prompts: dict) -
         pulled = await _routes(client, warm["pull"], prefetch=False)
         if not all(d.source is not None for d in pulled):
             raise RuntimeError(f"Route named no source: n1 does not hold the prefixes (logs in {fleet.workdir})")
-        took = []
+        took, pull_ms = [], []
         for prompt, d in zip(warm["pull"], pulled):
             t = time.perf_counter()
-            await asyncio.to_thread(dst.generate, prompt, args.max_tokens, {**d.kv_transfer_params(), **NO_SAVE})
+            reply = await asyncio.to_thread(dst.generate, prompt, args.max_tokens,
+                                            {**d.kv_transfer_params(), **NO_SAVE})
             took.append(time.perf_counter() - t)
-        service_s = statistics.median(took)  # the first ones pay one-time costs (compiles, the first connection)
+            pull_ms.append(load_report(reply).get("pull_ms", 0.0))
+        # medians: the first ones pay one-time costs (compiles, the first connection)
+        service_s, pull_s = statistics.median(took), statistics.median(pull_ms) / 1000
         recomputed = []
         for prompt in warm["recompute"]:
             t = time.perf_counter()
             await asyncio.to_thread(dst.generate, prompt, args.max_tokens, NO_SAVE)
             recomputed.append(time.perf_counter() - t)
-        spacing_s = args.spacing_ms / 1000 if args.spacing_ms else 0.7 * service_s
-        say(f"a pulled request takes {service_s * 1000:.0f} ms alone, a recomputed one "
-            f"{statistics.median(recomputed) * 1000:.0f} ms; one arrives every {spacing_s * 1000:.0f} ms")
+        spacing_s = args.spacing_ms / 1000 if args.spacing_ms else PACE * (service_s - pull_s)
+        say(f"a pulled request takes {service_s * 1000:.0f} ms alone ({pull_s * 1000:.0f} ms of it its pull), a "
+            f"recomputed one {statistics.median(recomputed) * 1000:.0f} ms; one arrives every "
+            f"{spacing_s * 1000:.0f} ms")
         at_s = [i * spacing_s for i in range(n)]
         ttft: dict[str, list[list[float]]] = {m: [] for m in MODES}
         reports: dict[str, list[dict]] = {m: [] for m in MODES}
@@ -203,6 +217,7 @@ async def _measure(args, say, fleet: ShapedFleet, ns, key: str, prompts: dict) -
         "prefetch_statuses": statuses,
         "arrival_spacing_ms": round(spacing_s * 1000, 1),
         "pulled_request_service_ms": round(service_s * 1000, 1),
+        "pulled_request_pull_ms": round(pull_s * 1000, 1),
         "recomputed_request_service_ms": round(statistics.median(recomputed) * 1000, 1),
     }
 
@@ -225,13 +240,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model-dir", default=".kvmesh/models", help="where built models are kept (reused)")
     parser.add_argument("--layers", type=positive_int, default=4, help="layers of the tiny model (KV bytes per token)")
     parser.add_argument("--prefix-tokens", type=positive_int, default=1024, help="tokens n1 holds per prompt")
-    parser.add_argument("--requests", type=positive_int, default=6, help="requests per mode and repetition")
+    parser.add_argument("--requests", type=positive_int, default=8, help="requests per mode and repetition")
     parser.add_argument("--repetitions", type=positive_int, default=5)
-    parser.add_argument("--max-tokens", type=positive_int, default=16, help="output tokens per request")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per request")
     parser.add_argument("--max-num-seqs", type=positive_int, default=1, help="dst's concurrent requests")
     parser.add_argument("--spacing-ms", type=non_negative_float, default=0.0,
-                        help="between arrivals (0: 0.7 x a pulled request's service time)")
-    parser.add_argument("--link-mbit", type=positive_float, default=200.0, help="the n1-n2 link's rate, each way")
+                        help=f"between arrivals (0: {PACE} x a pulled request's service time less its pull's)")
+    parser.add_argument("--link-mbit", type=positive_float, default=160.0, help="the n1-n2 link's rate, each way")
     parser.add_argument("--link-delay-ms", type=non_negative_float, default=0.0, help="added to each direction")
     parser.add_argument("--seed", type=int, default=21)
     parser.add_argument("--workdir", default="", help="logs of the fleet and engines (default: a temp dir, removed)")
