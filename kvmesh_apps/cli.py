@@ -33,7 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "replay": ("kvmesh_apps.replay.bench", "main", "policies compared on a Mooncake trace (simulated engines), swept"),
     "sim-to-real": ("kvmesh_apps.bench.sim_to_real", "main", "the replay simulator's TTFT against real vLLM CPU engines"),
     "routing": ("kvmesh_apps.bench.routing", "main", "policies on real vLLM CPU engines over shaped links (root)"),
-    "prefetch": ("kvmesh_apps.bench.prefetch", "main", "route-time prefetch vs pull-on-ask vs recompute: TTFT (vLLM)"),
+    "prefetch": ("kvmesh_apps.bench.prefetch", "main", "route-time prefetch vs pull-on-ask vs recompute: TTFT (vLLM, shaped link, root)"),
 }
 
 
