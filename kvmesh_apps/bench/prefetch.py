@@ -58,9 +58,9 @@ SUFFIX_TOKENS = 32
 USE_WINDOW_MS = 3_000  # n2's prefetch_use_window_ms: wasted bytes are settled this long after they land
 NO_SAVE = {"kvmesh": {"save": False}}  # dst keeps nothing of its own in n2: each mode finds n2 as it was
 SRC, DST = "n1", "n2"
-# one KV head of 64 (512 bytes of fp32 KV per token and layer) under a 512-wide model: prefill costs as much per
-# KV byte as a real GQA model's does relative to its link, so a pull is worth it (at --link-mbit 160, 1,024 tokens
-# pull in ~120 ms and prefill in ~150 ms here) and costs a large share of TTFT
+# one KV head of 64 (512 bytes of fp32 KV per token and layer) under a 512-wide model: a prefix's prefill costs about
+# what its pull does (at --link-mbit 160 a 1,024-token prefix pulls in ~120 ms; its prefill took 100-200 ms in the
+# runs here), as with a real GQA model on a real link, so the pull is a large share of TTFT
 MODEL = dict(hidden=512, heads=8, kv_heads=1)
 # arrivals every PACE x what a pulled request costs the engine beyond its pull (warm-up medians): faster than the
 # engine serves in every mode, so requests queue in it and a pull started at arrival has a queue wait to hide in,
