@@ -46,8 +46,11 @@ class MeteredBlockMap(BlockMap):
         self._queried.inc(len(block_hashes))
         if match.holders:
             self._matched.inc(match.longest)
+            tiers = [h.per_tier for h in match.holders]
             for medium, child in self._matched_tier:
-                child.inc(max(h.per_tier.get(medium, 0) for h in match.holders))
+                best = max(t.get(medium, 0) for t in tiers)
+                if best:  # inc(0) takes the counter's lock for nothing
+                    child.inc(best)
         return match
 
     async def apply_batch(self, batch: EventBatch) -> Ack:

@@ -255,10 +255,15 @@ class BlockTable:
         """lookup.lua's counts: slot -> [any, gpu, cpu, disk] leading blocks of ``keys`` on the tiers in mask
         ``tiers``, for the slots holding the first block."""
         vids = self.vids(keys)
+        first = int(vids[0]) if len(vids) else 0
+        if not first:
+            return {}
+        if (vids == first).all():  # one value all along (a prefix every holder holds in full): counts at once
+            n = len(vids)
+            return {s: [n, n * (m & 1), n * (m >> 1 & 1), n * (m >> 2 & 1)]
+                    for s, m in ((s, m & tiers) for s, m in self._values.entries(first)) if m}
         absent = vids == 0
         end = int(absent.argmax()) if absent.any() else len(vids)
-        if end == 0:
-            return {}
         vids = vids[:end]
         starts = [0, *(np.flatnonzero(vids[1:] != vids[:-1]) + 1).tolist()]  # runs of one value: few, usually 1
         runs = zip(vids[starts].tolist(), [b - a for a, b in zip(starts, [*starts[1:], end])])
