@@ -48,7 +48,7 @@ class MeteredBlockMap(BlockMap):
             self._matched.inc(match.longest)
             tiers = [h.per_tier for h in match.holders]
             for medium, child in self._matched_tier:
-                best = max(t.get(medium, 0) for t in tiers)
+                best = max([t.get(medium, 0) for t in tiers])
                 if best:  # inc(0) takes the counter's lock for nothing
                     child.inc(best)
         return match

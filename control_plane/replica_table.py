@@ -323,5 +323,9 @@ def prefix_match(counts: dict[int, list[int]], slots: dict[int, SlotRecord], now
             continue
         holders.append(NodePrefix(record.node_id, record.address, any_count,
                                   {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk}))
-    holders.sort(key=lambda h: (-h.leading_blocks, h.node_id))
+    holders.sort(key=_longest_first)
     return PrefixMatch(blocks_queried, holders)
+
+
+def _longest_first(holder: NodePrefix) -> tuple[int, str]:
+    return -holder.leading_blocks, holder.node_id
