@@ -162,18 +162,22 @@ class SchedulerClient:
 
         Sent on the one ``LookupPrefixBatches`` stream this client keeps open (opened on first use, and again
         after it ends); concurrent callers pipeline on it, the lookups that queue while one message is written
-        going together in the next (up to LOOKUP_BATCH a message). When the stream ends early (a lookup of a
-        batch refused, or the stream broke), the lookups it left unanswered are sent once more as unary
-        ``LookupPrefix`` calls: each gets its answer, and the refused one raises its own status."""
+        going together in the next (up to LOOKUP_BATCH a message). A lookup the server refuses in a batch of
+        its own raises the stream's status; when a batch of several fails (the server names none of them), or
+        the stream broke, the lookups it left unanswered are sent once more as unary ``LookupPrefix`` calls, each
+        within what is left of its ``timeout_s``: each gets its answer, the refused one its own status."""
         if self._replica is not None and self._replica.synced:
             return self._local_lookup(token_ids, block_hashes, extras, media)
         request = cp_wire.lookup_request_to_pb(self.namespace, block_hashes, token_ids, extras, media)
         if self._lookups is None or self._lookups.ended:
             self._lookups = _LookupStream(self._stub, self._metadata)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
         try:
             reply = await asyncio.wait_for(self._lookups.lookup(request), self._timeout)
         except _Unanswered:  # lookups are read-only: the unary call gives the answer, or the exact status
-            reply = await self._stub.LookupPrefix(request, metadata=self._metadata, timeout=self._timeout)
+            reply = await self._stub.LookupPrefix(request, metadata=self._metadata,
+                                                  timeout=max(deadline - loop.time(), MIN_RETRY_TIMEOUT_S))
         return cp_wire.prefix_match(reply)
 
     async def start_replica(self, timeout_s: float = 10.0) -> None:
@@ -256,6 +260,7 @@ class _Unanswered(Exception):
 
 
 LOOKUP_BATCH = 64  # most lookups the client sends in one LookupPrefixBatches message (the server takes 256)
+MIN_RETRY_TIMEOUT_S = 0.05  # an unanswered lookup's unary retry gets what is left of its timeout, at least this
 
 
 class _LookupStream:
@@ -292,19 +297,25 @@ class _LookupStream:
             pass  # the stream is ending: the reader settles every waiting answer
 
     async def _read(self) -> None:
+        error: BaseException | None = None
         try:
             while (reply := await self._call.read()) is not grpc.aio.EOF:
                 for answer, result in zip(self._waiting.popleft(), reply.answers):
                     if not answer.done():
                         answer.set_result(result)
-        except grpc.aio.AioRpcError:
-            # The server names no lookup of a failed batch, and grpc.aio marks a call INTERNAL ("Internal error from
-            # Core") when a write loses the race with the server's end of the stream, hiding the server's status:
-            # every unanswered lookup is asked again (as a unary call, which answers it or gives its own status).
-            pass
+        except grpc.aio.AioRpcError as exc:
+            # grpc.aio marks a call INTERNAL ("Internal error from Core") when a write loses the race with the
+            # server's end of the stream, hiding the server's status: then every unanswered lookup is asked again.
+            error = None if exc.code() == grpc.StatusCode.INTERNAL else exc
         finally:
             self.ended = True
             self._wake.set()
+            if error is not None and self._waiting and len(self._waiting[0]) == 1:
+                answer = self._waiting.popleft()[0]  # the first unanswered batch, of one lookup: the refused one
+                if not answer.done():
+                    answer.set_exception(error)
+            # The server names no lookup of a failed batch of several: each is asked again (as a unary call,
+            # which answers it or gives its own status).
             unanswered = [answer for batch in self._waiting for answer in batch]
             unanswered += [answer for _, answer in self._queued]
             self._waiting.clear()
@@ -315,5 +326,6 @@ class _LookupStream:
 
     async def close(self) -> None:
         self.ended = True
+        self._wake.set()
         self._call.cancel()
         await asyncio.gather(self._reader, self._writer, return_exceptions=True)
