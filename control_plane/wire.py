@@ -39,7 +39,12 @@ def medium(value: int, what: str) -> Medium:
     return m
 
 
+_NO_EXTRAS = Extras()
+
+
 def extras(msg: common_pb2.HashExtras) -> Extras:
+    if not (msg.lora_name or msg.lora_path or msg.cache_salt):
+        return _NO_EXTRAS  # the usual case: one shared (immutable) value, nothing to check
     return Extras(lora_name=msg.lora_name, lora_path=msg.lora_path, cache_salt=msg.cache_salt).validate()
 
 
