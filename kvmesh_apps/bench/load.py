@@ -8,7 +8,7 @@ comes from client processes (``--clients``, each ``--concurrency`` calls in flig
   same process; lookups/s and the p99 latency (hashes in ``packed_block_hashes``);
 - on one replica, the floor (the same load of no-op RPCs), the same lookups on one ``LookupPrefixStream`` per
   client process, and on one ``LookupPrefixBatches`` per client process, ``--stream-batch`` lookups a message
-  (each lookup counted and its answer checked);
+  (at most ``--concurrency``; each lookup counted and its answer checked);
 - the same load spread over 1, 2 and 4 replicas on one Redis, then on a Redis Cluster;
 - a soak (``--soak-minutes``): nodes join, stream, evict, restart (new incarnation, full resync) and leave,
   with lookups alongside; the control plane's RSS and open fds and Redis' used_memory are sampled and
@@ -78,8 +78,9 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
     """(calls, their latencies in ms, seconds of the measured window, this process's CPU seconds in it);
     ``rate`` > 0 paces them (per s). ``rpc`` "ping" drives the no-op RPC instead (the floor), "stream" the
     same lookups on one ``LookupPrefixStream`` per process with ``concurrency`` of them in flight, "batches"
-    on one ``LookupPrefixBatches`` per process, ``batch`` lookups a message and ``concurrency`` lookups in flight
-    (whole batches: at least one); every lookup of a batch counts as one call, its latency the batch's.
+    on one ``LookupPrefixBatches`` per process, ``batch`` (at most ``concurrency``) lookups a message and
+    ``concurrency // batch`` messages in flight; every lookup of a batch counts as one call, its latency the
+    batch's.
 
     The generator is kept cheap so that it measures the server: a plain channel with the key as call metadata
     (client interceptors cost a task per call), requests built once, ``concurrency`` calls in flight on one
@@ -123,7 +124,7 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
             async def batched() -> None:
                 """As streamed(), ``batch`` lookups a message; every answer of every batch checked."""
                 call = stub.LookupPrefixBatches(metadata=metadata)
-                room = asyncio.Semaphore(max(1, concurrency // batch))
+                room = asyncio.Semaphore(concurrency // batch)
                 sent: collections.deque[float] = collections.deque()
 
                 async def write() -> None:
@@ -166,6 +167,11 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
         return len(latencies), latencies, window, cpu
 
     return asyncio.run(run())
+
+
+def stream_batch(args) -> int:
+    """Lookups a LookupPrefixBatches message: --stream-batch, but no more than the lookups in flight."""
+    return min(args.stream_batch, args.concurrency)
 
 
 def _own_cpu_s() -> float:
@@ -303,7 +309,7 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend
                                                  args.stream_rate, s))
                for s in range(1)] if args.streams else []
     calls = [pool.apply_async(_lookup_worker, (addresses[i % len(addresses)], key, args.seconds,
-                                               args.concurrency, i, 0.0, rpc, args.stream_batch))
+                                               args.concurrency, i, 0.0, rpc, stream_batch(args)))
              for i in range(args.clients)]
     t0 = time.perf_counter()
     results = [r.get(args.seconds + 120) for r in calls]
@@ -504,8 +510,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=positive_int, default=32, help="lookups in flight per client process")
     parser.add_argument("--streams", type=non_negative_int, default=16,
                         help="simulated nodes streaming events meanwhile")
-    parser.add_argument("--stream-batch", type=positive_int, default=16,
-                        help="lookups per LookupPrefixBatches message (the batched stream run)")
+    parser.add_argument("--stream-batch", type=positive_int, default=32,
+                        help="lookups per LookupPrefixBatches message (the batched stream run; at most --concurrency)")
     parser.add_argument("--stream-rate", type=positive_float, default=10.0, help="event batches/s per simulated node")
     parser.add_argument("--replicas", type=lambda s: [positive_int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--soak-minutes", type=non_negative_float, default=10.0)
@@ -540,7 +546,7 @@ def main(argv: list[str]) -> int:
         "batched_stream_lookup_p99_ms_at_saturation": batched and batched["p99_ms"],
         "control_plane_cpu_ms_per_batched_stream_lookup":
             batched and batched["control_plane_cpu_ms_per_batched_stream_lookup"],
-        "stream_batch_lookups": args.stream_batch,
+        "stream_batch_lookups": stream_batch(args),
         "cluster": {"lookups_per_s": {n: r["lookups_per_s"] for n, r in cluster.items()},
                     "lookup_p99_ms_at_saturation": cluster[str(args.replicas[0])]["p99_ms"] if cluster else None},
         "soak": soaked,
