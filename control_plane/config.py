@@ -47,6 +47,8 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     max_lookup_blocks: int = Field(65_536, ge=1, description="most blocks one LookupPrefix may ask about")
     lookup_stream_window: int = Field(32, ge=1, le=1024, description="lookups of one LookupPrefixStream worked on at "
                                       "once (answers still go back in request order)")
+    max_lookup_batch: int = Field(256, ge=1, le=65_536, description="most lookups one LookupPrefixBatches message "
+                                  "may carry")
     read_replica: bool = Field(True, description="answer lookups from an in-memory replica of the block map, "
                                "fed by Redis change streams (false: every lookup runs the Redis script)")
     gc_interval_s: float = Field(5.0, gt=0, description="how often expired leases are reaped and fenced entries swept")

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvmesh.hashing import Extras
@@ -27,7 +27,8 @@ from tenancy.store import RedisTenantStore
 from control_plane.block_map import BlockMap
 from control_plane.config import ControlPlaneConfig
 from control_plane.model import (
-    Ack, AckStatus, EventBatch, NodeInfo, NodeStatus, PrefixMatch, Registration, Stored, validate_node_id,
+    Ack, AckStatus, EventBatch, NodeInfo, NodeStatus, PackedHashes, PrefixMatch, Registration, Stored,
+    validate_node_id,
 )
 from control_plane.prefetch import prefetch_order
 from control_plane.routing.router import Router
@@ -139,14 +140,15 @@ class ControlPlane:
         self,
         principal: Principal,
         ns: Namespace,
-        block_hashes: list[bytes],
+        block_hashes: Sequence[bytes],
         token_ids: list[int],
         extras: Extras,
         tiers: int,
     ) -> PrefixMatch:
-        """Live holders of the longest prefix. What the principal may not see answers like absent blocks."""
+        """Live holders of the longest prefix. What the principal may not see answers like absent blocks.
+        ``block_hashes``: a list, or a :class:`PackedHashes` (checked here: whole hashes of the namespace's size)."""
         if block_hashes and token_ids:
-            raise InvalidArgument("give block_hashes or token_ids, not both")
+            raise InvalidArgument("give block_hashes (or packed_block_hashes) or token_ids, not both")
         cfg = ns.cache_config
         if token_ids:
             if len(token_ids) // cfg.block_size > self.config.max_lookup_blocks:
@@ -157,7 +159,9 @@ class ControlPlane:
         if len(block_hashes) > self.config.max_lookup_blocks:
             raise InvalidArgument(f"{len(block_hashes)} block hashes; the limit is {self.config.max_lookup_blocks}")
         digest = cfg.hash_algo.digest_size
-        if block_hashes and set(map(len, block_hashes)) != {digest}:  # map(len): C speed on 64k hashes
+        if isinstance(block_hashes, PackedHashes):
+            block_hashes.validate(cfg.hash_algo.value)
+        elif block_hashes and set(map(len, block_hashes)) != {digest}:  # map(len): C speed on 64k hashes
             i = next(i for i, h in enumerate(block_hashes) if len(h) != digest)
             raise InvalidArgument(
                 f"block_hashes[{i}] has {len(block_hashes[i])} bytes; {cfg.hash_algo.value} hashes are {digest}"

@@ -28,26 +28,25 @@ class MeteredBlockMap(BlockMap):
         self._inner = inner
         self._lookup_seconds = Histogram("kvmesh_cp_lookup_seconds", "LookupPrefix time in the block map",
                                          registry=registry, buckets=LATENCY_BUCKETS)
-        self._lookup_blocks = Counter(
-            "kvmesh_cp_lookup_blocks", "blocks asked about, and leading blocks the best holder had, by tier",
-            ["result"], registry=registry)
+        # Plain ints, exported at scrape time: a prometheus_client Counter takes a lock per inc (five a lookup).
+        # One event loop updates them, so no lock is needed.
+        self.lookup_blocks = dict.fromkeys(["queried", "matched", *(f"matched_{m.name.lower()}" for m in Medium)], 0)
+        registry.register(_LookupBlocksCollector(self.lookup_blocks))
         self._batches = Counter("kvmesh_cp_event_batches", "event batches by outcome", ["status"], registry=registry)
         self._event_blocks = Counter("kvmesh_cp_event_blocks", "blocks in applied events", ["op"], registry=registry)
-        # Children bound once: labels() takes a lock and a dict lookup per call, on every lookup.
-        self._queried = self._lookup_blocks.labels("queried")
-        self._matched = self._lookup_blocks.labels("matched")
-        self._matched_tier = [(medium, self._lookup_blocks.labels(f"matched_{medium.name.lower()}"))
-                              for medium in Medium]
+        self._tier_results = [(medium, f"matched_{medium.name.lower()}") for medium in Medium]
 
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
         start = time.perf_counter()
         match = await self._inner.lookup_prefix(ns, block_hashes, tiers)
         self._lookup_seconds.observe(time.perf_counter() - start)
-        self._queried.inc(len(block_hashes))
+        counts = self.lookup_blocks
+        counts["queried"] += len(block_hashes)
         if match.holders:
-            self._matched.inc(match.longest)
-            for medium, child in self._matched_tier:
-                child.inc(max(h.per_tier.get(medium, 0) for h in match.holders))
+            counts["matched"] += match.longest
+            per_tier = [h.per_tier for h in match.holders]
+            for medium, result in self._tier_results:
+                counts[result] += max([t.get(medium, 0) for t in per_tier])
         return match
 
     async def apply_batch(self, batch: EventBatch) -> Ack:
@@ -113,6 +112,21 @@ class RouteCollector:
                                   value=self._c.blocks_missed)
         yield GaugeMetricFamily("kvmesh_cp_stale_route_rate", "stale routes / pulls reported",
                                 value=self._c.stale_route_rate)
+
+
+class _LookupBlocksCollector:
+    """``kvmesh_cp_lookup_blocks_total``, from MeteredBlockMap's plain counts."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self._counts = counts
+
+    def collect(self):
+        family = CounterMetricFamily("kvmesh_cp_lookup_blocks",
+                                     "blocks asked about, and leading blocks the best holder had, by tier",
+                                     labels=["result"])
+        for result, n in list(self._counts.items()):
+            family.add_metric([result], n)
+        yield family
 
 
 class ReplicaCollector:

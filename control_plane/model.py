@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
@@ -178,6 +179,40 @@ class Ack:
     expected_seq: int = 0
     blocks_applied: int = 0
     detail: str = ""
+
+
+class PackedHashes(Sequence[bytes]):
+    """Block hashes of ``size`` bytes each, concatenated in chain order (``LookupPrefixRequest.packed_block_hashes``):
+    a sequence of ``bytes`` like a list of hashes, whose ``blob`` lookups use as is (no Python object per hash)."""
+
+    __slots__ = ("blob", "size")
+
+    def __init__(self, blob: bytes, size: int) -> None:
+        self.blob = blob
+        self.size = size
+
+    def validate(self, algo_name: str) -> "PackedHashes":
+        if len(self.blob) % self.size:
+            raise InvalidArgument(f"packed_block_hashes has {len(self.blob)} bytes, not a multiple of the "
+                                  f"{self.size}-byte {algo_name} hash; send whole hashes, concatenated")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.blob) // self.size
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.blob[i * self.size:(i + 1) * self.size]
+
+
+def joined(block_hashes: Sequence[bytes]) -> bytes:
+    """The hashes concatenated (a :class:`PackedHashes`' blob as is)."""
+    return block_hashes.blob if isinstance(block_hashes, PackedHashes) else b"".join(block_hashes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from control_plane.replica import BlockMapReplica
 from kvmesh.redis_keys import Keys
 from control_plane.model import (
     ALL_TIERS, Ack, AckStatus, Cleared, EventBatch, Medium, NodeInfo, NodePrefix, NodeStatus,
-    PrefixMatch, Registration, Stored,
+    PrefixMatch, Registration, Stored, joined,
 )
 
 log = logging.getLogger(__name__)
@@ -387,7 +387,7 @@ class RedisBlockMap(BlockMap):
             if match is not None:
                 return match
             self.replica.follow(blocks_key, ns.tenant)
-        args = [ns.cache_config.hash_algo.digest_size, b"".join(block_hashes), tiers]
+        args = [ns.cache_config.hash_algo.digest_size, joined(block_hashes), tiers]
         tenant = ns.tenant
         if self._cluster:  # the live-slot table is in another slot: fetch it concurrently
             (found,), slots, (sec, usec) = await asyncio.gather(

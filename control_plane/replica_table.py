@@ -20,16 +20,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from control_plane.model import Medium, NodePrefix, PrefixMatch
+from control_plane.model import Medium, NodePrefix, PackedHashes, PrefixMatch
 
 _EMPTY = np.uint64(0)
+PROBE_WINDOW = 8  # positions after a key's home one that BlockTable.vids probes in one gather
+_WINDOW = np.arange(1, PROBE_WINDOW + 1)
 MEMO_LIMIT = 100_000  # remembered value transitions (a cache: cleared when full)
 
 
-def block_keys(block_hashes: list[bytes] | bytes, hash_len: int = 0) -> np.ndarray:
-    """The uint64 keys of ``block_hashes`` (a list of equal-length hashes, or them concatenated: give
-    ``hash_len``); 0 becomes 1 (0 marks an empty slot of the table)."""
-    if isinstance(block_hashes, (bytes, bytearray, memoryview)):
+def block_keys(block_hashes: list[bytes] | PackedHashes | bytes, hash_len: int = 0) -> np.ndarray:
+    """The uint64 keys of ``block_hashes`` (a list of equal-length hashes, a :class:`PackedHashes`, or hashes
+    concatenated: give ``hash_len``); 0 becomes 1 (0 marks an empty slot of the table)."""
+    if isinstance(block_hashes, PackedHashes):
+        blob, hash_len = block_hashes.blob, block_hashes.size
+    elif isinstance(block_hashes, (bytes, bytearray, memoryview)):
         blob = block_hashes
     else:
         blob = b"".join(block_hashes)
@@ -137,16 +141,29 @@ class BlockTable:
         return out
 
     def vids(self, keys: np.ndarray) -> np.ndarray:
-        """The vid of each key (0: absent): :meth:`find` unrolled, on 1-D arrays only (no per-row reductions:
-        numpy's are slow on small arrays). Keys are never deleted (only their vid zeroed) until the table is
-        rebuilt, so an empty slot ends a key's probe sequence."""
+        """The vid of each key (0: absent). Keys are never deleted (only their vid zeroed) until the table is
+        rebuilt, so an empty slot ends a key's probe sequence. The keys not at their home position (a few at a
+        load of at most 1/2) probe their next ``PROBE_WINDOW`` positions in one gather, and only the rare
+        longer runs step on one position at a time: a handful of numpy calls whatever the probe lengths."""
         mask = len(self._keys) - 1
         pos = keys.view(np.int64) & mask
         found = self._keys[pos]
         hit = found == keys
         out = self._vids[pos] * hit
         todo = np.flatnonzero(~hit & (found != _EMPTY))
-        pos, want = pos[todo], keys[todo]
+        if not todo.size:
+            return out
+        window = (pos[todo, None] + _WINDOW) & mask
+        slab = self._keys[window]
+        want = keys[todo]
+        hits = slab == want[:, None]
+        stop = hits | (slab == _EMPTY)
+        first = stop.argmax(axis=1)
+        rows = np.arange(todo.size)
+        found_at = hits[rows, first]
+        out[todo[found_at]] = self._vids[window[rows, first][found_at]]
+        more = ~stop[rows, first]
+        todo, pos, want = todo[more], window[more, -1], want[more]
         while todo.size:
             pos = (pos + 1) & mask
             found = self._keys[pos]
@@ -238,10 +255,15 @@ class BlockTable:
         """lookup.lua's counts: slot -> [any, gpu, cpu, disk] leading blocks of ``keys`` on the tiers in mask
         ``tiers``, for the slots holding the first block."""
         vids = self.vids(keys)
+        first = int(vids[0]) if len(vids) else 0
+        if not first:
+            return {}
+        if (vids == first).all():  # one value all along (a prefix every holder holds in full): counts at once
+            n = len(vids)
+            return {s: [n, n * (m & 1), n * (m >> 1 & 1), n * (m >> 2 & 1)]
+                    for s, m in ((s, m & tiers) for s, m in self._values.entries(first)) if m}
         absent = vids == 0
         end = int(absent.argmax()) if absent.any() else len(vids)
-        if end == 0:
-            return {}
         vids = vids[:end]
         starts = [0, *(np.flatnonzero(vids[1:] != vids[:-1]) + 1).tolist()]  # runs of one value: few, usually 1
         runs = zip(vids[starts].tolist(), [b - a for a, b in zip(starts, [*starts[1:], end])])
@@ -301,5 +323,9 @@ def prefix_match(counts: dict[int, list[int]], slots: dict[int, SlotRecord], now
             continue
         holders.append(NodePrefix(record.node_id, record.address, any_count,
                                   {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk}))
-    holders.sort(key=lambda h: (-h.leading_blocks, h.node_id))
+    holders.sort(key=_longest_first)
     return PrefixMatch(blocks_queried, holders)
+
+
+def _longest_first(holder: NodePrefix) -> tuple[int, str]:
+    return -holder.leading_blocks, holder.node_id

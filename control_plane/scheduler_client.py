@@ -28,9 +28,9 @@ the engine's own ask joins it later (docs/scheduling.md#prefetch-at-route-time).
 
 A scheduler that only needs prefix lookups, at a high rate, calls
 ``await client.lookup_prefix(token_ids=...)`` from as many tasks as it likes:
-the lookups share one ``LookupPrefixStream`` the client keeps open (answers in
-request order), which costs the control plane about half a unary call each
-(docs/scheduling.md).
+the lookups share one ``LookupPrefixBatches`` stream the client keeps open, those
+that queue meanwhile going several to a message (answers in request order), which
+costs the control plane a fraction of a unary call each (docs/scheduling.md).
 
 A scheduler that looks up more often still keeps the namespace's block map in memory:
 ``await client.start_replica()`` opens ``WatchBlockMap`` (the server sends this tenant's namespace only: a
@@ -160,19 +160,24 @@ class SchedulerClient:
                             extras: Extras = Extras(), media: Sequence[Medium] = ()) -> PrefixMatch:
         """Which live nodes hold the longest prefix of the prompt, per tier (``media`` empty: every tier).
 
-        Sent on the one ``LookupPrefixStream`` this client keeps open (opened on first use, and again after
-        it ends); concurrent callers pipeline on it. A lookup the server refuses raises its status; the
-        lookups sent after it on the same stream, which the server never answered, are sent once more as
-        unary ``LookupPrefix`` calls."""
+        Sent on the one ``LookupPrefixBatches`` stream this client keeps open (opened on first use, and again
+        after it ends); concurrent callers pipeline on it, the lookups that queue while one message is written
+        going together in the next (up to LOOKUP_BATCH a message). A lookup the server refuses in a batch of
+        its own raises the stream's status; when a batch of several fails (the server names none of them), or
+        the stream broke, the lookups it left unanswered are sent once more as unary ``LookupPrefix`` calls, each
+        within what is left of its ``timeout_s``: each gets its answer, the refused one its own status."""
         if self._replica is not None and self._replica.synced:
             return self._local_lookup(token_ids, block_hashes, extras, media)
         request = cp_wire.lookup_request_to_pb(self.namespace, block_hashes, token_ids, extras, media)
         if self._lookups is None or self._lookups.ended:
             self._lookups = _LookupStream(self._stub, self._metadata)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
         try:
             reply = await asyncio.wait_for(self._lookups.lookup(request), self._timeout)
         except _Unanswered:  # lookups are read-only: the unary call gives the answer, or the exact status
-            reply = await self._stub.LookupPrefix(request, metadata=self._metadata, timeout=self._timeout)
+            reply = await self._stub.LookupPrefix(request, metadata=self._metadata,
+                                                  timeout=max(deadline - loop.time(), MIN_RETRY_TIMEOUT_S))
         return cp_wire.prefix_match(reply)
 
     async def start_replica(self, timeout_s: float = 10.0) -> None:
@@ -251,54 +256,76 @@ def _open_channel(address: str, tls: ClientTLS | None) -> grpc.aio.Channel:
 
 
 class _Unanswered(Exception):
-    """The stream ended before this lookup's answer (an earlier lookup failed): ask again."""
+    """The stream ended before this lookup's answer (a lookup failed, or the stream broke): ask again."""
+
+
+LOOKUP_BATCH = 64  # most lookups the client sends in one LookupPrefixBatches message (the server takes 256)
+MIN_RETRY_TIMEOUT_S = 0.05  # an unanswered lookup's unary retry gets what is left of its timeout, at least this
 
 
 class _LookupStream:
-    """One open ``LookupPrefixStream``: requests written in order under a lock, answers matched in order."""
+    """One open ``LookupPrefixBatches`` stream: lookups queue, and whatever queued while the previous message was
+    being written goes as the next batch (a lone lookup goes at once, alone); answers matched in order."""
 
     def __init__(self, stub: pb_grpc.ControlPlaneStub, metadata) -> None:
-        self._call = stub.LookupPrefixStream(metadata=metadata)
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()
-        self._write = asyncio.Lock()
+        self._call = stub.LookupPrefixBatches(metadata=metadata)
+        self._queued: list[tuple[pb.LookupPrefixRequest, asyncio.Future]] = []
+        self._waiting: collections.deque[list[asyncio.Future]] = collections.deque()  # one entry per batch sent
+        self._wake = asyncio.Event()
         self.ended = False
+        self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
 
     async def lookup(self, request: pb.LookupPrefixRequest) -> pb.LookupPrefixResponse:
+        if self.ended:
+            raise _Unanswered
         answer = asyncio.get_running_loop().create_future()
-        async with self._write:
-            if self.ended:
-                raise _Unanswered
-            self._waiting.append(answer)
-            try:
-                await self._call.write(request)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                pass  # the stream is ending: the reader settles every waiting answer
+        self._queued.append((request, answer))
+        self._wake.set()
         return await answer
+
+    async def _write(self) -> None:
+        try:
+            while not self.ended:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._queued and not self.ended:
+                    batch, self._queued = self._queued[:LOOKUP_BATCH], self._queued[LOOKUP_BATCH:]
+                    self._waiting.append([answer for _, answer in batch])
+                    await self._call.write(pb.LookupPrefixBatch(lookups=[request for request, _ in batch]))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the stream is ending: the reader settles every waiting answer
 
     async def _read(self) -> None:
         error: BaseException | None = None
         try:
             while (reply := await self._call.read()) is not grpc.aio.EOF:
-                answer = self._waiting.popleft()
-                if not answer.done():
-                    answer.set_result(reply)
+                for answer, result in zip(self._waiting.popleft(), reply.answers):
+                    if not answer.done():
+                        answer.set_result(result)
         except grpc.aio.AioRpcError as exc:
             # grpc.aio marks a call INTERNAL ("Internal error from Core") when a write loses the race with the
-            # server's end of the stream, hiding the server's status: then every unanswered lookup is resent.
+            # server's end of the stream, hiding the server's status: then every unanswered lookup is asked again.
             error = None if exc.code() == grpc.StatusCode.INTERNAL else exc
         finally:
             self.ended = True
-            if error is not None and self._waiting:  # the first unanswered lookup is the one refused
-                answer = self._waiting.popleft()
+            self._wake.set()
+            if error is not None and self._waiting and len(self._waiting[0]) == 1:
+                answer = self._waiting.popleft()[0]  # the first unanswered batch, of one lookup: the refused one
                 if not answer.done():
                     answer.set_exception(error)
-            while self._waiting:
-                answer = self._waiting.popleft()
+            # The server names no lookup of a failed batch of several: each is asked again (as a unary call,
+            # which answers it or gives its own status).
+            unanswered = [answer for batch in self._waiting for answer in batch]
+            unanswered += [answer for _, answer in self._queued]
+            self._waiting.clear()
+            self._queued = []
+            for answer in unanswered:
                 if not answer.done():
                     answer.set_exception(_Unanswered())
 
     async def close(self) -> None:
         self.ended = True
+        self._wake.set()
         self._call.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)

@@ -67,10 +67,34 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     @grpc_errors
     async def LookupPrefixStream(self, request_iterator, context):
-        """Up to ``lookup_stream_window`` lookups of the stream run at once; answers go back in request order.
-        The first failed lookup ends the stream with its status, after the answers to the requests before it
-        (the auth interceptor checks the caller's key again before each request)."""
+        """Each request answered as LookupPrefix would, in request order (see :meth:`_in_order`)."""
         principal = current_principal()
+        async for answer in self._in_order(request_iterator, lambda request: self._lookup(principal, request)):
+            yield answer
+
+    @grpc_errors
+    async def LookupPrefixBatches(self, request_iterator, context):
+        """Several lookups a message: each answered as LookupPrefix would, one after the other, into one reply
+        per batch; batches in request order (see :meth:`_in_order`). A batch is answered whole or not at all."""
+        principal = current_principal()
+        limit = self._core.config.max_lookup_batch
+
+        async def answer(batch: pb.LookupPrefixBatch) -> pb.LookupPrefixBatchResponse:
+            if not 0 < len(batch.lookups) <= limit:
+                raise InvalidArgument(f"a batch of {len(batch.lookups)} lookups; send 1 to {limit} (max_lookup_batch)")
+            reply = pb.LookupPrefixBatchResponse()
+            add = reply.answers.add
+            for request in batch.lookups:
+                await self._lookup(principal, request, into=add())
+            return reply
+
+        async for reply in self._in_order(request_iterator, answer):
+            yield reply
+
+    async def _in_order(self, request_iterator, work):
+        """Up to ``lookup_stream_window`` requests of the stream worked on at once; their answers yielded in
+        request order. The first failed request ends the stream with its status, after the answers to the
+        requests before it (the auth interceptor checks the caller's key again before each request)."""
         window = asyncio.Semaphore(self._core.config.lookup_stream_window)
         in_flight: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
 
@@ -78,14 +102,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    in_flight.put_nowait(asyncio.ensure_future(self._lookup(principal, request)))
+                    in_flight.put_nowait(asyncio.ensure_future(work(request)))
             finally:
                 in_flight.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
-            while (lookup := await in_flight.get()) is not None:
-                yield await lookup
+            while (task := await in_flight.get()) is not None:
+                yield await task
                 window.release()
             await reader  # the request stream's own end: a revoked key, an undecodable message
         finally:
@@ -93,12 +117,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 if task is not None:
                     _discard(task)
 
-    async def _lookup(self, principal, request) -> pb.LookupPrefixResponse:
+    async def _lookup(self, principal, request, into: pb.LookupPrefixResponse | None = None
+                      ) -> pb.LookupPrefixResponse:
+        """One lookup's answer, in ``into`` when given (a batch reply's entry), else in a new message."""
         ns = wire.namespace(request.namespace, request.HasField("namespace"))
         media = [wire.medium(m, "media") for m in request.media]
-        match = await self._core.lookup_prefix(principal, ns, list(request.block_hashes), list(request.token_ids),
-                                               wire.extras(request.extras), tier_mask(media))
-        return wire.prefix_match_to_pb(match)
+        match = await self._core.lookup_prefix(principal, ns, wire.lookup_hashes(request, ns),
+                                               list(request.token_ids), wire.extras(request.extras), tier_mask(media))
+        return wire.prefix_match_to_pb(match, into)
 
     @grpc_errors
     async def IssuePullGrant(self, request, context):

@@ -10,8 +10,8 @@ from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 from control_plane.replica_table import SlotRecord
 from control_plane.watch import BlockMapUpdate, Holder
 from control_plane.model import (
-    Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus, PrefixMatch, Removed,
-    Stored,
+    Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus, PackedHashes, PrefixMatch,
+    Removed, Stored,
 )
 
 _ACK_TO_PB = {
@@ -39,7 +39,12 @@ def medium(value: int, what: str) -> Medium:
     return m
 
 
+_NO_EXTRAS = Extras()
+
+
 def extras(msg: common_pb2.HashExtras) -> Extras:
+    if not (msg.lora_name or msg.lora_path or msg.cache_salt):
+        return _NO_EXTRAS  # the usual case: one shared (immutable) value, nothing to check
     return Extras(lora_name=msg.lora_name, lora_path=msg.lora_path, cache_salt=msg.cache_salt).validate()
 
 
@@ -47,6 +52,16 @@ def namespace(msg: common_pb2.Namespace, present: bool) -> Namespace:
     if not present:
         raise InvalidArgument("namespace is required")
     return Namespace.from_proto(msg)
+
+
+def lookup_hashes(msg: pb.LookupPrefixRequest, ns: Namespace) -> list[bytes] | PackedHashes:
+    """A lookup's block hashes: ``packed_block_hashes`` as they came (the core checks their length), else
+    ``block_hashes`` (possibly none: a lookup by token ids)."""
+    if msg.packed_block_hashes:
+        if len(msg.block_hashes):
+            raise InvalidArgument("give block_hashes or packed_block_hashes, not both")
+        return PackedHashes(msg.packed_block_hashes, ns.cache_config.hash_algo.digest_size)
+    return list(msg.block_hashes)
 
 
 def node_info(msg: pb.NodeInfo) -> NodeInfo:
@@ -109,9 +124,13 @@ def ack_to_pb(ack: Ack) -> pb.EventAck:
                        blocks_applied=ack.blocks_applied, detail=ack.detail)
 
 
-def prefix_match_to_pb(match: PrefixMatch) -> pb.LookupPrefixResponse:
+def prefix_match_to_pb(match: PrefixMatch, into: pb.LookupPrefixResponse | None = None) -> pb.LookupPrefixResponse:
+    """The answer, filled into ``into`` (an empty message, e.g. a batch reply's entry) or a new message."""
     # add() on the repeated fields: half the cost of building each message and copying it in (on every lookup)
-    reply = pb.LookupPrefixResponse(blocks_queried=match.blocks_queried, block_hashes=match.block_hashes)
+    reply = pb.LookupPrefixResponse() if into is None else into
+    reply.blocks_queried = match.blocks_queried
+    if match.block_hashes:
+        reply.block_hashes.extend(match.block_hashes)
     add_holder = reply.holders.add
     for h in match.holders:
         add_tier = add_holder(node_id=h.node_id, data_plane_address=h.data_plane_address,
@@ -132,7 +151,13 @@ def prefix_match(reply: pb.LookupPrefixResponse) -> PrefixMatch:
 
 def lookup_request_to_pb(ns: Namespace, block_hashes, token_ids, extras_: Extras,
                          media) -> pb.LookupPrefixRequest:
-    return pb.LookupPrefixRequest(namespace=ns.to_proto(), block_hashes=block_hashes, token_ids=token_ids,
+    """Hashes of the namespace's size go packed (``packed_block_hashes``); any other, as they are, so that the
+    server names the one that is wrong."""
+    hashes = {}
+    if block_hashes:
+        whole = set(map(len, block_hashes)) == {ns.cache_config.hash_algo.digest_size}
+        hashes = {"packed_block_hashes": b"".join(block_hashes)} if whole else {"block_hashes": block_hashes}
+    return pb.LookupPrefixRequest(namespace=ns.to_proto(), token_ids=token_ids, **hashes,
                                   extras=common_pb2.HashExtras(lora_name=extras_.lora_name,
                                                                lora_path=extras_.lora_path,
                                                                cache_salt=extras_.cache_salt),

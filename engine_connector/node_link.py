@@ -150,7 +150,7 @@ class NodeLink:
         """Nodes holding leading ``hashes`` in their CPU tier, longest first."""
         assert self._cp is not None, "no control plane configured"
         reply = await self._cp.LookupPrefix(cp_pb.LookupPrefixRequest(
-            namespace=ns.to_proto(), block_hashes=hashes, media=[common_pb2.MEDIUM_CPU]), timeout=self._timeout)
+            namespace=ns.to_proto(), packed_block_hashes=b"".join(hashes), media=[common_pb2.MEDIUM_CPU]), timeout=self._timeout)
         return [Holder(h.node_id, h.data_plane_address, h.leading_blocks) for h in reply.holders]
 
     async def node_at_async(self, address: str) -> str:

@@ -28,7 +28,9 @@ def test_bench_control_plane_ends_with_its_json(monkeypatch):
     for key in ("bare_grpc_noop_p50_ms", "bare_grpc_cpu_ms_per_noop", "bare_grpc_redis_call_p50_ms",
                 "bare_grpc_cpu_ms_per_redis_call", "health_check_p50_ms",
                 "control_plane_cpu_ms_per_health_check", "lookup_1_block_p50_ms",
-                "control_plane_cpu_ms_per_1_block_lookup", "replica_lookup_p50_us", "replica_bytes_per_block",
+                "control_plane_cpu_ms_per_1_block_lookup", "lookup_repeated_p50_ms",
+                "lookup_repeated_p50_over_noop_p50", "control_plane_cpu_ms_per_lookup_repeated",
+                "replica_lookup_p50_us", "replica_bytes_per_block",
                 "replica_lag_samples"):
         assert result[key] > 0, key
     # Lookups answer from the control plane's in-memory replica: Redis runs no lookup script for them.

@@ -220,18 +220,32 @@ class EventAck(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., status: _Optional[_Union[AckStatus, str]] = ..., expected_seq: _Optional[int] = ..., blocks_applied: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LookupPrefixRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "token_ids", "extras", "media")
+    __slots__ = ("namespace", "block_hashes", "token_ids", "extras", "media", "packed_block_hashes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     extras: _common_pb2.HashExtras
     media: _containers.RepeatedScalarFieldContainer[_common_pb2.Medium]
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., extras: _Optional[_Union[_common_pb2.HashExtras, _Mapping]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ...) -> None: ...
+    packed_block_hashes: bytes
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., extras: _Optional[_Union[_common_pb2.HashExtras, _Mapping]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class LookupPrefixBatch(_message.Message):
+    __slots__ = ("lookups",)
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    lookups: _containers.RepeatedCompositeFieldContainer[LookupPrefixRequest]
+    def __init__(self, lookups: _Optional[_Iterable[_Union[LookupPrefixRequest, _Mapping]]] = ...) -> None: ...
+
+class LookupPrefixBatchResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[LookupPrefixResponse]
+    def __init__(self, answers: _Optional[_Iterable[_Union[LookupPrefixResponse, _Mapping]]] = ...) -> None: ...
 
 class TierPrefix(_message.Message):
     __slots__ = ("medium", "leading_blocks")

@@ -75,6 +75,11 @@ class ControlPlaneStub:
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.FromString,
                 _registered_method=True)
+        self.LookupPrefixBatches = channel.stream_stream(
+                '/kvmesh.v1.ControlPlane/LookupPrefixBatches',
+                request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixBatch.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixBatchResponse.FromString,
+                _registered_method=True)
         self.IssuePullGrant = channel.unary_unary(
                 '/kvmesh.v1.ControlPlane/IssuePullGrant',
                 request_serializer=kvmesh_dot_v1_dot_control__plane__pb2.IssuePullGrantRequest.SerializeToString,
@@ -176,6 +181,22 @@ class ControlPlaneServicer:
         ends the stream with its status code (INVALID_ARGUMENT, PERMISSION_DENIED,
         UNAUTHENTICATED, UNAVAILABLE...) after the answers to the requests before
         it; the caller opens a new stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupPrefixBatches(self, request_iterator, context):
+        """The same stream with several lookups per message, for the highest rates
+        (gRPC's cost per message is paid once per batch): one LookupPrefixBatchResponse
+        per LookupPrefixBatch, its answers in the batch's order (the server works on
+        up to lookup_stream_window batches of a stream at once). Each lookup is
+        validated, authorized and answered as LookupPrefix would; the key is checked
+        again before each batch. A batch is answered whole or not at all: a lookup
+        that fails ends the stream with its status code after the answers to the
+        batches before it (the caller learns which lookup by asking again, e.g. as
+        unary calls). A batch of more than max_lookup_batch lookups, or none, is
+        INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -286,6 +307,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.LookupPrefixStream,
                     request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.SerializeToString,
+            ),
+            'LookupPrefixBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.LookupPrefixBatches,
+                    request_deserializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixBatch.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixBatchResponse.SerializeToString,
             ),
             'IssuePullGrant': grpc.unary_unary_rpc_method_handler(
                     servicer.IssuePullGrant,
@@ -539,6 +565,33 @@ class ControlPlane:
             '/kvmesh.v1.ControlPlane/LookupPrefixStream',
             kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixRequest.SerializeToString,
             kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupPrefixBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.ControlPlane/LookupPrefixBatches',
+            kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixBatch.SerializeToString,
+            kvmesh_dot_v1_dot_control__plane__pb2.LookupPrefixBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,6 @@
 """``kvmesh bench control-plane``: lookup latency, where it goes, ingest rate and Redis bytes per block.
 
-A real redis-server and a real control-plane process; this process is the client. Six calls are measured
+A real redis-server and a real control-plane process; this process is the client. Seven calls are measured
 interleaved, one at a time, over the same kind of client channel (the scheduler key as call metadata), so load
 drift hits all alike and their differences compare like with like:
 
@@ -10,7 +10,9 @@ drift hits all alike and their differences compare like with like:
 - the control plane's gRPC health ``Check`` (auth-exempt: kvmesh's interceptors, authentication, metrics and
   the decode guard, all pass ``/grpc.*`` methods through) and its authenticated ``Ping``: their difference bounds
   what authentication costs a call (the other interceptors included);
-- ``LookupPrefix`` of the full prompt (1,024 blocks by default) and of its first block, each held by every node.
+- ``LookupPrefix`` of the full prompt (1,024 blocks by default) and of its first block, each held by every node,
+  their hashes in ``packed_block_hashes`` (one field); and of the full prompt with the same hashes as the
+  repeated ``block_hashes`` (``lookup_repeated_*``: what decoding 1,024 separate hashes costs).
 
 Then, one call at a time again, where a call's cost goes: the server's CPU per call of each kind and Redis' own
 time per lookup (the script; none while lookups are answered from the control plane's in-memory replica).
@@ -53,6 +55,7 @@ from kvmesh.v1 import tenant_admin_pb2, tenant_admin_pb2_grpc
 from tenancy.api_keys import new_key
 
 BLOCK_SIZE = 32
+BLOCK_HASH_BYTES = 32  # sha256, the namespace's default
 NS = common_pb2.Namespace(tenant="bench", model="bench-model", weight_version="v1",
                           cache_config=common_pb2.CacheConfig(block_size=BLOCK_SIZE))
 
@@ -234,14 +237,15 @@ def _replica_probe(redis_url: str, prompt_blocks: int, commands: multiprocessing
 
 
 class _Calls:
-    """The six calls the bench compares: ``calls[kind]()`` makes one, ``check(kind, reply)`` checks its answer."""
+    """The seven calls the bench compares: ``calls[kind]()`` makes one, ``check(kind, reply)`` checks its answer."""
 
     def __init__(self, bare: grpc.aio.Channel, sched: grpc.aio.Channel, prompt: list[bytes], nodes: LiveNodes):
         bare_stub, stub = pb_grpc.ControlPlaneStub(bare), pb_grpc.ControlPlaneStub(sched)
         health = health_pb2_grpc.HealthStub(sched)
         ping, probe = common_pb2.PingRequest(), health_pb2.HealthCheckRequest()
-        self.lookups = {"lookup": pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt),
-                        "lookup_1": pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt[:1])}
+        self.lookups = {"lookup": pb.LookupPrefixRequest(namespace=NS, packed_block_hashes=b"".join(prompt)),
+                        "lookup_repeated": pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt),
+                        "lookup_1": pb.LookupPrefixRequest(namespace=NS, packed_block_hashes=prompt[0])}
         self.calls = {"bare": lambda: bare_stub.Ping(ping),
                       "bare_redis": lambda: bare_stub.LookupPrefix(self.lookups["lookup_1"]),
                       "health": lambda: health.Check(probe),
@@ -251,7 +255,10 @@ class _Calls:
 
     def check(self, kind: str, reply) -> None:
         if kind in self.lookups:
-            check_lookup(reply, len(self.lookups[kind].block_hashes), self.nodes)
+            check_lookup(reply, reply.blocks_queried, self.nodes)
+            if reply.blocks_queried != len(self.lookups[kind].block_hashes) + len(
+                    self.lookups[kind].packed_block_hashes) // BLOCK_HASH_BYTES:
+                raise RuntimeError(f"a {kind} call answered for {reply.blocks_queried} blocks")
         elif kind == "health" and reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise RuntimeError(f"the control plane's health check answered {reply.status}")
 
@@ -295,6 +302,7 @@ async def _cost_per_call(calls: _Calls, rounds: int, pids: dict[str, int], r: re
             "bare_grpc_cpu_ms_per_redis_call": round(cpu["bare_redis"], 3),
             "control_plane_cpu_ms_per_health_check": round(cpu["health"], 3),
             "control_plane_cpu_ms_per_1_block_lookup": round(cpu["lookup_1"], 3),
+            "control_plane_cpu_ms_per_lookup_repeated": round(cpu["lookup_repeated"], 3),
             "redis_ms_per_1_block_lookup": round(redis_ms["lookup_1"], 3)}
 
 
@@ -362,6 +370,8 @@ async def _bench(args, address: str, bare_address: str, r: redis.Redis, admin_ke
         "bare_grpc_redis_call_p50_ms": round(p50["bare_redis"], 3),
         "health_check_p50_ms": round(p50["health"], 3),
         "auth_cost_p50_ms": round(p50["ping"] - p50["health"], 3),
+        "lookup_repeated_p50_ms": round(p50["lookup_repeated"], 3),
+        "lookup_repeated_p50_over_noop_p50": round(p50["lookup_repeated"] / p50["ping"], 2),
         "lookup_1_block_p50_ms": round(p50["lookup_1"], 3),
         "lookup_1_block_over_noop_p50": round(p50["lookup_1"] / p50["ping"], 2),
         **costs,

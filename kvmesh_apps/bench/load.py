@@ -5,7 +5,10 @@ comes from client processes (``--clients``, each ``--concurrency`` calls in flig
 
 - saturation: ``LookupPrefix`` of 4,096-token prompts (128 blocks of 32, each held by 8 nodes), authenticated
   with a scheduler key, while ``--streams`` simulated nodes stream BlockStored / BlockRemoved batches into the
-  same process; lookups/s and the p99 latency;
+  same process; lookups/s and the p99 latency (hashes in ``packed_block_hashes``);
+- on one replica, the floor (the same load of no-op RPCs), the same lookups on one ``LookupPrefixStream`` per
+  client process, and on one ``LookupPrefixBatches`` per client process, ``--stream-batch`` lookups a message
+  (at most ``--concurrency``; each lookup counted and its answer checked);
 - the same load spread over 1, 2 and 4 replicas on one Redis, then on a Redis Cluster;
 - a soak (``--soak-minutes``): nodes join, stream, evict, restart (new incarnation, full resync) and leave,
   with lookups alongside; the control plane's RSS and open fds and Redis' used_memory are sampled and
@@ -70,17 +73,22 @@ def _pct(values: list[float], q: float) -> float:
 # ---- load generators (child processes) ----
 
 def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
-                   seed: int, rate: float = 0.0, rpc: str = "lookup") -> tuple[int, list[float], float, float]:
+                   seed: int, rate: float = 0.0, rpc: str = "lookup",
+                   batch: int = 1) -> tuple[int, list[float], float, float]:
     """(calls, their latencies in ms, seconds of the measured window, this process's CPU seconds in it);
     ``rate`` > 0 paces them (per s). ``rpc`` "ping" drives the no-op RPC instead (the floor), "stream" the
-    same lookups on one ``LookupPrefixStream`` per process with ``concurrency`` of them in flight.
+    same lookups on one ``LookupPrefixStream`` per process with ``concurrency`` of them in flight, "batches"
+    on one ``LookupPrefixBatches`` per process, ``batch`` (at most ``concurrency``) lookups a message and
+    ``concurrency // batch`` messages in flight; every lookup of a batch counts as one call, its latency the
+    batch's.
 
     The generator is kept cheap so that it measures the server: a plain channel with the key as call metadata
     (client interceptors cost a task per call), requests built once, ``concurrency`` calls in flight on one
     channel. Every lookup's answer is still checked."""
 
     async def run() -> tuple[int, list[float], float, float]:
-        requests = [pb.LookupPrefixRequest(namespace=NS, block_hashes=prompt(i)) for i in range(PROMPTS)]
+        requests = [pb.LookupPrefixRequest(namespace=NS, packed_block_hashes=b"".join(prompt(i)))
+                    for i in range(PROMPTS)]
         ping = common_pb2.PingRequest()
         metadata = auth_metadata(key)
         rng = random.Random(seed)
@@ -113,6 +121,28 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
                     room.release()
                 await writer
 
+            async def batched() -> None:
+                """As streamed(), ``batch`` lookups a message; every answer of every batch checked."""
+                call = stub.LookupPrefixBatches(metadata=metadata)
+                room = asyncio.Semaphore(concurrency // batch)
+                sent: collections.deque[float] = collections.deque()
+
+                async def write() -> None:
+                    while time.perf_counter() < deadline:
+                        await room.acquire()
+                        sent.append(time.perf_counter())
+                        await call.write(pb.LookupPrefixBatch(lookups=rng.choices(requests, k=batch)))
+                    await call.done_writing()
+
+                writer = asyncio.ensure_future(write())
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    if len(reply.answers) != batch or any(
+                            not a.holders or a.holders[0].leading_blocks != PROMPT_BLOCKS for a in reply.answers):
+                        raise RuntimeError("a batched lookup did not find the prompt held in full")
+                    latencies.extend([(time.perf_counter() - sent.popleft()) * 1000] * batch)
+                    room.release()
+                await writer
+
             async def loop() -> None:
                 while time.perf_counter() < deadline:
                     if rate:
@@ -126,12 +156,22 @@ def _lookup_worker(address: str, key: str, seconds: float, concurrency: int,
                             raise RuntimeError("a lookup did not find the prompt held in full")
                     latencies.append((time.perf_counter() - t0) * 1000)
 
-            await (streamed() if rpc == "stream" else asyncio.gather(*(loop() for _ in range(concurrency))))
+            if rpc == "stream":
+                await streamed()
+            elif rpc == "batches":
+                await batched()
+            else:
+                await asyncio.gather(*(loop() for _ in range(concurrency)))
             window = time.perf_counter() - start
             cpu = _own_cpu_s() - cpu0
         return len(latencies), latencies, window, cpu
 
     return asyncio.run(run())
+
+
+def stream_batch(args) -> int:
+    """Lookups a LookupPrefixBatches message: --stream-batch, but no more than the lookups in flight."""
+    return min(args.stream_batch, args.concurrency)
 
 
 def _own_cpu_s() -> float:
@@ -269,7 +309,8 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend
                                                  args.stream_rate, s))
                for s in range(1)] if args.streams else []
     calls = [pool.apply_async(_lookup_worker, (addresses[i % len(addresses)], key, args.seconds,
-                                               args.concurrency, i, 0.0, rpc)) for i in range(args.clients)]
+                                               args.concurrency, i, 0.0, rpc, stream_batch(args)))
+             for i in range(args.clients)]
     t0 = time.perf_counter()
     results = [r.get(args.seconds + 120) for r in calls]
     elapsed = time.perf_counter() - t0
@@ -278,7 +319,7 @@ def saturate(pool, addresses: list[str], key: str, admin_key: str, args, backend
     cp_cpu, redis_cpu = sum(map(cpu_seconds, cp_pids)) - cpu0[0], sum(map(cpu_seconds, redis_pids)) - cpu0[1]
     client_cpu = sum(cpu for _, _, _, cpu in results)
     done = max(1, len(latencies))
-    what = {"lookup": "lookup", "stream": "stream_lookup", "ping": "noop"}[rpc]
+    what = {"lookup": "lookup", "stream": "stream_lookup", "batches": "batched_stream_lookup", "ping": "noop"}[rpc]
     return {f"{what}s_per_s": round(sum(n / window for n, _, window, _ in results), 1),
             f"control_plane_cpu_ms_per_{what}": round(cp_cpu * 1000 / done, 3),
             f"redis_cpu_ms_per_{what}": round(redis_cpu * 1000 / done, 3),
@@ -304,6 +345,9 @@ def measure_backend(workdir: Path, cluster: bool, pool, args) -> dict:
             # the same lookups on one LookupPrefixStream per client process (same clients, same in flight)
             out["stream"] = saturate(pool, addresses[:1], key, backend.admin_key, args, backend, rpc="stream")
             print(f"redis x1 stream: {out['stream']}", file=sys.stderr, flush=True)
+            # the same lookups, --stream-batch a message on one LookupPrefixBatches per client process
+            out["batches"] = saturate(pool, addresses[:1], key, backend.admin_key, args, backend, rpc="batches")
+            print(f"redis x1 batched stream: {out['batches']}", file=sys.stderr, flush=True)
         return out
     except Exception:  # a failed call: say what the replicas logged (their logs vanish with the workdir)
         for log in sorted(workdir.glob("cp*.log")):
@@ -466,6 +510,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=positive_int, default=32, help="lookups in flight per client process")
     parser.add_argument("--streams", type=non_negative_int, default=16,
                         help="simulated nodes streaming events meanwhile")
+    parser.add_argument("--stream-batch", type=positive_int, default=32,
+                        help="lookups per LookupPrefixBatches message (the batched stream run; at most --concurrency)")
     parser.add_argument("--stream-rate", type=positive_float, default=10.0, help="event batches/s per simulated node")
     parser.add_argument("--replicas", type=lambda s: [positive_int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--soak-minutes", type=non_negative_float, default=10.0)
@@ -486,6 +532,7 @@ def main(argv: list[str]) -> int:
         soaked = soak(workdir, pool, args) if args.soak_minutes > 0 else {}
     noop = single.pop("noop", None)
     streamed = single.pop("stream", None)
+    batched = single.pop("batches", None)
     first = single.get(str(args.replicas[0]), {})
     result = {
         "lookups_per_s": {n: r["lookups_per_s"] for n, r in single.items()},
@@ -495,13 +542,18 @@ def main(argv: list[str]) -> int:
         "stream_lookups_per_s": streamed and streamed["stream_lookups_per_s"],
         "stream_lookup_p99_ms_at_saturation": streamed and streamed["p99_ms"],
         "control_plane_cpu_ms_per_stream_lookup": streamed and streamed["control_plane_cpu_ms_per_stream_lookup"],
+        "batched_stream_lookups_per_s": batched and batched["batched_stream_lookups_per_s"],
+        "batched_stream_lookup_p99_ms_at_saturation": batched and batched["p99_ms"],
+        "control_plane_cpu_ms_per_batched_stream_lookup":
+            batched and batched["control_plane_cpu_ms_per_batched_stream_lookup"],
+        "stream_batch_lookups": stream_batch(args),
         "cluster": {"lookups_per_s": {n: r["lookups_per_s"] for n, r in cluster.items()},
                     "lookup_p99_ms_at_saturation": cluster[str(args.replicas[0])]["p99_ms"] if cluster else None},
         "soak": soaked,
         "floor": noop and {"noops_per_s": noop["noops_per_s"],
                            "control_plane_cpu_ms_per_noop": noop["control_plane_cpu_ms_per_noop"],
                            "client_cpu_ms_per_noop": noop["client_cpu_ms_per_noop"]},
-        "detail": {"single": single, "cluster": cluster, "noop": noop, "stream": streamed},
+        "detail": {"single": single, "cluster": cluster, "noop": noop, "stream": streamed, "batches": batched},
         "load": {"clients": args.clients, "concurrency": args.concurrency, "streams": args.streams, "stream_batches_per_s_per_node": args.stream_rate,
                  "soak_churn_actions_per_s": args.churn_rate, "soak_lookups_per_s": args.soak_lookup_rate,
                  "prompt_blocks": PROMPT_BLOCKS, "holders": HOLDERS, "seconds": args.seconds,

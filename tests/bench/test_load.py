@@ -29,6 +29,8 @@ def test_load_and_short_soak():
     assert set(result["cluster"]["lookups_per_s"]) == {"1", "2"}
     assert result["lookup_p99_ms_at_saturation"] > 0
     assert result["stream_lookups_per_s"] > 0 and result["stream_lookup_p99_ms_at_saturation"] > 0
+    assert result["batched_stream_lookups_per_s"] > 0 and result["batched_stream_lookup_p99_ms_at_saturation"] > 0
+    assert result["stream_batch_lookups"] == 8 and result["control_plane_cpu_ms_per_batched_stream_lookup"] > 0
     soak = result["soak"]
     assert soak["minutes"] == 0.25 and soak["samples"] >= 6
     warm = soak["after_warmup"]  # the slopes are fitted over these samples (every 1.25 s here)

@@ -11,7 +11,7 @@ from kvmesh import errors
 from kvmesh.namespace import CacheConfig, Namespace
 
 from control_plane.model import (
-    ALL_TIERS, AckStatus, Cleared, EventBatch, Medium, NodeInfo, Removed, Stored,
+    ALL_TIERS, AckStatus, Cleared, EventBatch, Medium, NodeInfo, PackedHashes, Removed, Stored,
 )
 from control_plane.redis_block_map import RedisBlockMap
 
@@ -69,6 +69,22 @@ async def test_lookup_returns_leading_blocks_per_node_and_tier(block_map, ns):
     assert found["node-1"].data_plane_address == "127.0.0.1:7001"
     match = await block_map.lookup_prefix(ns, hs, ALL_TIERS)
     assert [h.node_id for h in match.holders] == ["node-1", "node-2"]  # longest first
+
+
+async def test_a_lookup_of_packed_hashes_answers_as_the_same_hashes_in_a_list(block_map, ns):
+    hs = hashes(10)
+    p1, p2 = await Publisher(block_map, ns, 1).register(), await Publisher(block_map, ns, 2).register()
+    await p1.store(hs[:10], Medium.CPU)
+    await p1.store(hs[:4], Medium.GPU)
+    await p2.store(hs[:6], Medium.DISK)
+    for cut in (1, 4, 6, 10):
+        for tiers in (ALL_TIERS, Medium.GPU.bit, Medium.DISK.bit):
+            listed = await block_map.lookup_prefix(ns, hs[:cut], tiers)
+            packed = await block_map.lookup_prefix(ns, PackedHashes(b"".join(hs[:cut]), 32), tiers)
+            assert listed.holders  # positive control: there is an answer to compare
+            assert packed == listed
+    absent = await block_map.lookup_prefix(ns, PackedHashes(b"".join(hashes(3, "never")), 32), ALL_TIERS)
+    assert absent.holders == [] and absent.blocks_queried == 3
 
 
 async def test_lookup_counts_only_the_leading_run(block_map, ns):

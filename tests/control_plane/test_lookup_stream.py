@@ -1,5 +1,6 @@
-"""LookupPrefixStream on a real server and a real Redis: the unary lookup's answers, in request order, on one
-stream; a failed lookup ends the stream with its status; the scheduler client's shared stream."""
+"""LookupPrefixStream and LookupPrefixBatches on a real server and a real Redis: the unary lookup's answers, in
+request order, on one stream; a failed lookup ends the stream with its status; packed_block_hashes answers as
+block_hashes and its bad forms are INVALID_ARGUMENT; the scheduler client's shared stream."""
 
 from __future__ import annotations
 
@@ -117,3 +118,107 @@ async def test_the_scheduler_client_pipelines_lookups_on_one_stream(control_plan
             assert "the limit is 2048" in results[1].details()
             assert [r.longest for r in results[2:]] == [5, 6]
         assert (await client.lookup_prefix(block_hashes=hs[:4])).longest == 4
+
+
+def packed(request: pb.LookupPrefixRequest) -> pb.LookupPrefixRequest:
+    """The same lookup with its hashes in packed_block_hashes."""
+    out = pb.LookupPrefixRequest()
+    out.CopyFrom(request)
+    if request.block_hashes:
+        del out.block_hashes[:]
+        out.packed_block_hashes = b"".join(request.block_hashes)
+    return out
+
+
+async def test_packed_hashes_answer_as_the_repeated_field(cp_stub):
+    hs = await publish_fleet(cp_stub)
+    requests = queries(hs)
+    for request in requests:
+        assert await cp_stub.LookupPrefix(packed(request)) == await cp_stub.LookupPrefix(request)
+    assert sum(bool(r.packed_block_hashes) for r in map(packed, requests)) >= 8  # the packed form was exercised
+    assert (await cp_stub.LookupPrefix(packed(requests[5]))).holders[0].leading_blocks == 12  # positive control
+
+
+@pytest.mark.parametrize("fields, text", [
+    (dict(packed_block_hashes=b"x" * 33), "packed_block_hashes has 33 bytes, not a multiple of the 32-byte"),
+    (dict(packed_block_hashes=b"x" * 31), "packed_block_hashes has 31 bytes, not a multiple of the 32-byte"),
+    (dict(packed_block_hashes=b"x" * 64, block_hashes=[b"y" * 32]), "give block_hashes or packed_block_hashes, not both"),
+    (dict(packed_block_hashes=b"x" * 64, token_ids=list(range(64))), "or token_ids, not both"),
+    (dict(packed_block_hashes=b"x" * 32 * 2049), "2049 block hashes; the limit is 2048"),
+])
+async def test_a_bad_packed_lookup_is_invalid_argument_with_one_clear_message(cp_stub, fields, text):
+    hs = await publish_fleet(cp_stub)
+    good = pb.LookupPrefixRequest(namespace=ns_pb(), packed_block_hashes=b"".join(hs))
+    assert (await cp_stub.LookupPrefix(good)).holders[0].leading_blocks == 12  # positive control
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await cp_stub.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb(), **fields))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert text in info.value.details() and "\n" not in info.value.details()
+
+
+async def batch_answers(stub, batches) -> list[list[pb.LookupPrefixResponse]]:
+    async def send():
+        for batch in batches:
+            yield pb.LookupPrefixBatch(lookups=batch)
+
+    return [list(reply.answers) async for reply in stub.LookupPrefixBatches(send())]
+
+
+async def test_batched_answers_are_the_unary_answers_in_request_order(cp_stub):
+    hs = await publish_fleet(cp_stub)
+    requests = queries(hs) + [packed(r) for r in queries(hs)]
+    unary = [await cp_stub.LookupPrefix(r) for r in requests]
+    sizes = [1, 3, 7, len(requests) - 11] * 20  # more batches than the server's window: several in flight
+    batches, i = [], 0
+    for size in sizes:
+        batches.append([requests[(i + k) % len(requests)] for k in range(size)])
+        i += size
+    answers = await batch_answers(cp_stub, batches)
+    assert [len(a) for a in answers] == sizes
+    assert [a for batch in answers for a in batch] == [unary[k % len(requests)] for k in range(i)]
+    # negative control: a batch's answers in another order are caught
+    assert await batch_answers(cp_stub, [batches[3][::-1]]) != [answers[3]]
+
+
+@pytest.mark.parametrize("size, text", [(0, "a batch of 0 lookups; send 1 to 256"),
+                                        (257, "a batch of 257 lookups; send 1 to 256")])
+async def test_an_empty_or_oversized_batch_ends_the_stream_after_the_earlier_answers(cp_stub, size, text):
+    hs = await publish_fleet(cp_stub)
+    good = pb.LookupPrefixRequest(namespace=ns_pb(), packed_block_hashes=b"".join(hs))
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (request := await queue.get()) is not None:
+            yield request
+
+    call = cp_stub.LookupPrefixBatches(requests())
+    for lookups in ([good] * 2, [good] * 256, [good] * size):
+        queue.put_nowait(pb.LookupPrefixBatch(lookups=lookups))
+    assert [a.holders[0].leading_blocks for a in (await call.read()).answers] == [12, 12]  # positive control
+    assert len((await call.read()).answers) == 256  # the limit itself is allowed
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in info.value.details()
+    queue.put_nowait(None)
+
+
+async def test_a_failed_lookup_in_a_batch_ends_the_stream_after_the_earlier_batches(cp_stub):
+    hs = await publish_fleet(cp_stub)
+    good = pb.LookupPrefixRequest(namespace=ns_pb(), packed_block_hashes=b"".join(hs))
+    bad = pb.LookupPrefixRequest(namespace=ns_pb(), packed_block_hashes=b"short")
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (request := await queue.get()) is not None:
+            yield request
+
+    call = cp_stub.LookupPrefixBatches(requests())
+    for lookups in ([good], [good, good], [good, bad, good]):
+        queue.put_nowait(pb.LookupPrefixBatch(lookups=lookups))
+    assert len((await call.read()).answers) == 1  # positive control: the batches before are answered
+    assert len((await call.read()).answers) == 2
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()  # the failed batch is not answered in part
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "packed_block_hashes has 5 bytes" in info.value.details()
+    queue.put_nowait(None)

@@ -80,6 +80,34 @@ async def test_a_key_revoked_while_its_lookup_stream_is_open_is_refused_at_the_n
     assert reply.holders[0].leading_blocks == 2
 
 
+async def test_a_key_revoked_while_its_lookup_batch_stream_is_open_is_refused_at_the_next_batch(fleet):
+    await fleet.tenant("tenant-a")
+    cp_node, _, batch = await publish_as_node(fleet, "node-a", "tenant-a", hashes(2))
+    assert (await cp_node.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
+    key_id, sched = await fleet.key("scheduler", tenant_id="tenant-a")
+    _, other = await fleet.key("scheduler", tenant_id="tenant-a")
+    lookups = pb.LookupPrefixBatch(lookups=[pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"),
+                                                                   token_ids=TOKENS[:32 * 4])] * 2)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def batches():
+        while (request := await queue.get()) is not None:
+            yield request
+
+    stream = fleet.cp(sched).LookupPrefixBatches(batches())
+    await queue.put(lookups)
+    assert [a.holders[0].leading_blocks for a in (await stream.read()).answers] == [2, 2]  # positive control
+    await fleet.admin.RevokeKey(tpb.RevokeKeyRequest(key_id=key_id))
+    await queue.put(lookups)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stream.read()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in info.value.details()
+    await queue.put(None)
+    # another key of the same tenant still streams: the refusal was the revocation
+    (reply,) = [r async for r in fleet.cp(other).LookupPrefixBatches(iter([lookups]))]
+    assert [a.holders[0].leading_blocks for a in reply.answers] == [2, 2]
+
+
 async def test_a_node_reports_stats_for_its_own_engines_only(fleet):
     _, node_key = await fleet.key("node", node_id="node-a")
     as_node = fleet.cp(node_key)

@@ -82,6 +82,22 @@ async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix_over_a_look
     assert [f.name for f, _ in probe.ListFields()] == [f.name for f, _ in control.ListFields()]
 
 
+async def test_tenant_b_cannot_learn_whether_tenant_a_holds_a_prefix_in_a_lookup_batch(fleet):
+    a_key, b_key = await a_prefix_of_tenant_a(fleet)
+    held = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=TOKENS)
+    absent = pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"), token_ids=[t + 1 for t in TOKENS])
+    own = pb.LookupPrefixRequest(namespace=ns_pb("tenant-b"), token_ids=TOKENS)
+    # positive control: tenant A's scheduler finds its prefix in a batch
+    (found,) = [r async for r in fleet.cp(a_key).LookupPrefixBatches(iter([pb.LookupPrefixBatch(lookups=[held])]))]
+    assert found.answers[0].holders[0].leading_blocks == 8 and found.answers[0].holders[0].node_id == "node-a"
+    (reply,) = [r async for r in fleet.cp(b_key).LookupPrefixBatches(
+        iter([pb.LookupPrefixBatch(lookups=[held, absent, own])]))]
+    probe, control, mine = reply.answers
+    assert not probe.holders and not control.holders and not mine.holders
+    assert probe.blocks_queried == control.blocks_queried == 8  # the probe of A's prefix looks like a miss
+    assert [f.name for f, _ in probe.ListFields()] == [f.name for f, _ in control.ListFields()]
+
+
 async def test_identical_tokens_in_two_tenants_never_share_a_key(control_plane):
     from kvmesh.redis_keys import Keys
 
