@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.fleet import Fleet
+
+from data_plane.client import DataPlaneClient
 from kvmesh_apps.tiny_model import TEST_INIT_STD, build_tiny_llama
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -37,5 +41,22 @@ def start_fleet(tmp_path_factory: pytest.TempPathFactory, admin_key: str) -> Cal
 def small_fleet(start_fleet) -> Iterator[Fleet]:
     """A fleet with 1 KiB slots, for tests without engines."""
     fleet = start_fleet(1024)
+    asyncio.run(_handshake(fleet, "dp2", "dp1"))
     yield fleet
     fleet.stop()
+
+
+async def _handshake(fleet: Fleet, consumer: str, source: str) -> None:
+    """``consumer`` pulls one block from ``source`` with a long bound: the first pull between two nodes
+    handshakes (metadata vetted in a child process, seconds on a loaded machine), which the tests' 5 s pull bounds
+    are not about; later pulls reuse it."""
+    ns = Namespace(fleet.tenant, "handshake", "", CacheConfig(block_size=32)).validate()
+    block = [os.urandom(32)]
+    async with DataPlaneClient(fleet.data_planes[source].address, key=fleet.node_keys[source],
+                               tls=fleet.client_tls(f"engine-{source}")) as owner:
+        await owner.reserve(ns, block)
+        await owner.commit(ns, block)
+    async with DataPlaneClient(fleet.data_planes[consumer].address, key=fleet.node_keys[consumer],
+                               tls=fleet.client_tls(f"engine-{consumer}")) as engine:
+        result = await engine.pull(ns, block, source, fleet.data_planes[source].address, timeout_ms=60_000)
+    assert result.pulled == 1, f"{consumer} could not pull from {source}: {result}"
