@@ -275,7 +275,7 @@ async def test_a_timed_out_write_is_never_reported_settled_even_when_nixl_releas
     source.core.transport = TimedOutWrites(source.core.transport)
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
-        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=2_000)
+        result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=8_000)  # the first handshake vets metadata (seconds when loaded); the WRITE fails at once
         assert result.pulled == 0 and consumer.core.tier.quarantined == N
         await asyncio.sleep(1.5)  # the consumer asks several times meanwhile (FAST_RECLAIM)
         assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == 0
