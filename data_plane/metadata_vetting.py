@@ -90,6 +90,25 @@ class MetadataVetter:
         raise InvalidArgument("agent_metadata: loading it crashed a NIXL agent (a throwaway process that loaded it "
                               "first died): refused")
 
+    def wait_started(self, timeout_s: float) -> bool:
+        """Whether the child's agent exists, waiting for it at most ``timeout_s`` (blocking: run it in a thread).
+        Its start takes seconds on a busy machine: a node counts as ready for handshakes only once it is up, so
+        that cost is paid at start, not by the first pull's bound."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._proc.poll() is not None:
+                self._start()
+            if not self._ready:
+                try:
+                    self._ready = self._answer(deadline) == READY
+                except OSError:
+                    self._ready = False
+            return self._ready
+
+    async def started(self, timeout_s: float) -> bool:
+        """:meth:`wait_started` off the event loop (no thread once started: every pull asks)."""
+        return self._ready or await asyncio.to_thread(self.wait_started, timeout_s)
+
     async def check(self, metadata: bytes, timeout_s: float) -> None:
         """:meth:`vet` off the event loop."""
         await asyncio.to_thread(self.vet, metadata, timeout_s)

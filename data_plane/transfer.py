@@ -275,12 +275,16 @@ class NixlTransport(Transport):
         del agent, reg
 
     async def ready(self, timeout_s: float) -> None:
+        """The agent is built and so is the metadata vetter's (a peer's handshake needs both)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._built)), max(0.0, timeout_s))
         except TimeoutError:
             raise Unavailable("the NIXL agent is still starting") from None
         except Exception as exc:  # noqa: BLE001 - the agent could not be created
             raise Unavailable(f"no NIXL agent: {exc}") from None
+        if not await self._vetter.started(deadline - time.monotonic()):
+            raise Unavailable("the process that checks peers' agent metadata is still starting")
 
     def _ready_agent(self):
         if self._agent is None:
