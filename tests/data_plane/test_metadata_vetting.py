@@ -5,13 +5,18 @@ the child runs (a real child process with a NIXL agent). NixlTransport.ready() w
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 
 import pytest
 
+from kvmesh.errors import Unavailable
+
 from data_plane.metadata_vetting import MetadataVetter
+from data_plane.shm import SharedRegion
+from data_plane.transfer import NixlTransport
 
 pytestmark = [pytest.mark.nixl]
 
@@ -28,3 +33,23 @@ def test_a_vetter_that_has_not_started_is_not_ready_within_the_bound_and_is_once
     finally:
         os.kill(vetter._proc.pid, signal.SIGCONT)
         vetter.close()
+
+
+async def test_a_nodes_transport_is_not_ready_until_its_vetter_has_started(shm_dir):
+    """NixlTransport.ready() (what TRANSFERS_HEALTH and every handshake wait for) counts the vetter: with its child
+    stopped before its agent exists, ready() answers Unavailable within the bound; once it runs, ready()."""
+    region = SharedRegion(shm_dir / "vetting.tier", 4096, 4, owner=True)
+    transport = NixlTransport("vetting-node", region)
+    try:
+        os.kill(transport._vetter._proc.pid, signal.SIGSTOP)
+        await asyncio.wait_for(asyncio.wrap_future(transport._built), 120.0)  # the node's own agent is up
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match="agent metadata is still starting"):
+            await transport.ready(1.0)
+        assert time.monotonic() - started < 3.0
+        os.kill(transport._vetter._proc.pid, signal.SIGCONT)
+        await transport.ready(120.0)  # control: the same node, its vetter running
+    finally:
+        os.kill(transport._vetter._proc.pid, signal.SIGCONT)
+        transport.close()
+        region.close()
