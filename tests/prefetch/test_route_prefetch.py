@@ -136,6 +136,14 @@ def metric(proc: DataPlaneProcess, name: str, **labels: str) -> float:
     return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.rpartition(" ")[0] == series)
 
 
+async def prefetch_bytes_reach(node: DataPlaneProcess, kind: str, n_bytes: int, within_s: float, what: str) -> None:
+    """Waits until ``node``'s prefetch bytes of ``kind`` reach ``n_bytes``; fails (``what``) after ``within_s``."""
+    t0 = time.monotonic()
+    while metric(node, "kvmesh_dp_prefetch_bytes_total", kind=kind) < n_bytes:
+        assert time.monotonic() - t0 < within_s, f"the prefetch {what}"
+        await asyncio.sleep(0.05)
+
+
 async def route(w: World, ns: Namespace, key: str, hashes: list[bytes], engine_node: str = "dst", **kwargs):
     async with w.scheduler(ns, key) as scheduler:
         return await scheduler.route([Candidate(f"{engine_node}:engine", engine_node)], block_hashes=hashes,
@@ -209,16 +217,14 @@ async def test_a_request_whose_prefetch_is_in_flight_joins_it_one_transfer_not_t
 async def test_a_request_whose_prefetch_landed_first_reports_a_pull_joined_not_a_local_hit(world):
     """The prefetch ends before the engine asks (the usual case when the engine queues the request): the ask finds
     the blocks committed, and they count as pulled by it (joined, moved by the prefetch), so the engine reports
-    a pull from the source. Control: blocks that were on dst before any prefetch stay ``already_local``."""
+    a pull from the source. Control: the same blocks asked for again, once the prefetch settled, are a local hit
+    (``already_local``)."""
     dst = world.nodes["dst"]
     a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
     hashes = await store(world, "src", NS_A, 8)
     decision = await route(world, NS_A, a_key, hashes)
     assert decision.prefetch_status == "STARTED"
-    t0 = time.monotonic()
-    while metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="prefetched") < 8 * BLOCK:
-        assert time.monotonic() - t0 < PREFETCH_TIMEOUT_MS / 1000 + 2.0, "the prefetch never landed"
-        await asyncio.sleep(0.05)
+    await prefetch_bytes_reach(dst, "prefetched", 8 * BLOCK, PREFETCH_TIMEOUT_MS / 1000 + 2.0, "never landed")
     pulled, slots = await ask(world, NS_A, hashes, decision)
     assert (pulled.pulled, pulled.already_local, pulled.joined, pulled.bytes_pulled) == (8, 0, 8, 0), pulled
     assert len(slots) == 8
@@ -235,10 +241,8 @@ async def test_a_prefetch_whose_request_never_comes_is_released_within_the_bound
     hashes = await store(world, "src", NS_A, 24)
     decision = await route(world, NS_A, a_key, hashes)
     assert decision.prefetch_status == "STARTED"
-    t0 = time.monotonic()
-    while metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="wasted") < 24 * BLOCK:
-        assert time.monotonic() - t0 < (PREFETCH_TIMEOUT_MS + USE_WINDOW_MS) / 1000 + 2.0, "not released in time"
-        await asyncio.sleep(0.1)
+    await prefetch_bytes_reach(dst, "wasted", 24 * BLOCK, (PREFETCH_TIMEOUT_MS + USE_WINDOW_MS) / 1000 + 2.0,
+                               "not released in time")
     assert metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="prefetched") == 24 * BLOCK
     assert metric(dst, "kvmesh_dp_prefetch_bytes_total", kind="used") == 0
     assert metric(dst, "kvmesh_dp_prefetch_inflight_bytes") == 0
