@@ -55,6 +55,11 @@ DEFAULT_BLOCK_BYTES = 2 * 1024 * 1024
 PROVISION_RETRY_S = 30.0  # how long provisioning rides out an UNAVAILABLE control plane at start
 
 
+def _node_key_label(node: str) -> str:
+    """The description of the node keys the local fleet issues: how it tells its own keys from an operator's."""
+    return f"local fleet node {node}"
+
+
 class Fleet:
     """The started processes, stopped in reverse order. Not thread-safe."""
 
@@ -139,23 +144,28 @@ class Fleet:
 
     async def _provision_once(self, nodes: list[str]) -> dict[str, str]:
         """The tenant (created unless it exists) and a node key per data plane: the one in its key file when the
-        control plane still knows it for that node (a restart), else a new one (admin API)."""
+        control plane still knows it for that node (a restart), else a new one (admin API). Before a new one is
+        issued, the keys this fleet issued earlier for that node and nobody holds (its key file lost, or an
+        IssueKey whose answer a stalled Redis timed out after it was stored) are revoked, so that no live
+        credential for the node exists outside its key file."""
         async with channel(self.control_plane.address, self.admin_key, self.client_tls()) as ch:
             admin = ta_grpc.TenantAdminStub(ch)
             tenants = await admin.ListTenants(ta_pb.ListTenantsRequest())
             if self.tenant not in {t.tenant_id for t in tenants.tenants}:
                 await admin.CreateTenant(ta_pb.CreateTenantRequest(tenant_id=self.tenant,
                                                                    display_name="the local fleet's tenant"))
-            known = {k.key_id: k.node_id for k in (await admin.ListKeys(ta_pb.ListKeysRequest())).keys
-                     if k.role == ta_pb.ROLE_NODE and not k.revoked}
+            live = [k for k in (await admin.ListKeys(ta_pb.ListKeysRequest())).keys
+                    if k.role == ta_pb.ROLE_NODE and not k.revoked]
             keys = {}
             for node in nodes:
                 kept = self._kept_node_key(node)
-                if kept is not None and known.get(api_keys.parse(kept)[0]) == node:
+                if kept is not None and any(k.key_id == api_keys.parse(kept)[0] and k.node_id == node for k in live):
                     keys[node] = kept
                     continue
+                for orphan in (k for k in live if k.node_id == node and k.description == _node_key_label(node)):
+                    await admin.RevokeKey(ta_pb.RevokeKeyRequest(key_id=orphan.key_id))
                 reply = await admin.IssueKey(ta_pb.IssueKeyRequest(role=ta_pb.ROLE_NODE, node_id=node,
-                                                                   description=f"local fleet node {node}"))
+                                                                   description=_node_key_label(node)))
                 keys[node] = reply.secret
             return keys
 
