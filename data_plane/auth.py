@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import hmac
 import logging
 import time
@@ -41,7 +42,7 @@ from tenancy import api_keys
 from tenancy.auth import current_principal, grant_from
 from tenancy.grants import Grant, GrantVerifier, PrefetchTicket, UnknownGrantKey
 from tenancy.model import Principal, Role
-from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall, ProofVerifier
+from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, NonceCache, PeerCall, ProofVerifier
 
 from data_plane.epochs import GONE, Epoch
 
@@ -52,6 +53,8 @@ PEER = Principal("peer", Role.NODE)  # a call that authenticates by a grant and 
 GRANT_REFRESH_MARGIN_MS = 5_000  # a grant closer than this to its expiry is renewed (in the background)
 GRANT_MIN_LIFE_MS = 1_000  # a grant closer than this to its expiry is not handed out
 GRANT_KEYS_MIN_REFRESH_S = 5.0  # a grant under an unknown key id refreshes the keys at most this often
+USED_TICKET_SLACK_MS = 1_000  # a used prefetch ticket is remembered this long past its expiry (none passes later)
+MAX_LIVE_TICKETS = 65_536  # used, unexpired prefetch tickets held; more at once are refused (ResourceExhausted)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -180,6 +183,8 @@ class NodeAuth:
         self._timeout_s = timeout_s
         self.identity = NodeIdentity()  # this process's peer key pair: bound into its grants
         self._proofs = ProofVerifier(node_id)
+        # prefetch tickets taken, each until it expires: a ticket starts one prefetch, never a second
+        self._used_tickets = NonceCache(USED_TICKET_SLACK_MS, MAX_LIVE_TICKETS, what="prefetch tickets")
         # A configured key is final; keys from the control plane are refreshed every grant_keys_refresh_s.
         self._static_keys = bool(grant_public_key)
         self._forced_at = -float("inf")
@@ -247,16 +252,21 @@ class NodeAuth:
             self._verifier.verify_route(token, **where)
 
     async def check_prefetch(self, token: bytes, ns: Namespace, block_hashes: list[bytes]) -> PrefetchTicket:
-        """The ticket of a Route's PrefetchOrder for this node, ``ns`` and these blocks (PermissionDenied
-        otherwise)."""
+        """The ticket of a Route's PrefetchOrder for this node, ``ns`` and these blocks, presented for the first
+        time (PermissionDenied otherwise: a ticket is used once, whoever presents it again)."""
         verifier = await self._grant_verifier()
         what = dict(namespace_fingerprint=ns.fingerprint, tenant=ns.tenant, block_hashes=block_hashes)
         try:
-            return verifier.verify_prefetch(token, **what)
+            ticket = verifier.verify_prefetch(token, **what)
         except UnknownGrantKey:
             if not await self._refresh_grant_keys(GRANT_KEYS_MIN_REFRESH_S):
                 raise
-            return self._verifier.verify_prefetch(token, **what)
+            ticket = self._verifier.verify_prefetch(token, **what)
+        seen = int.from_bytes(hashlib.sha256(token).digest()[:8], "big")
+        if not self._used_tickets.add(seen, ticket.expires_unix_ms, int(time.time() * 1000)):
+            raise PermissionDenied("this prefetch ticket was already used (a ticket starts one prefetch): "
+                                   "Route again for a new order")
+        return ticket
 
     def peer_proof(self, grant: bytes, call: PeerCall, target_node_id: str) -> str:
         """This node's proof for a peer ``call`` to ``target_node_id`` under ``grant``."""

@@ -95,7 +95,9 @@ class NonceCache:
     oldest ones expire, never slowing the check down or growing memory past the bound.
     """
 
-    def __init__(self, keep_ms: int, capacity: int = MAX_LIVE_NONCES, buckets: int = 16) -> None:
+    def __init__(self, keep_ms: int, capacity: int = MAX_LIVE_NONCES, buckets: int = 16,
+                 what: str = "peer proofs") -> None:
+        self._what = what
         self._keep_ms = keep_ms
         self._bucket_ms = max(1, -(-keep_ms // buckets))
         self._capacity = capacity
@@ -114,7 +116,7 @@ class NonceCache:
         if bucket is not None and nonce in bucket:
             return False
         if self._size >= self._capacity:
-            raise ResourceExhausted(f"this node holds {self._size} peer proofs of the last {self._keep_ms} ms "
+            raise ResourceExhausted(f"this node holds {self._size} {self._what} of the last {self._keep_ms} ms "
                                     "(its bound): retry later")
         if bucket is None:
             bucket = self._sets[index] = set()

@@ -150,6 +150,26 @@ async def route(w: World, ns: Namespace, key: str, hashes: list[bytes], engine_n
                                      policy=Policy.LOAD_AWARE, **kwargs)
 
 
+async def unused_ticket(w: World, ns: Namespace, key: str, hashes: list[bytes]) -> str:
+    """The ticket of a Route's prefetch order to dst that the scheduler did not hand over (nobody used it)."""
+    async with w.scheduler(ns, key) as scheduler:
+        async def keep(_decision) -> str:
+            return "kept by the test"
+        scheduler._hand_over = keep
+        decision = await scheduler.route([Candidate("dst:engine", "dst")], block_hashes=hashes,
+                                         policy=Policy.LOAD_AWARE)
+    assert decision.prefetch is not None and decision.prefetch_status == "kept by the test"
+    return decision.prefetch.ticket
+
+
+async def prefetch_call(proc: DataPlaneProcess, ns: Namespace, hashes: list[bytes], ticket: str, key: str):
+    """``DataPlane.Prefetch`` as any caller holding ``key`` can send it."""
+    async with grpc.aio.insecure_channel(proc.address) as ch:
+        return await dp_grpc.DataPlaneStub(ch).Prefetch(dp_pb.PrefetchRequest(
+            namespace=ns.to_proto(), block_hashes=hashes, ticket=ticket),
+            metadata=(("authorization", f"Bearer {key}"),), timeout=5)
+
+
 async def ask(w: World, ns: Namespace, hashes: list[bytes], decision, timeout_ms: int = 8_000):
     """What the engine connector does for a routed request: Pull from the named source, then Acquire."""
     dst = w.nodes["dst"]
@@ -279,12 +299,6 @@ async def test_a_scheduler_of_tenant_b_cannot_prefetch_a_namespace_or_to_a_node_
     b_dst = await route(world, NS_B, b_key, b_hashes)
     assert b_dst.prefetch_status == "STARTED"
 
-    async def prefetch(proc: DataPlaneProcess, ns: Namespace, hashes: list[bytes], ticket: str, key: str):
-        async with grpc.aio.insecure_channel(proc.address) as ch:
-            return await dp_grpc.DataPlaneStub(ch).Prefetch(dp_pb.PrefetchRequest(
-                namespace=ns.to_proto(), block_hashes=hashes, ticket=ticket),
-                metadata=(("authorization", f"Bearer {key}"),), timeout=5)
-
     attacks = {
         "B's ticket, to far (the ticket names dst)": (far, NS_B, b_hashes, b_dst.prefetch.ticket),
         "B's ticket, for A's namespace and blocks": (dst, NS_A, a_hashes, b_dst.prefetch.ticket),
@@ -296,10 +310,11 @@ async def test_a_scheduler_of_tenant_b_cannot_prefetch_a_namespace_or_to_a_node_
     }
     for what, (proc, ns, hashes, ticket) in attacks.items():
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await prefetch(proc, ns, hashes, ticket, b_key)
+            await prefetch_call(proc, ns, hashes, ticket, b_key)
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
-    # positive control of the same call: A's ticket, as Route gave it, is taken (already running: IN_FLIGHT)
-    reply = await prefetch(dst, NS_A, a_hashes, a_order.prefetch.ticket, a_key)
+    # positive control of the same call: a ticket of A's that Route gave and nobody used yet is taken (A's
+    # blocks are already being prefetched into dst: IN_FLIGHT)
+    reply = await prefetch_call(dst, NS_A, a_hashes, await unused_ticket(world, NS_A, a_key, a_hashes), a_key)
     assert reply.status in (dp_pb.PREFETCH_STATUS_IN_FLIGHT, dp_pb.PREFETCH_STATUS_STARTED)
     t0 = time.monotonic()
     while metric(far, "kvmesh_dp_prefetches_total", outcome="landed") < 1:  # far's first pull: a new NIXL peer
@@ -355,3 +370,18 @@ async def test_a_prefetch_that_fails_leaves_the_request_to_pull_itself_within_it
     assert time.monotonic() - t0 < 8.0 + 0.5
     # the ask joined the failed prefetch, then pulled the blocks itself, as it would have without a prefetch
     assert pulled.pulled == 8 and pulled.bytes_pulled == 8 * BLOCK and len(slots) == 8
+
+
+async def test_a_prefetch_ticket_starts_one_prefetch_and_is_refused_when_presented_again(world):
+    """A ticket is used once: presented again (by its own scheduler, or anyone who copied it) within its
+    validity, it is refused, so a copied order cannot make the node pull again and again. Control: the first
+    presentation starts the prefetch."""
+    key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    hashes = await store(world, "src", NS_A, 4)
+    ticket = await unused_ticket(world, NS_A, key, hashes)
+    first = await prefetch_call(world.nodes["dst"], NS_A, hashes, ticket, key)
+    assert first.status == dp_pb.PREFETCH_STATUS_STARTED
+    with pytest.raises(grpc.aio.AioRpcError) as again:
+        await prefetch_call(world.nodes["dst"], NS_A, hashes, ticket, key)
+    assert again.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "already used" in again.value.details()
