@@ -28,7 +28,10 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from operator import attrgetter, itemgetter
 from typing import Awaitable, Callable, Iterable, Iterator
+
+import numpy as np
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvmesh.channels import ClientTLS
@@ -48,13 +51,14 @@ from data_plane.pulls import Pulls
 from data_plane.quarantine import Quarantine
 from data_plane.sends import Sends, lease_scope
 from data_plane.shm import SharedRegion
-from data_plane.tier import Block, MemoryTier
+from data_plane.tier import Block, BlockState, MemoryTier
 from data_plane.transfer import Transport
-from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, validate_hashes
+from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, block_keys, validate_hashes
 
 log = logging.getLogger(__name__)
 
 LOCAL_HOLDER = "local"
+KEY, SLOT, CHECKSUM = attrgetter("key"), attrgetter("slot"), attrgetter("checksum")  # per block, in native loops
 _ENGINE = "engine"
 
 
@@ -410,12 +414,16 @@ class DataPlaneCore:
 
     def _demote(self, blocks: list[Block]) -> None:
         """Eviction hook: the blocks leave the CPU tier; keep a copy on disk when there is one."""
-        gone: dict[str, tuple[Namespace, list[bytes]]] = {}
-        for block in blocks:
-            gone.setdefault(block.key.namespace, (block.namespace, []))[1].append(block.key.block_hash)
-        for ns, hashes in gone.values():
-            self.events.removed(ns, hashes, Medium.CPU)
-        self.metrics.evicted_from_cpu([b.key for b in blocks])
+        keys = list(map(KEY, blocks))
+        if len(set(map(itemgetter(0), keys))) == 1:  # the usual eviction: one namespace's blocks
+            self.events.removed(blocks[0].namespace, list(map(itemgetter(1), keys)), Medium.CPU)
+        else:
+            gone: dict[str, tuple[Namespace, list[bytes]]] = {}
+            for block in blocks:
+                gone.setdefault(block.key.namespace, (block.namespace, []))[1].append(block.key.block_hash)
+            for ns, hashes in gone.values():
+                self.events.removed(ns, hashes, Medium.CPU)
+        self.metrics.evicted_from_cpu(keys)
         if self.disk is not None:
             for block in blocks:
                 self._to_disk(block)
@@ -448,26 +456,28 @@ class DataPlaneCore:
         blocks: list[Block | None] = [None] * n
         pending: list[int] = []
         epoch = self.epochs.current(ns.tenant) if grant_epoch is None else grant_epoch
+        in_cpu: list[Block] = []  # HITs already in the CPU tier: pinned and counted at once, below
         if self._known(ns) and epoch is not GONE:
-            fp, get, arriving, serves, pin = ns.fingerprint, self.tier.get, self.pulls.arriving, self.epochs.serves, \
-                self.tier.pin
-            in_cpu: list[BlockKey] = []  # HITs already in the CPU tier: counted once, below
-            for i, h in enumerate(hashes):
-                key = BlockKey(fp, h)
+            fp, get, arriving, committed = ns.fingerprint, self.tier.get, self.pulls.arriving, BlockState.COMMITTED
+            held = 0  # of in_cpu, pinned already
+            for i, key in enumerate(block_keys(fp, hashes)):
                 current = get(key)
-                if (current is not None and not current.committed) or key in arriving:
+                if current is not None and current.state is committed and current.epoch == epoch \
+                        and key not in arriving:  # the usual case, in as few steps as it takes
+                    in_cpu.append(current)
+                    blocks[i] = current
+                elif (current is not None and not current.committed) or key in arriving:
                     pending.append(i)
-                    continue
-                if current is not None and serves(current.epoch, epoch):
-                    block = current
-                    in_cpu.append(key)
-                else:
+                else:  # not in the CPU tier under this epoch: on disk, perhaps
+                    self.tier.pin_all(in_cpu[held:])  # before a promotion evicts to make room
+                    held = len(in_cpu)
                     block = self._resident(ns, key, media, "peer", epoch)
-                if block is not None:
-                    pin(block)
-                    blocks[i] = block
+                    if block is not None:
+                        self.tier.pin(block)
+                        blocks[i] = block
+            self.tier.pin_all(in_cpu[held:])
             self.metrics.found("peer", "cpu", len(in_cpu))
-            self.metrics.read_all(in_cpu)
+            self.metrics.read_all(map(KEY, in_cpu))
         if pending:
             wait = self._bounded(pending_wait_ms, self.config.pending_wait_ms, self.config.max_pending_wait_ms)
             started = time.monotonic()
@@ -481,11 +491,15 @@ class DataPlaneCore:
                     self.metrics.read(key)
                     blocks[i] = current
             self.metrics.pending_wait(time.monotonic() - started)
-        pinned = [b for b in blocks if b is not None]
+        pinned = blocks if len(in_cpu) == n else [b for b in blocks if b is not None]
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
         lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms, lease_scope(ns, epoch))
         base, bb = self.region.base_addr, self.block_bytes
+        if len(pinned) == n:  # every block a HIT: the answer's columns in native loops
+            return LookupAnswer([LookupStatus.HIT] * n,
+                                (np.array(list(map(SLOT, blocks)), dtype=np.int64) * bb + base).tolist(),
+                                list(map(CHECKSUM, blocks)), lease_id)
         return LookupAnswer(
             statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
             addrs=[base + b.slot * bb if b else -1 for b in blocks],

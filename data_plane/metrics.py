@@ -117,7 +117,7 @@ class DataPlaneMetrics:
             return
         self._child(self._evictions, "cpu").inc(len(keys))
         read = self._read_since_stored
-        unused = sum(1 for key in keys if key not in read)
+        unused = len(keys) - len(read.intersection(keys))
         if unused:
             self._unused.inc(unused)
         read.difference_update(keys)

@@ -35,6 +35,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Awaitable, Callable
 
 from opentelemetry import trace
@@ -183,8 +184,9 @@ class Prefetcher:
         that prefetch fails, the blocks it did not bring come back MISS although this Pull may have time left: then
         they are pulled once more, by this Pull, within what is left of its own bound."""
         started = time.monotonic()
-        joining = any((r := self._by_block.get((ns.fingerprint, h))) is not None and r.state is PrefetchState.RUNNING
-                      for h in hashes)
+        keys = list(zip(repeat(ns.fingerprint), hashes))
+        joining = not self._by_block.keys().isdisjoint(keys) and any(
+            (r := self._by_block.get(key)) is not None and r.state is PrefetchState.RUNNING for key in keys)
         first = await self._pull(ns, hashes, source_node_id, source_address, timeout_ms=timeout_ms, **options)
         default_ms, max_ms = self._pull_bounds
         left_ms = int(min(timeout_ms or default_ms, max_ms) - (time.monotonic() - started) * 1000)

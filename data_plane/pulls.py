@@ -26,7 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from itertools import compress, count, repeat
+from operator import add, attrgetter, is_
 from typing import TYPE_CHECKING, Awaitable
+
+import numpy as np
 
 import grpc
 from opentelemetry import trace
@@ -40,9 +45,10 @@ from kvmesh.tracing import ATTR
 from data_plane.events import EventSink
 from data_plane.eviction import block_info
 from data_plane.peers import Peer
-from data_plane.tier import Block
+from data_plane.epochs import GONE
+from data_plane.tier import Block, BlockState
 from data_plane.transfer import TransferFailed, Transport
-from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult
+from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, block_keys
 from tenancy.grants import read_grant
 
 if TYPE_CHECKING:
@@ -51,6 +57,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PULL_WRITER = "pull"  # the writers-ledger tag of a block a pull reserved
+# one field of each block, read in native loops (map) rather than a Python step per block
+KEY, SLOT, STATE, EPOCH = attrgetter("key"), attrgetter("slot"), attrgetter("state"), attrgetter("epoch")
+BLOCK_HASH = attrgetter("key.block_hash")
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 # A send refused with these never started its WRITE: the landing slots are free again.
 _REFUSED_BEFORE_WRITE = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
@@ -94,22 +103,15 @@ class Pulls:
         joined or fetched now (HIT), MISS for the rest."""
         self._namespaces.setdefault(ns.fingerprint, ns)
         fp = ns.fingerprint
-        keys = [BlockKey(fp, h) for h in hashes]
-        already_local = 0
-        own: list[int] = []  # indexes this pull fetches, in chain order
-        joined: list[int] = []  # indexes another writer on this node is bringing
+        keys = block_keys(fp, hashes)
+        held = list(map(self.tier.get, keys))
         epoch = self.epochs.current(ns.tenant)
-        for i, key in enumerate(keys):
-            block = self.tier.get(key)
-            if block is not None and block.committed:
-                # one of an ended epoch is not fetched again while a reader still pins it: a MISS
-                already_local += i == already_local and self.epochs.serves(block.epoch, epoch)
-            elif block is not None or key in self.arriving:
-                joined.append(i)
-            else:
-                own.append(i)
+        if held.count(None) == len(keys) and self.arriving.keys().isdisjoint(keys):  # the usual pull: all new
+            already_local, own, joined = 0, list(range(len(keys))), []
+        else:
+            already_local, own, joined = self._classify(keys, held, epoch)
         claim = asyncio.get_running_loop().create_future()  # one for all the blocks this pull brings
-        claims = [keys[i] for i in own]
+        claims = keys if len(own) == len(keys) else [keys[i] for i in own]
         self.arriving.update(dict.fromkeys(claims, claim))
         moved, lookup_ms, transfer_ms, refused = 0, 0.0, 0.0, ""
         try:
@@ -118,21 +120,43 @@ class Pulls:
                     ns, hashes, own, source_node_id, source_address, deadline, source_media, first_block_index,
                     grant, route_token)
         finally:
-            arriving = self.arriving
-            for key in claims:
-                if arriving.get(key) is claim:
-                    del arriving[key]
+            # a claimed key is this pull's until dropped here (another pull joins it, never claims it again)
+            deque(map(self.arriving.pop, claims), maxlen=0)
             claim.set_result(None)
         for i in joined:
             await self.arrival(keys[i], deadline)
-        epoch = self.epochs.current(ns.tenant)
-        statuses = [LookupStatus.HIT if (b := self.tier.get(k)) is not None and b.committed and
-                    self.epochs.serves(b.epoch, epoch) else LookupStatus.MISS for k in keys]
-        leading = next((i for i, st in enumerate(statuses) if st is LookupStatus.MISS), len(statuses))
+        statuses = self._statuses(keys, self.epochs.current(ns.tenant))
+        leading = next(compress(count(), map(is_, statuses, repeat(LookupStatus.MISS))), len(statuses))
         joined_in_lead = sum(1 for i in joined if i < leading)
         self.metrics.joined(joined_in_lead)
         return PullResult(statuses, leading - already_local, already_local, moved * self.block_bytes, lookup_ms,
                           transfer_ms, joined=joined_in_lead, refused=refused)
+
+    def _classify(self, keys: list[BlockKey], held: list[Block | None], epoch: str
+                  ) -> tuple[int, list[int], list[int]]:
+        """(leading blocks committed here already, indexes this pull fetches, indexes another writer on this
+        node is bringing), in chain order."""
+        already_local = 0
+        own: list[int] = []
+        joined: list[int] = []
+        for i, (key, block) in enumerate(zip(keys, held)):
+            if block is not None and block.committed:
+                # one of an ended epoch is not fetched again while a reader still pins it: a MISS
+                already_local += i == already_local and self.epochs.serves(block.epoch, epoch)
+            elif block is not None or key in self.arriving:
+                joined.append(i)
+            else:
+                own.append(i)
+        return already_local, own, joined
+
+    def _statuses(self, keys: list[BlockKey], epoch: str) -> list[LookupStatus]:
+        """HIT for each key committed here under ``epoch``, MISS for the others."""
+        held = list(map(self.tier.get, keys))
+        if None not in held and set(map(STATE, held)) == {BlockState.COMMITTED} and \
+                set(map(EPOCH, held)) == {epoch} and epoch is not GONE:
+            return [LookupStatus.HIT] * len(keys)
+        return [LookupStatus.HIT if b is not None and b.committed and self.epochs.serves(b.epoch, epoch)
+                else LookupStatus.MISS for b in held]
 
     async def arrival(self, key: BlockKey, deadline: float) -> Block | None:
         """The committed block once whoever is bringing it here settles it; None if not by ``deadline``."""
@@ -221,7 +245,7 @@ class Pulls:
         if arrived:
             # bytes of the grant's epoch are kept only under that epoch, still the tenant's current one
             intact = self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)) and \
-                all(b.epoch == grant_epoch for b in blocks)
+                set(map(EPOCH, blocks)) == {grant_epoch}
             good = await self._verified(blocks, checksums) if intact else 0
             if intact and good < len(blocks):
                 log.error("pull from %s: block %s failed verification; it and its successors are dropped",
@@ -231,10 +255,9 @@ class Pulls:
             self.tier.commit_written(committed, checksums[:good])
             for block in blocks[good:]:
                 self.tier.abort(block)
-        for block in blocks:
-            self._writers.pop(block.key, None)
+        self._forget_writers(blocks)
         if committed:
-            self.events.stored(ns, [b.key.block_hash for b in committed], Medium.CPU)
+            self.events.stored(ns, list(map(BLOCK_HASH, committed)), Medium.CPU)
         n = len(committed)
         trace.get_current_span().set_attributes({  # the Pull server span this task inherited
             ATTR.TENANT: ns.tenant, ATTR.NAMESPACE: ns.fingerprint, ATTR.BLOCKS: n, ATTR.BYTES: n * self.block_bytes,
@@ -283,14 +306,12 @@ class Pulls:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
             return None
-        base = self.region.base_addr
-        offset = self.region.offset
-        landing = [base + offset(b.slot) for b in blocks]
+        landing = (self._slots(blocks) * self.block_bytes + self.region.base_addr).tolist()
         t1 = time.perf_counter()
         outcome = "failed"
         try:
             sent, block_bytes = await peer.client.send(
-                ns, answer.lease_id, [b.key.block_hash for b in blocks], landing,
+                ns, answer.lease_id, list(map(BLOCK_HASH, blocks)), landing,
                 timeout=max(0.0, deadline - time.monotonic()), grant=grant)
             outcome = "ok" if block_bytes == self.block_bytes else "failed"
         except grpc.aio.AioRpcError as exc:
@@ -306,8 +327,7 @@ class Pulls:
             outcome = "quarantine"
         transfer_ms = (time.perf_counter() - t1) * 1000
         if outcome != "ok":
-            for block in blocks:
-                self._writers.pop(block.key, None)
+            self._forget_writers(blocks)
             if outcome == "quarantine":
                 self._node.quarantine.add(blocks, peer, ns, answer.lease_id, grant)
             else:
@@ -316,16 +336,24 @@ class Pulls:
             return None
         if sent < len(blocks):  # the Lookup had pinned them: the WRITE failed (the source closed its endpoint)
             await self._peers.forget(peer)  # or the lease expired first
+        self._forget_writers(blocks[sent:])
         for block in blocks[sent:]:
-            self._writers.pop(block.key, None)
             self.tier.abort(block)
         return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms
+
+    @staticmethod
+    def _slots(blocks: list[Block]) -> np.ndarray:
+        return np.fromiter(map(SLOT, blocks), dtype=np.int64, count=len(blocks))
+
+    def _forget_writers(self, blocks: list[Block]) -> None:
+        """Drops the blocks from the writers ledger (settled: committed, aborted or quarantined)."""
+        deque(map(self._writers.pop, map(KEY, blocks), repeat(None)), maxlen=0)
 
     async def _verified(self, blocks: list[Block], checksums: list[int]) -> int:
         """How many leading pulled blocks have the source's checksum (all, when verify_pulls is off)."""
         if not self.config.verify_pulls:
             return len(blocks)
-        return await self._checker.first_mismatch([b.slot for b in blocks], checksums)
+        return await self._checker.first_mismatch(self._slots(blocks), checksums)
 
     async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],
                              deadline: float, grant: bytes) -> LookupAnswer | None:
@@ -363,8 +391,8 @@ class Pulls:
             hit = LookupStatus.HIT
             n = next((j for j, status in enumerate(answer.statuses) if status is not hit), n)
         fp, epoch = ns.fingerprint, self.epochs.current(ns.tenant)
-        keys = [BlockKey(fp, hashes[i]) for i in wanted[:n]]
-        infos = [block_info(first_block_index + i) for i in wanted[:n]]
+        keys = block_keys(fp, map(hashes.__getitem__, wanted[:n]))
+        infos = list(map(block_info, map(add, repeat(first_block_index), wanted[:n])))
         blocks: list[Block] = []
         while len(blocks) < n:  # again while evictions of the tenant's own blocks make room under its limit
             room = n - len(blocks)
@@ -377,7 +405,7 @@ class Pulls:
             blocks += got
             if len(got) < room:
                 break
-        self._writers.update(dict.fromkeys((b.key for b in blocks), PULL_WRITER))
+        self._writers.update(dict.fromkeys(map(KEY, blocks), PULL_WRITER))
         if answer is None:
             return blocks, [], []
         return blocks, answer.addrs[:len(blocks)], answer.checksums[:len(blocks)]
@@ -393,7 +421,7 @@ class Pulls:
         with tracing.tracer("kvmesh.data_plane").start_as_current_span(
                 "kvmesh.nixl.read", kind=SpanKind.CLIENT, attributes=attributes) as span:
             try:
-                await self.transport.read(peer.agent_name, [self.region.offset(b.slot) for b in blocks],
+                await self.transport.read(peer.agent_name, self._slots(blocks) * self.block_bytes,
                                           remote_addrs, self.block_bytes, max(0.0, deadline - time.monotonic()))
                 span.set_attribute(ATTR.OUTCOME, "ok")
                 return True
@@ -401,8 +429,7 @@ class Pulls:
                 span.set_attribute(ATTR.OUTCOME, "quarantined" if exc.may_still_write else "failed")
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
-                for block in blocks:
-                    self._writers.pop(block.key, None)
+                self._forget_writers(blocks)
                 if exc.may_still_write:  # the consumer's own READ: only the source's exit proves it over
                     self._node.quarantine.add(blocks, peer, blocks[0].namespace, "", grant)
                 else:

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from itertools import compress, count
+from operator import attrgetter, is_not
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from kvmesh.namespace import Namespace
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from data_plane.core import DataPlaneCore
 
 log = logging.getLogger(__name__)
+KEY, SLOT, BLOCK_HASH = attrgetter("key"), attrgetter("slot"), attrgetter("key.block_hash")  # native loops
 
 
 def lease_scope(ns: Namespace, epoch: Epoch) -> str:
@@ -135,7 +140,7 @@ class Sends:
         sent = indexed = 0
         stuck = False  # the WRITE may land until this process exits: never reported settled
         try:
-            if n > len(blocks) or any(b.key.block_hash != h for b, h in zip(blocks, hashes)):
+            if n > len(blocks) or list(map(BLOCK_HASH, blocks[:n])) != hashes:
                 raise InvalidArgument(f"block_hashes are not the leading blocks of lease {lease_id}")
             agent = self.agents.get(consumer_node_id)
             if agent is None:
@@ -144,12 +149,13 @@ class Sends:
             if not agent.holds_slots(landing_addrs, self.block_bytes):
                 raise InvalidArgument(f"landing_addrs must be whole {self.block_bytes}-byte slots of the memory "
                                       f"node {consumer_node_id!r}'s agent registered")
-            get = self.tier.get
-            indexed = next((i for i, b in enumerate(blocks[:n]) if get(b.key) is not b), n)
+            # the leading blocks still indexed (one purged since, e.g. by a new tenant epoch, ends the run)
+            moved = map(is_not, map(self.tier.get, map(KEY, blocks[:n])), blocks)
+            indexed = next(compress(count(), moved), n)
             if indexed:
-                offset = self.region.offset
-                await self.transport.write(agent.name, [offset(b.slot) for b in blocks[:indexed]],
-                                           landing_addrs[:indexed], self.block_bytes, timeout_s)
+                slots = np.fromiter(map(SLOT, blocks[:indexed]), dtype=np.int64, count=indexed)
+                await self.transport.write(agent.name, slots * self.block_bytes, landing_addrs[:indexed],
+                                           self.block_bytes, timeout_s)
             sent = indexed
         except TransferFailed as exc:
             log.warning("sending %d blocks to %s failed: %s", indexed, consumer_node_id, exc)
@@ -161,8 +167,7 @@ class Sends:
                 raise Unavailable(f"the WRITE to {consumer_node_id} failed and may still land (timed out, or could "
                                   "not be cancelled)") from None
         finally:
-            for block in blocks:
-                self.tier.unpin(block)
+            self.tier.unpin_all(blocks)
             if not stuck:
                 del self.writing[lease_id]
         return sent

@@ -32,6 +32,8 @@ import collections
 import enum
 import logging
 from dataclasses import dataclass, field
+from itertools import compress, count, filterfalse, islice
+from operator import attrgetter
 from typing import Callable, Iterator
 
 from kvmesh.errors import FailedPrecondition
@@ -68,6 +70,7 @@ class Block:
 
 
 EvictHook = Callable[[list[Block]], None]
+_PINS, _SLOT = attrgetter("pins"), attrgetter("slot")
 
 
 class MemoryTier:
@@ -131,33 +134,35 @@ class MemoryTier:
         """:meth:`reserve` of the leading ``keys`` up to the first one that exists or finds no slot, with the
         evictions they need done in one pass of the policy."""
         blocks = self._blocks
-        n = next((i for i, key in enumerate(keys) if key in blocks), len(keys))
+        n = next(compress(count(), map(blocks.__contains__, keys)), len(keys))
         if n > len(self._free):
             self._evict(n - len(self._free))
         free, tenant = self._free, namespace.tenant
-        out = [Block(key, namespace, free.pop(), info, epoch=epoch) for key, info in zip(keys[:min(n, len(free))], infos)]
+        k = min(n, len(free))
+        # the slots in ascending order: freed runs (a victim run comes back oldest first) stay runs, so the
+        # pull's transfer and checks take one descriptor and one CRC call per run, not one per block
+        slots = sorted(free[len(free) - k:])
+        del free[len(free) - k:]
+        out = [Block(key, namespace, slot, info, epoch=epoch) for key, slot, info in zip(keys, slots, infos)]
         blocks.update((b.key, b) for b in out)
         self._per_tenant[tenant] += len(out)
         return out
 
     def _evict(self, n: int) -> int:
         """Evicts up to ``n`` unpinned blocks, the policy's first victims; how many."""
-        victims = []
-        for key in self._policy.victims():
-            block = self._blocks[key]
-            if block.pins == 0:
-                victims.append(block)
-                if len(victims) == n:
-                    break
+        # the policy's first n unpinned blocks, found in a native loop
+        victims = list(islice(filterfalse(_PINS, map(self._blocks.__getitem__, self._policy.victims())), n))
         if not victims:
             return 0
+        remove = self._policy.remove
         for victim in victims:
-            self._policy.remove(victim.key, evicted=True)
+            remove(victim.key, evicted=True)
         self._on_evict(victims)
+        blocks, per_tenant = self._blocks, self._per_tenant
         for victim in victims:
-            del self._blocks[victim.key]
-            self._per_tenant[victim.namespace.tenant] -= 1
-            self._free.append(victim.slot)
+            del blocks[victim.key]
+            per_tenant[victim.namespace.tenant] -= 1
+        self._free.extend(map(_SLOT, victims))
         return len(victims)
 
     def mark_written(self, block: Block, checksum: int) -> None:
@@ -175,7 +180,8 @@ class MemoryTier:
         """:meth:`mark_written` then :meth:`commit`, for ALLOCATED blocks whose bytes arrived (a pull's)."""
         insert, allocated, committed = self._policy.insert, BlockState.ALLOCATED, BlockState.COMMITTED
         for block, crc in zip(blocks, checksums):
-            self._expect(block, allocated)
+            if block.state is not allocated:
+                self._expect(block, allocated)
             block.checksum = int(crc)
             block.state = committed
             insert(block.key, block.info)
@@ -243,6 +249,15 @@ class MemoryTier:
         block.pins += 1
         self._policy.touch(block.key)
 
+    def pin_all(self, blocks: list[Block]) -> None:
+        """:meth:`pin` of committed blocks (a Lookup's HITs) in one call."""
+        touch, committed = self._policy.touch, BlockState.COMMITTED
+        for block in blocks:
+            if block.state is not committed:
+                self._expect(block, committed)
+            block.pins += 1
+            touch(block.key)
+
     def unpin(self, block: Block) -> None:
         if block.pins <= 0:
             raise FailedPrecondition(f"block {block.key.block_hash.hex()} is not pinned")
@@ -250,6 +265,15 @@ class MemoryTier:
         if block.pins == 0 and block in self._purged_pinned:
             self._purged_pinned.discard(block)
             self._free.append(block.slot)
+
+    def unpin_all(self, blocks: list[Block]) -> None:
+        """:meth:`unpin` of each block, in one call."""
+        purged = self._purged_pinned
+        for block in blocks:
+            if block.pins <= 0 or purged:
+                self.unpin(block)  # the error, or a purged block's slot to free
+            else:
+                block.pins -= 1
 
     # ---- waiting for a pending block ----
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, NamedTuple
 
 from kvmesh.errors import InvalidArgument
@@ -41,6 +42,11 @@ class BlockKey(NamedTuple):
 
     namespace: str
     block_hash: bytes
+
+
+def block_keys(fingerprint: str, hashes: Iterable[bytes]) -> list[BlockKey]:
+    """``BlockKey(fingerprint, h)`` for each hash, built in a native loop (a third of the calls' cost)."""
+    return list(map(tuple.__new__, repeat(BlockKey), zip(repeat(fingerprint), hashes)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +112,11 @@ def validate_hashes(ns: Namespace, hashes: list[bytes], max_hashes: int) -> list
     if len(hashes) > max_hashes:
         raise InvalidArgument(f"{len(hashes)} block hashes in one request; at most {max_hashes} are allowed")
     size = ns.cache_config.hash_algo.digest_size
-    for i, h in enumerate(hashes):
-        if len(h) != size:
-            raise InvalidArgument(
-                f"block_hashes[{i}] has {len(h)} bytes; {ns.cache_config.hash_algo.value} hashes have {size}"
-            )
+    if hashes and set(map(len, hashes)) != {size}:
+        i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != size)
+        raise InvalidArgument(
+            f"block_hashes[{i}] has {len(h)} bytes; {ns.cache_config.hash_algo.value} hashes have {size}"
+        )
     if len(set(hashes)) != len(hashes):
         raise InvalidArgument("block_hashes contains duplicates")
     return hashes

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Iterable
+
+import numpy as np
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb
@@ -53,10 +56,11 @@ def media_to_pb(media: Iterable[Medium] | None) -> list[int]:
 
 
 def lookup_response(answer: LookupAnswer, block_bytes: int) -> pb.LookupResponse:
+    """Packed: statuses, addresses (0 for a MISS) and checksums as three arrays, no message per block."""
+    addrs = np.asarray(answer.addrs, dtype=np.int64)
     return pb.LookupResponse(
-        statuses=[STATUS_TO_PB[s] for s in answer.statuses],
-        locations=[pb.BlockLocation(addr=a, length=block_bytes) if a >= 0 else pb.BlockLocation()
-                   for a in answer.addrs],
+        statuses=list(map(STATUS_TO_PB.__getitem__, answer.statuses)),
+        addrs=np.maximum(addrs, 0).tolist(),
         lease_id=answer.lease_id,
         block_bytes=block_bytes,
         checksums=answer.checksums,
@@ -64,11 +68,18 @@ def lookup_response(answer: LookupAnswer, block_bytes: int) -> pb.LookupResponse
 
 
 def lookup_answer(msg: pb.LookupResponse, expected: int) -> LookupAnswer:
-    """Checks a source's answer is well-formed (one entry per hash) before trusting it."""
-    if not (len(msg.statuses) == len(msg.locations) == len(msg.checksums) == expected):
-        raise InvalidArgument(f"malformed lookup answer: {len(msg.statuses)} statuses for {expected} hashes")
-    statuses = [STATUS_FROM_PB.get(s, LookupStatus.MISS) for s in msg.statuses]
-    addrs = [loc.addr if s is LookupStatus.HIT else -1 for s, loc in zip(statuses, msg.locations)]
+    """Checks a source's answer is well-formed (one entry per hash) before trusting it; an unknown status is a
+    MISS, and a MISS has no address (-1)."""
+    if not (len(msg.statuses) == len(msg.addrs) == len(msg.checksums) == expected):
+        raise InvalidArgument(f"malformed lookup answer: {len(msg.statuses)} statuses, {len(msg.addrs)} addresses "
+                              f"and {len(msg.checksums)} checksums for {expected} hashes")
+    codes = np.array(msg.statuses, dtype=np.int64)
+    misses = np.flatnonzero(codes != pb.BLOCK_STATUS_HIT).tolist()
+    statuses = list(map(STATUS_FROM_PB.get, codes.tolist(), repeat(LookupStatus.MISS))) if misses else \
+        [LookupStatus.HIT] * expected
+    addrs = list(msg.addrs)
+    for i in misses:
+        addrs[i] = -1
     return LookupAnswer(statuses, addrs, list(msg.checksums), msg.lease_id)
 
 

@@ -60,16 +60,6 @@ class ExchangeAgentMetadataResponse(_message.Message):
     agent_challenge_digest: bytes
     def __init__(self, node_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., agent_challenge_sent: _Optional[bool] = ..., agent_challenge_digest: _Optional[bytes] = ...) -> None: ...
 
-class BlockLocation(_message.Message):
-    __slots__ = ("addr", "length", "device_id")
-    ADDR_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
-    addr: int
-    length: int
-    device_id: int
-    def __init__(self, addr: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
-
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes", "consumer_node_id", "pending_wait_ms", "lease_ms", "media", "landing_addrs", "lease_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -91,18 +81,18 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., consumer_node_id: _Optional[str] = ..., pending_wait_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., landing_addrs: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("statuses", "locations", "lease_id", "block_bytes", "checksums")
+    __slots__ = ("statuses", "lease_id", "block_bytes", "checksums", "addrs")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
-    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    ADDRS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[BlockStatus]
-    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     lease_id: str
     block_bytes: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    addrs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., lease_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., addrs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

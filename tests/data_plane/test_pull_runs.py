@@ -45,8 +45,9 @@ async def test_a_pull_over_several_runs_of_slots_lands_every_block_in_its_own_sl
         src_tier = SharedTier.open(await owner.describe_tier())
         dst_tier = SharedTier.open(await local.describe_tier())
         try:
-            # source slots 11 1 [4 5 6 7 8] [14 15 16], landing slots 6 8 10 12 [2 3] [14 15 16 17]: runs
-            # contiguous on one side only, on either side, and on both
+            # source slots 11 1 [4 5 6 7 8] [14 15 16], landing slots (a pull reserves the free slots it takes
+            # in ascending order) [2 3] 6 8 10 12 [14 15 16 17]: runs contiguous on one side only, on either
+            # side, and on both
             await fragmented_slots(owner, src_tier, ns, 0xEE, aborted=[8, 7, 6, 5, 4, 1, 11])
             kept = await fragmented_slots(local, dst_tier, ns, 0xDD, aborted=[3, 2, 12, 10, 8, 6])
             hashes = [os.urandom(32) for _ in range(N)]
@@ -65,7 +66,7 @@ async def test_a_pull_over_several_runs_of_slots_lands_every_block_in_its_own_sl
             dst_slots, lease = await local.acquire(ns, hashes)
             # the case this test is about: several runs on both sides, and not the same runs
             assert src_slots == [11, 1, 4, 5, 6, 7, 8, 14, 15, 16]
-            assert dst_slots == [6, 8, 10, 12, 2, 3, 14, 15, 16, 17]
+            assert dst_slots == [2, 3, 6, 8, 10, 12, 14, 15, 16, 17]
             for i, slot in enumerate(dst_slots):
                 assert np.array_equal(dst_tier.slot(slot), expected[i]), f"block {i} (slot {slot}) differs"
             for slot in kept:  # the consumer's other reserved slots were not written into

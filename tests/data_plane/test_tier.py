@@ -145,3 +145,17 @@ def test_a_lease_is_taken_only_by_its_holder_in_its_scope_before_it_expires():
     clock.now += 1.0
     assert table.take(late, "peer-1", "ns-a") is None  # expired (not swept yet): the sweep unpins it
     assert [expired.lease_id for expired in table.expire()] == [late]
+
+
+def test_a_run_reserved_after_evictions_takes_its_slots_in_ascending_order(tier, ns, evicted):
+    """The victims' slots come back oldest first; a pull's run gets them ascending, so its landing slots stay one
+    run (one NIXL descriptor, one CRC call) instead of one per block. Control: a fresh tier hands out 0, 1, ..."""
+    first = tier.reserve_run(ns, [key(i) for i in range(4)], [BlockInfo()] * 4)
+    assert [b.slot for b in first] == [0, 1, 2, 3]
+    for block in first:
+        tier.mark_written(block, 0)
+        tier.commit(block)
+    second = tier.reserve_run(ns, [key(i) for i in range(10, 14)], [BlockInfo()] * 4)
+    assert [b.slot for b in evicted] == [0, 1, 2, 3]  # evicted oldest first
+    assert [b.slot for b in second] == [0, 1, 2, 3]
+    assert [tier.get(key(i)) for i in range(10, 14)] == second

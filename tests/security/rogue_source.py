@@ -62,7 +62,7 @@ class RogueSource(pb_grpc.DataPlaneServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the WRITE failed and may still land")
         return pb.LookupResponse(
             statuses=[pb.BLOCK_STATUS_HIT] * n, block_bytes=self._block_bytes, lease_id=secrets.token_hex(16),
-            locations=[pb.BlockLocation(addr=4096 * (i + 1), length=self._block_bytes) for i in range(n)],
+            addrs=[4096 * (i + 1) for i in range(n)],
             checksums=[1] * n)
 
     async def Release(self, request, context):
