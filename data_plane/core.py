@@ -458,10 +458,10 @@ class DataPlaneCore:
         epoch = self.epochs.current(ns.tenant) if grant_epoch is None else grant_epoch
         in_cpu: list[Block] = []  # HITs already in the CPU tier: pinned and counted at once, below
         if self._known(ns) and epoch is not GONE:
-            fp, get, arriving, committed = ns.fingerprint, self.tier.get, self.pulls.arriving, BlockState.COMMITTED
+            fp, arriving, committed = ns.fingerprint, self.pulls.arriving, BlockState.COMMITTED
+            keys = block_keys(fp, hashes)
             held = 0  # of in_cpu, pinned already
-            for i, key in enumerate(block_keys(fp, hashes)):
-                current = get(key)
+            for i, (key, current) in enumerate(zip(keys, self.tier.get_all(keys))):
                 if current is not None and current.state is committed and current.epoch == epoch \
                         and key not in arriving:  # the usual case, in as few steps as it takes
                     in_cpu.append(current)

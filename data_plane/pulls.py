@@ -104,7 +104,7 @@ class Pulls:
         self._namespaces.setdefault(ns.fingerprint, ns)
         fp = ns.fingerprint
         keys = block_keys(fp, hashes)
-        held = list(map(self.tier.get, keys))
+        held = self.tier.get_all(keys)
         epoch = self.epochs.current(ns.tenant)
         if held.count(None) == len(keys) and self.arriving.keys().isdisjoint(keys):  # the usual pull: all new
             already_local, own, joined = 0, list(range(len(keys))), []
@@ -151,8 +151,8 @@ class Pulls:
 
     def _statuses(self, keys: list[BlockKey], epoch: str) -> list[LookupStatus]:
         """HIT for each key committed here under ``epoch``, MISS for the others."""
-        held = list(map(self.tier.get, keys))
-        if None not in held and set(map(STATE, held)) == {BlockState.COMMITTED} and \
+        held = self.tier.get_all(keys)
+        if None not in held and all(map(is_, map(STATE, held), repeat(BlockState.COMMITTED))) and \
                 set(map(EPOCH, held)) == {epoch} and epoch is not GONE:
             return [LookupStatus.HIT] * len(keys)
         return [LookupStatus.HIT if b is not None and b.committed and self.epochs.serves(b.epoch, epoch)

@@ -150,7 +150,7 @@ class Sends:
                 raise InvalidArgument(f"landing_addrs must be whole {self.block_bytes}-byte slots of the memory "
                                       f"node {consumer_node_id!r}'s agent registered")
             # the leading blocks still indexed (one purged since, e.g. by a new tenant epoch, ends the run)
-            moved = map(is_not, map(self.tier.get, map(KEY, blocks[:n])), blocks)
+            moved = map(is_not, self.tier.get_all(map(KEY, blocks[:n])), blocks)
             indexed = next(compress(count(), moved), n)
             if indexed:
                 slots = np.fromiter(map(SLOT, blocks[:indexed]), dtype=np.int64, count=indexed)

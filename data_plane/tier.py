@@ -32,9 +32,9 @@ import collections
 import enum
 import logging
 from dataclasses import dataclass, field
-from itertools import compress, count, filterfalse, islice
-from operator import attrgetter
-from typing import Callable, Iterator
+from itertools import compress, count, filterfalse, islice, repeat
+from operator import attrgetter, is_not
+from typing import Callable, Iterable, Iterator
 
 from kvmesh.errors import FailedPrecondition
 from kvmesh.namespace import Namespace
@@ -70,7 +70,7 @@ class Block:
 
 
 EvictHook = Callable[[list[Block]], None]
-_PINS, _SLOT = attrgetter("pins"), attrgetter("slot")
+_PINS, _SLOT, _KEY, _STATE = attrgetter("pins"), attrgetter("slot"), attrgetter("key"), attrgetter("state")
 
 
 class MemoryTier:
@@ -96,6 +96,10 @@ class MemoryTier:
 
     def get(self, key: BlockKey) -> Block | None:
         return self._blocks.get(key)
+
+    def get_all(self, keys: Iterable[BlockKey]) -> list[Block | None]:
+        """:meth:`get` of each key, in one native loop."""
+        return list(map(self._blocks.get, keys))
 
     def committed(self) -> Iterator[Block]:
         return (b for b in self._blocks.values() if b.committed)
@@ -144,7 +148,7 @@ class MemoryTier:
         slots = sorted(free[len(free) - k:])
         del free[len(free) - k:]
         out = [Block(key, namespace, slot, info, epoch=epoch) for key, slot, info in zip(keys, slots, infos)]
-        blocks.update((b.key, b) for b in out)
+        blocks.update(zip(keys, out))
         self._per_tenant[tenant] += len(out)
         return out
 
@@ -154,9 +158,7 @@ class MemoryTier:
         victims = list(islice(filterfalse(_PINS, map(self._blocks.__getitem__, self._policy.victims())), n))
         if not victims:
             return 0
-        remove = self._policy.remove
-        for victim in victims:
-            remove(victim.key, evicted=True)
+        self._policy.remove_all(map(_KEY, victims), evicted=True)
         self._on_evict(victims)
         blocks, per_tenant = self._blocks, self._per_tenant
         for victim in victims:
@@ -178,15 +180,16 @@ class MemoryTier:
 
     def commit_written(self, blocks: list[Block], checksums) -> None:
         """:meth:`mark_written` then :meth:`commit`, for ALLOCATED blocks whose bytes arrived (a pull's)."""
-        insert, allocated, committed = self._policy.insert, BlockState.ALLOCATED, BlockState.COMMITTED
+        allocated, committed = BlockState.ALLOCATED, BlockState.COMMITTED
+        wrong = next(compress(blocks, map(is_not, map(_STATE, blocks), repeat(allocated))), None)
+        if wrong is not None:  # checked before any block changes: all or nothing
+            self._expect(wrong, allocated)
         for block, crc in zip(blocks, checksums):
-            if block.state is not allocated:
-                self._expect(block, allocated)
             block.checksum = int(crc)
             block.state = committed
-            insert(block.key, block.info)
             if block._settled is not None:
                 block._settled.set()
+        self._policy.insert_all(map(_KEY, blocks), map(attrgetter("info"), blocks))
 
     def abort(self, block: Block) -> None:
         """Frees an uncommitted block's slot."""
@@ -251,12 +254,12 @@ class MemoryTier:
 
     def pin_all(self, blocks: list[Block]) -> None:
         """:meth:`pin` of committed blocks (a Lookup's HITs) in one call."""
-        touch, committed = self._policy.touch, BlockState.COMMITTED
+        committed = BlockState.COMMITTED
         for block in blocks:
             if block.state is not committed:
                 self._expect(block, committed)
             block.pins += 1
-            touch(block.key)
+        self._policy.touch_all(map(_KEY, blocks))
 
     def unpin(self, block: Block) -> None:
         if block.pins <= 0:

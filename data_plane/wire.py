@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from itertools import repeat
 from typing import Iterable
 
@@ -18,6 +19,15 @@ STATUS_TO_PB = {
     LookupStatus.HIT_PENDING: pb.BLOCK_STATUS_HIT_PENDING,
 }
 STATUS_FROM_PB = {v: k for k, v in STATUS_TO_PB.items()}
+
+
+def statuses_to_pb(statuses: list[LookupStatus]) -> list[int]:
+    """The wire values; an all-HIT or all-MISS list (the usual answers) without a step per block (hashing an
+    enum member runs Python code)."""
+    for status in (LookupStatus.HIT, LookupStatus.MISS):
+        if statuses.count(status) == len(statuses):
+            return [STATUS_TO_PB[status]] * len(statuses)
+    return [STATUS_TO_PB[s] for s in statuses]
 
 
 def media_from_pb(values: Iterable[int]) -> frozenset[Medium]:
@@ -38,6 +48,7 @@ def media_from_pb(values: Iterable[int]) -> frozenset[Medium]:
 
 
 MAX_GRANT_BYTES = 4096
+_PRINTABLE = re.compile(rb"[\x21-\x7e]+")  # printable ASCII, no spaces
 
 
 def grant_token(raw: bytes) -> bytes:
@@ -45,7 +56,7 @@ def grant_token(raw: bytes) -> bytes:
     token IssuePullGrant returned."""
     if len(raw) > MAX_GRANT_BYTES:
         raise InvalidArgument(f"grant is {len(raw)} bytes; a pull grant token is at most {MAX_GRANT_BYTES}")
-    if raw and not all(0x21 <= b <= 0x7E for b in raw):
+    if raw and not _PRINTABLE.fullmatch(raw):
         raise InvalidArgument("grant must be the token IssuePullGrant returned, as is (printable ASCII, no spaces "
                               "or control characters)")
     return raw
@@ -59,7 +70,7 @@ def lookup_response(answer: LookupAnswer, block_bytes: int) -> pb.LookupResponse
     """Packed: statuses, addresses (0 for a MISS) and checksums as three arrays, no message per block."""
     addrs = np.asarray(answer.addrs, dtype=np.int64)
     return pb.LookupResponse(
-        statuses=list(map(STATUS_TO_PB.__getitem__, answer.statuses)),
+        statuses=statuses_to_pb(answer.statuses),
         addrs=np.maximum(addrs, 0).tolist(),
         lease_id=answer.lease_id,
         block_bytes=block_bytes,
@@ -106,7 +117,7 @@ def pull_response(result: PullResult) -> pb.PullResponse:
         blocks_pulled=result.pulled,
         blocks_already_local=result.already_local,
         bytes_pulled=result.bytes_pulled,
-        statuses=[STATUS_TO_PB[s] for s in result.statuses],
+        statuses=statuses_to_pb(result.statuses),
         lookup_ms=result.lookup_ms,
         transfer_ms=result.transfer_ms,
         blocks_joined=result.joined,
@@ -116,7 +127,7 @@ def pull_response(result: PullResult) -> pb.PullResponse:
 
 def pull_result(msg: pb.PullResponse) -> PullResult:
     return PullResult(
-        statuses=[STATUS_FROM_PB.get(s, LookupStatus.MISS) for s in msg.statuses],
+        statuses=list(map(STATUS_FROM_PB.get, msg.statuses, repeat(LookupStatus.MISS))),
         pulled=msg.blocks_pulled,
         already_local=msg.blocks_already_local,
         bytes_pulled=msg.bytes_pulled,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import Hashable, Iterator
+from typing import Hashable, Iterable, Iterator
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,21 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def victims(self) -> Iterator[Hashable]:
         """Tracked keys, the best victim first."""
+
+    # Batches (a pull's run of blocks): the same as one call per key, in order; a policy may do them in one
+    # native loop.
+
+    def insert_all(self, keys: Iterable[Hashable], infos: Iterable[BlockInfo]) -> None:
+        for key, info in zip(keys, infos):
+            self.insert(key, info)
+
+    def touch_all(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self.touch(key)
+
+    def remove_all(self, keys: Iterable[Hashable], *, evicted: bool) -> None:
+        for key in keys:
+            self.remove(key, evicted=evicted)
 
     @abc.abstractmethod
     def __len__(self) -> int: ...

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Hashable, Iterator
+from collections import OrderedDict, deque
+from typing import Hashable, Iterable, Iterator
 
 from data_plane.eviction.base import BlockInfo, EvictionPolicy
 
@@ -23,7 +23,16 @@ class LruPolicy(EvictionPolicy):
         del self._order[key]
 
     def victims(self) -> Iterator[Hashable]:
-        yield from self._order
+        return iter(self._order)
+
+    def insert_all(self, keys: Iterable[Hashable], infos: Iterable[BlockInfo]) -> None:
+        self._order.update(dict.fromkeys(keys))
+
+    def touch_all(self, keys: Iterable[Hashable]) -> None:
+        deque(map(self._order.move_to_end, keys), maxlen=0)
+
+    def remove_all(self, keys: Iterable[Hashable], *, evicted: bool) -> None:
+        deque(map(self._order.__delitem__, keys), maxlen=0)
 
     def __len__(self) -> int:
         return len(self._order)

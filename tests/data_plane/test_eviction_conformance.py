@@ -175,3 +175,26 @@ def test_external_package_adds_a_policy_by_entry_point(tmp_path, monkeypatch):
         p.insert(k, BlockInfo())
     p.touch("a")
     assert list(p.victims()) == ["a", "b", "c"]
+
+
+def test_batches_leave_the_order_one_call_per_key_leaves(make):
+    """insert_all / touch_all / remove_all (a pull's run) end in the same victim order as one call per key. Control:
+    the order does depend on the touches (touching changes the first victim)."""
+    one, batched = make(capacity=64), make(capacity=64)
+    keys = list(range(40))
+    infos = [BlockInfo(cost=1.0 + k % 7) for k in keys]
+    for k, info in zip(keys, infos):
+        one.insert(k, info)
+    batched.insert_all(keys, infos)
+    touched, removed = keys[5:25:3], keys[30:35]
+    for k in touched:
+        one.touch(k)
+    batched.touch_all(touched)
+    for k in removed:
+        one.remove(k, evicted=True)
+    batched.remove_all(removed, evicted=True)
+    assert list(one.victims()) == list(batched.victims())
+    untouched = make(capacity=64)
+    untouched.insert_all(keys, infos)
+    untouched.remove_all(removed, evicted=True)
+    assert list(untouched.victims()) != list(batched.victims())
