@@ -121,7 +121,7 @@ class Pulls:
                     grant, route_token)
         finally:
             # a claimed key is this pull's until dropped here (another pull joins it, never claims it again)
-            deque(map(self.arriving.pop, claims), maxlen=0)
+            deque(map(self.arriving.pop, claims, repeat(None)), maxlen=0)
             claim.set_result(None)
         for i in joined:
             await self.arrival(keys[i], deadline)
