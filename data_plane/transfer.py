@@ -36,7 +36,11 @@ Implementor contracts:
     after a cut; a congestion window that a latency step collapsed).
 
 Threading model: called from the event-loop thread. ``read`` posts and polls
-the request in a worker thread so the loop keeps serving while bytes move;
+the request in a worker thread so the loop keeps serving while bytes move (the
+agent's own threads, which end with it: NIXL binds each thread to one of an
+agent's UCX workers by the agent's address, and a thread that outlived an
+agent of three workers would use worker 2 of the next agent built at that
+address, one of a single worker: "Worker ID out of range");
 NIXL's own progress thread drives UCX. That thread sleeps in ``poll()`` on the
 UCX worker's event descriptor, waking when a message arrives (a peer's
 connection set-up or an active message) or after ``progress_wait_ms``: an idle
@@ -70,6 +74,7 @@ _POLL_SLEEP_S = 0.0002
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
+_XFER_THREADS_PER_LANE = 4  # threads polling transfers, per lane (several pulls and sends at once, a hung one)
 _MAX_NOTES = 256  # senders whose latest notification is kept until taken
 _NOTE_POLL_S = 0.002
 
@@ -224,6 +229,7 @@ class NixlTransport(Transport):
         self._unreleased = 0  # transfers NIXL could not release: they may move bytes until this process exits
         self._rotating = False
         self._built: concurrent.futures.Future = concurrent.futures.Future()
+        self._threads = self._new_threads()  # the agent's transfers are posted and polled in these only
         self._vetter = MetadataVetter()  # its own NIXL agent: started now, beside this one
         threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
 
@@ -239,6 +245,10 @@ class NixlTransport(Transport):
         log.info("NIXL agent %s ready in %.2fs", self.agent_name, time.monotonic() - t0)
         self._built.set_result(None)
 
+    def _new_threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(max(8, _XFER_THREADS_PER_LANE * self._lanes),
+                                                     thread_name_prefix="nixl-transfer")
+
     def _new_agent(self, name: str):
         agent = new_nixl_agent(name, self._progress_wait_ms, self._lanes)
         return agent, agent.register_memory([(self._region.base_addr, self._region.size, 0, "")], "DRAM")
@@ -252,10 +262,12 @@ class NixlTransport(Transport):
             t0 = time.monotonic()
             agent, reg = await asyncio.to_thread(self._new_agent, name)
             old = [self._agent, self._reg]
+            old_threads, self._threads = self._threads, self._new_threads()
             self._agent, self._reg, self.agent_name = agent, reg, name
             self._peers.clear()
             self._retired.clear()
             await asyncio.to_thread(self._destroy, old)
+            old_threads.shutdown(wait=False)  # idle (nothing was in flight): their worker bindings go with them
         finally:
             self._rotating = False
         log.warning("NIXL agent replaced by %s in %.2fs: no transfer naming the old one can land any more; every "
@@ -369,7 +381,9 @@ class NixlTransport(Transport):
         self._busy[peer] = self._busy.get(peer, 0) + 1
         try:
             # every lane runs to its end (or its bound) before the transfer is reported, failed or not
-            outcomes = await asyncio.gather(*(asyncio.to_thread(self._xfer_blocking, op, peer, local, remote, deadline)
+            loop = asyncio.get_running_loop()
+            outcomes = await asyncio.gather(*(loop.run_in_executor(self._threads, self._xfer_blocking, op, peer, local,
+                                                                   remote, deadline)
                                               for local, remote in lanes), return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
@@ -438,6 +452,7 @@ class NixlTransport(Transport):
 
     def close(self) -> None:
         self._vetter.close()
+        self._threads.shutdown(wait=False)  # a transfer still polling ends within its own bound
         try:
             self._built.result()  # the region must not be unmapped while the agent registers it
         except Exception:  # noqa: BLE001 - nothing was registered

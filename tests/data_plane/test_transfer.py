@@ -3,7 +3,9 @@ closes its peer's endpoint so the next use needs a new handshake; a transfer tha
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import threading
 
 import numpy as np
 import pytest
@@ -81,3 +83,43 @@ async def test_a_late_notification_of_an_earlier_handshake_is_not_taken_for_this
     src.notify(dst_peer, b"nonce-of-the-earlier-handshake")
     src.notify(dst_peer, fresh)
     assert await dst.notification(src.agent_name, 30.0, hashlib.sha256(fresh).digest()) == fresh
+
+
+
+async def test_no_thread_moves_bytes_for_two_agents(shm_dir, monkeypatch):
+    """NIXL binds a thread to one of an agent's UCX workers, keyed by the agent's address: a thread that outlived an
+    agent of three workers and served the next agent built at that address, with one worker, failed its transfer
+    ("Worker ID out of range": a flake of long pytest runs, whose event loop, and so its default executor, lives for
+    the session). A transport's transfers run in threads of its own, which end with it: no thread serves two agents.
+    Control: every write lands, on each lane."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    served: dict[int, set[threading.Thread]] = {}
+    blocking = NixlTransport._xfer_blocking
+
+    def recorded(self, *args):
+        served.setdefault(id(self), set()).add(threading.current_thread())
+        return blocking(self, *args)
+
+    monkeypatch.setattr(NixlTransport, "_xfer_blocking", recorded)
+    closed: list[NixlTransport] = []
+    for cycle, lanes in enumerate([3, 1]):
+        regions = [SharedRegion(shm_dir / f"w{cycle}-{i}.tier", 4096, 8, owner=True) for i in range(2)]
+        src, dst = (NixlTransport(f"w{cycle}{i}", region, progress_wait_ms=10, lanes=lanes)
+                    for i, region in enumerate(regions))
+        closed.append(src)  # kept: its id() stays its own
+        try:
+            for t in (src, dst):
+                await t.ready(60.0)
+            peer = src.add_peer(dst.metadata())
+            regions[0].array[:] = cycle + 1
+            offsets = [regions[0].offset(s) for s in range(8)]
+            remote = [regions[1].base_addr + regions[1].offset(s) for s in range(8)]
+            await asyncio.gather(*(src.write(peer, offsets, remote, 4096, timeout_s=30.0) for _ in range(4)))
+            assert np.all(regions[1].array == cycle + 1), f"{lanes} lanes: the writes did not land"
+        finally:
+            for t in (src, dst):
+                t.close()
+            for region in regions:
+                region.close()
+    first, second = served.values()
+    assert first and second and not first & second, "a thread moved bytes for two agents"
