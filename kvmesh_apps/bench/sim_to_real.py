@@ -51,7 +51,7 @@ from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_int, pos
 from kvmesh_apps.replay.backends import InProcessBackend
 from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile
-from kvmesh_apps.replay.runs import pct
+from kvmesh_apps.replay.runs import mean_ci, pct
 from kvmesh_apps.replay.sim import Simulation, variants
 from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, BlockHashes, TraceError, TraceRequest, load_window, scan, \
     select_windows
@@ -109,6 +109,29 @@ def rank_agreement(real: dict[str, float], sim: dict[str, float],
             ci = [-real_ci[b][1], -real_ci[b][0]]
         agree += _verdict(real[a], real[b], ci) == _verdict(sim[a], sim[b])
     return round(agree / len(pairs), 3)
+
+
+def paired_verdicts(per_unit: dict[str, list[float]]) -> dict[tuple[str, str], int]:
+    """Per policy pair (a, b), a before b in ``per_unit``'s order: -1 if a is faster, 1 if slower, 0 a tie, from
+    the 95 % Student-t interval of the paired differences a - b over the units (the same windows, in order): a tie
+    when it holds 0; from one unit, :func:`_verdict`'s 5 % rule."""
+    names = list(per_unit)
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            diffs = [x - y for x, y in zip(per_unit[a], per_unit[b])]
+            mean, half = mean_ci(diffs)
+            if half is None:
+                out[(a, b)] = _verdict(per_unit[a][0], per_unit[b][0])
+            else:
+                out[(a, b)] = _verdict(0.0, 0.0, [mean - half, mean + half])
+    return out
+
+
+def sign_agreement(real: dict[tuple[str, str], int], sim: dict[tuple[str, str], int]) -> float:
+    """The fraction of policy pairs whose verdicts (:func:`paired_verdicts`) agree, a tie being its own verdict
+    (pairwise sign agreement); 1.0 without pairs."""
+    return round(sum(real[k] == sim[k] for k in real) / len(real), 3) if real else 1.0
 
 
 def scaled_window(trace: Path, start: int, count: int, block_tokens: int, max_prompt: int,
