@@ -54,6 +54,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,12 +239,20 @@ class Served:
     wait_ms: float = 0.0
     engine_ms: float = 0.0
     cached: int = 0
-    pulled_bytes: float = 0.0
+    pulled_bytes: float = 0.0   # moved by the engine's own pull (0 when it joined a route-time prefetch)
+    peer_tokens: int = 0        # loaded after a pull from a peer (its own, or the prefetch it joined)
+    outcome: str = ""           # the connector's load outcome ("pulled", "hit", "pull_missed", ...)
+    prefetch: str = ""          # the route-time prefetch order's answer ("": none handed over)
     best_peer: tuple[str, int] | None = None   # (node, tokens) the oracle would pull from
 
     @property
     def ttft_ms(self) -> float:
         return self.wait_ms + self.engine_ms
+
+    @property
+    def pulled(self) -> bool:
+        """A source was routed and the engine loaded tokens from it."""
+        return bool(self.source) and (self.peer_tokens > 0 or self.pulled_bytes > 0)
 
 
 class Holdings:
@@ -284,7 +293,8 @@ async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], 
             s.wait_ms, s.engine_ms = 1000.0 * (started - arrived), 1000.0 * reply["elapsed_s"]
             s.cached = reply["num_cached_tokens"]
             kv = load_report(reply)
-            s.pulled_bytes = kv.get("bytes_pulled", 0)
+            s.pulled_bytes, s.peer_tokens, s.outcome = kv.get("bytes_pulled", 0), kv.get("peer_tokens", 0), \
+                kv.get("outcome", "")
             if s.source and s.pulled_bytes > 0 and kv.get("pull_ms", 0) > 0:   # what the node measured
                 reporter.links[node].append(LinkSample(s.source, node, s.pulled_bytes / (kv["pull_ms"] / 1000.0)))
             elif len(prompt) - s.cached >= 64:
@@ -304,7 +314,7 @@ async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], 
                                    kv_request_id=f"{tag}-{i}")
             routed = d.source.cached_tokens if d.source else 0
             s = Served(len(prompt), d.engine_id, d.source.node_id if d.source else None, d.local_cached_tokens,
-                       routed, d.estimate.ttft_ms)
+                       routed, d.estimate.ttft_ms, prefetch=d.prefetch_status)
             peers = [(n, holdings.leading(n, prompt)) for n in fleet.names if n != d.engine_id]
             best = max(peers, key=lambda p: p[1])
             local = holdings.leading(d.engine_id, prompt)
@@ -327,8 +337,9 @@ def summarize(served: list[Served], measured: Measured, slo_ms: float) -> dict:
     ttft = [s.ttft_ms for s in served]
     met = sum(s.ttft_ms <= slo_ms + measured.recompute_ms(s.prompt, 0) for s in served)
     return {"ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9), "met": met, "requests": len(served),
-            "pulls": sum(1 for s in served if s.source and s.pulled_bytes > 0),
-            "routed_pulls": sum(1 for s in served if s.source)}
+            "pulls": sum(s.pulled for s in served), "routed_pulls": sum(1 for s in served if s.source),
+            "outcomes": dict(Counter(f"{s.outcome or 'none'}/{s.prefetch or 'no-order'}" for s in served
+                                     if s.source))}
 
 
 def audit(runs: dict[str, list[list[Served]]], measured: Measured, kv_bytes: int) -> dict:
@@ -339,7 +350,7 @@ def audit(runs: dict[str, list[list[Served]]], measured: Measured, kv_bytes: int
         for served in reps:
             for s in served:
                 error = (s.estimate_ms - s.ttft_ms) / max(1e-9, s.ttft_ms)
-                if s.source and s.pulled_bytes > 0:
+                if s.pulled:
                     pull_err.append(error)
                     pull_ms.append(s.estimate_ms - s.ttft_ms)
                 else:
@@ -504,7 +515,7 @@ async def _bench(fleet: ShapedFleet, args, conversations: list[ConversationWindo
                     spans[(name, pace, rep)] = time.perf_counter() - t0
                     done = runs[(name, pace, rep)]
                     say(f"window {rep} pace {pace} {name}: p50 {pct([x.ttft_ms for x in done], 0.5):.0f} ms, "
-                        f"{sum(1 for x in done if x.source and x.pulled_bytes > 0)} pulls, "
+                        f"{sum(x.pulled for x in done)} pulls ({sum(1 for x in done if x.source)} routed), "
                         f"{spans[(name, pace, rep)]:.0f} s")
     finally:
         stop.set()
@@ -525,7 +536,8 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
                        "ttft_p90_ms": round(statistics.fmean(x["ttft_p90_ms"] for x in rows), 1),
                        "goodput_rps": round(statistics.fmean(x["goodput_rps"] for x in rows), 3),
                        "pulls": sum(x["pulls"] for x in rows),
-                       "routed_pulls": sum(x["routed_pulls"] for x in rows)}
+                       "routed_pulls": sum(x["routed_pulls"] for x in rows),
+                       "routed_pull_outcomes": dict(sum((Counter(x["outcomes"]) for x in rows), Counter()))}
     paired = {}
     for n in names:
         if n == BASELINE or BASELINE not in names:

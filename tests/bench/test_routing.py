@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from kvmesh_apps.bench import routing
-from kvmesh_apps.bench.sim_to_real import rank_agreement
+from kvmesh_apps.bench.conversation_windows import conversation_window
+from kvmesh_apps.bench.sim_to_real import paired_verdicts, rank_agreement, sign_agreement
 from tests.replay.test_replay import TRACE, needs_trace
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not all(map(shutil.which, ("ip", "tc", "iptables"))),
@@ -27,6 +28,53 @@ def test_rank_agreement_counts_ties_as_verdicts():
     assert rank_agreement(real, {"cost-aware": 100.0, "a": 150.0, "b": 300.0}, {"a": [-5.0, 9.0], "b": [90, 110]}) \
         == pytest.approx(2 / 3, abs=1e-3)
     assert rank_agreement({"b": 1.0, "a": 1.0}, {"a": 1.0, "b": 1.0}) == 1.0   # tied both ways in any order
+
+
+def test_paired_verdicts_tie_when_the_paired_interval_holds_zero():
+    units = {"cost-aware": [100.0, 200.0, 300.0], "same": [101.0, 198.0, 301.0], "slower": [150.0, 260.0, 340.0]}
+    v = paired_verdicts(units)
+    assert v == {("cost-aware", "same"): 0, ("cost-aware", "slower"): -1, ("same", "slower"): -1}
+    # the simulator's verdicts: it calls "same" slower than cost-aware; one pair of three disagrees
+    sim = paired_verdicts({"cost-aware": [100.0, 200.0, 300.0], "same": [125.0, 225.0, 320.0],
+                           "slower": [150.0, 260.0, 340.0]})
+    assert sign_agreement(v, sim) == pytest.approx(2 / 3, abs=1e-3)
+    assert sign_agreement(v, v) == 1.0
+
+
+def test_sim_to_real_predicts_p50s_and_paired_differences():
+    real = {"cost-aware": [100.0, 200.0, 300.0], "never-pull": [150.0, 240.0, 360.0]}
+    sim = {"cost-aware": [110.0, 190.0, 330.0], "never-pull": [160.0, 250.0, 370.0]}
+    out = routing.sim_to_real(real, sim)
+    d = out["paired_vs_cost_aware"]["never-pull"]
+    assert d["real_delta_p50_ms"] == pytest.approx(50.0) and d["sim_delta_p50_ms"] == pytest.approx(50.0)
+    assert d["real_ci_holds_sim"] and d["delta_error_ms_p50"] == pytest.approx(20.0)
+    assert out["rank_agreement"] == 1.0 and out["max_p50_error"] == pytest.approx(0.05)   # 10 ms on 200
+    assert out["p50_error_over_repetitions"]["cost-aware"]["max"] == pytest.approx(0.1)
+
+
+def test_a_link_fit_takes_the_line_through_its_pulls_and_says_when_it_falls_back():
+    fixed, rate, fell_back = routing.fit_link([(1e6, 110.0), (1e6, 90.0), (8e6, 180.0), (8e6, 160.0)])
+    assert not fell_back and fixed == pytest.approx(90.0) and rate == pytest.approx(1e8)   # 70 ms per 7 MB
+    fixed, rate, fell_back = routing.fit_link([(1e6, 150.0), (8e6, 120.0)])   # noise hides the bytes' time
+    assert fell_back and fixed == 0.0 and rate == pytest.approx(8e6 / 0.12)
+
+
+def test_conversation_windows_gather_follow_ups_with_their_previous_turns(tmp_path):
+    from tests.replay.test_trace import write
+    rows = []   # conversations 100, 200, 300: 1,024, then 2,048 trace tokens; 20 one-off requests between
+    for k in range(26):
+        conv = {3: 100, 9: 200, 12: 300, 17: 100, 22: 200, 24: 300}.get(k)
+        turn2 = k in (17, 22, 24)
+        ids = [0, conv, conv + 1] + ([conv + 2, conv + 3] if turn2 else []) if conv else [0, 1000 + k]
+        rows.append({"timestamp": 1000 * k, "input_length": 512 * len(ids), "output_length": 5, "hash_ids": ids})
+    rows.append({"timestamp": 30_000, "input_length": 512 * 40, "output_length": 5, "hash_ids": list(range(40))})
+    w = conversation_window(write(tmp_path / "t.jsonl", rows), 0, 27, 6, 32, 256)
+    assert [r.arrival_ms for r in w.requests] == [0, 6000, 9000, 14000, 19000, 21000]   # trace order and gaps
+    assert w.follow_ups == 3 and w.shared_tokens == [0, 0, 0, 96, 96, 96]
+    assert [r.input_tokens for r in w.requests] == [96, 96, 96, 160, 160, 160]   # 32 tokens a trace block
+    # more than the conversations: the earliest one-off requests fill the window; the 40-block one never fits
+    w = conversation_window(write(tmp_path / "t.jsonl", rows), 0, 27, 8, 32, 256)
+    assert len(w.requests) == 8 and w.follow_ups == 3 and w.requests[0].input_tokens == 64
 
 
 def test_the_oracle_and_the_audit_use_measured_figures():
