@@ -13,11 +13,12 @@ order but gathers whole conversations:
    thread;
 3. threads with two or more requests are taken whole, in the order of their first request, until ``count``
    requests (the last one cut short); too few, and the earliest other requests fill the window;
-4. the window is sorted by arrival (the trace's order and gaps; the bench rescales them to its pace).
+4. the window is sorted by arrival (the trace's order and gaps; the bench rescales them to its pace), and each
+   follow-up names its ``previous`` request: the latest earlier one of the window holding its longest prefix.
 
-So each follow-up's prefix (its previous turn) was served earlier in the window on exactly one engine, unless a
-pull copied it: the router decides to go to that engine (and wait if it is busy), to pull the prefix to another,
-or to recompute it.
+The bench sends a follow-up no earlier than its previous request's first token plus a think time (a user answers
+a reply), so its prefix (its previous turn) was served on exactly one engine, unless a pull copied it: the router
+decides to go to that engine (and wait if it is busy), to pull the prefix to another, or to recompute it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class ConversationWindow:
     requests: list[TraceRequest]   # scaled (``input_tokens`` in the bench's tokens), by arrival, first at 0
     follow_ups: int                # requests whose prefix an earlier request of the window held
     shared_tokens: list[int]       # per request, the prefix tokens an earlier request of the window held
+    previous: list[int | None]     # per request, the index of that earlier request (None: no shared prefix)
 
 
 def scaled_tokens(r: TraceRequest, block_tokens: int) -> int:
@@ -68,13 +70,15 @@ def conversation_window(trace: Path, start: int, horizon: int, count: int, block
     chosen += [i for i in range(len(scanned)) if i not in taken][: count - len(chosen)]
     chosen.sort()
     t0 = scanned[chosen[0]].arrival_ms
-    out, shared, seen = [], [], set()
+    out, shared, previous, seen = [], [], [], {}
     for i in chosen:
         r = scanned[i]
         tokens = scaled_tokens(r, block_tokens)
         full = r.hash_ids[: tokens // block_tokens]
         held = next((k for k in range(len(full), 0, -1) if full[:k] in seen), 0)
-        shared.append(held * block_tokens if held >= MIN_SHARED_BLOCKS else 0)
-        seen.update(full[:k] for k in range(1, len(full) + 1))
+        follows = held >= MIN_SHARED_BLOCKS
+        shared.append(held * block_tokens if follows else 0)
+        previous.append(seen[full[:held]] if follows else None)
+        seen.update((full[:k], len(out)) for k in range(1, len(full) + 1))
         out.append(TraceRequest(r.arrival_ms - t0, tokens, 1, r.hash_ids))
-    return ConversationWindow(out, sum(1 for s in shared if s), shared)
+    return ConversationWindow(out, sum(1 for s in shared if s), shared, previous)

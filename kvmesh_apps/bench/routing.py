@@ -243,7 +243,9 @@ class Served:
     peer_tokens: int = 0        # loaded after a pull from a peer (its own, or the prefetch it joined)
     outcome: str = ""           # the connector's load outcome ("pulled", "hit", "pull_missed", ...)
     prefetch: str = ""          # the route-time prefetch order's answer ("": none handed over)
+    sent_ms: float = 0.0        # when the driver sent it, from the run's start (a follow-up: after its turn's reply)
     best_peer: tuple[str, int] | None = None   # (node, tokens) the oracle would pull from
+    index: int = 0              # in the window
 
     @property
     def ttft_ms(self) -> float:
@@ -274,9 +276,13 @@ class Holdings:
             held.add(tuple(prompt[: n * BLOCK_SIZE]))
 
 
-async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], prompts: Prompts, name: str,
-                 delta: int, kv_bytes: int, reporter: Reporter, tag: str) -> list[Served]:
+async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], previous: list[int | None],
+                 prompts: Prompts, name: str, delta: int, kv_bytes: int, reporter: Reporter, tag: str,
+                 think_ms: float) -> list[Served]:
+    """One run: request ``i`` is sent at its arrival, a follow-up (``previous[i]``) no earlier than ``think_ms``
+    after its previous request's first token; routed by a real Route call, queued for its engine."""
     spec = POLICIES[name]
+    replied = [asyncio.Event() for _ in window]
     queues = {e: asyncio.Queue() for e in fleet.names}
     backlog = {e: [0, 0] for e in fleet.names}
     holdings = Holdings()
@@ -301,29 +307,34 @@ async def replay(fleet: ShapedFleet, ns: Namespace, window: list[TraceRequest], 
                 reporter.engines[node].append(EngineSample(node, (len(prompt) - s.cached) / reply["elapsed_s"]))
             holdings.add(node, prompt)
             served.append(s)
+            replied[s.index].set()
+
+    async def send(client: SchedulerClient, i: int, r: TraceRequest, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + r.arrival_ms / 1000.0 - time.perf_counter()))
+        if previous[i] is not None:
+            await replied[previous[i]].wait()
+            await asyncio.sleep(think_ms / 1000.0)
+        sent = time.perf_counter()
+        prompt = prompts.of(r, i)
+        cands = [Candidate(e, e, backlog[e][0], backlog[e][1]) for e in fleet.names]
+        d = await client.route(cands, token_ids=prompt, policy=spec.policy, p2p=spec.p2p,
+                               min_cached_token_delta=delta, kv_bytes_per_token=kv_bytes, kv_request_id=f"{tag}-{i}")
+        routed = d.source.cached_tokens if d.source else 0
+        s = Served(len(prompt), d.engine_id, d.source.node_id if d.source else None, d.local_cached_tokens,
+                   routed, d.estimate.ttft_ms, prefetch=d.prefetch_status, index=i, sent_ms=1000.0 * (sent - t0))
+        peers = [(n, holdings.leading(n, prompt)) for n in fleet.names if n != d.engine_id]
+        best = max(peers, key=lambda p: p[1])
+        local = holdings.leading(d.engine_id, prompt)
+        s.best_peer = best if best[1] > local else None
+        planned = max(1, len(prompt) - max(routed, d.local_cached_tokens))
+        backlog[d.engine_id][0] += 1
+        backlog[d.engine_id][1] += planned
+        await queues[d.engine_id].put((sent, prompt, d.kv_transfer_params(), planned, s))
 
     async with SchedulerClient(fleet.cp.address, ns, api_key=fleet.admin_key) as client:
         workers = [asyncio.create_task(serve(e)) for e in fleet.names]
         t0 = time.perf_counter()
-        for i, r in enumerate(window):
-            await asyncio.sleep(max(0.0, t0 + r.arrival_ms / 1000.0 - time.perf_counter()))
-            prompt = prompts.of(r, i)
-            cands = [Candidate(e, e, backlog[e][0], backlog[e][1]) for e in fleet.names]
-            d = await client.route(cands, token_ids=prompt, policy=spec.policy, p2p=spec.p2p,
-                                   min_cached_token_delta=delta, kv_bytes_per_token=kv_bytes,
-                                   kv_request_id=f"{tag}-{i}")
-            routed = d.source.cached_tokens if d.source else 0
-            s = Served(len(prompt), d.engine_id, d.source.node_id if d.source else None, d.local_cached_tokens,
-                       routed, d.estimate.ttft_ms, prefetch=d.prefetch_status)
-            peers = [(n, holdings.leading(n, prompt)) for n in fleet.names if n != d.engine_id]
-            best = max(peers, key=lambda p: p[1])
-            local = holdings.leading(d.engine_id, prompt)
-            s.best_peer = best if best[1] > local else None
-            planned = max(1, len(prompt) - max(routed, d.local_cached_tokens))
-            backlog[d.engine_id][0] += 1
-            backlog[d.engine_id][1] += planned
-            params = d.kv_transfer_params()
-            await queues[d.engine_id].put((time.perf_counter(), prompt, params, planned, s))
+        await asyncio.gather(*(send(client, i, r, t0) for i, r in enumerate(window)))
         for q in queues.values():
             await q.put(None)
         await asyncio.gather(*workers)
@@ -376,6 +387,12 @@ def audit(runs: dict[str, list[list[Served]]], measured: Measured, kv_bytes: int
                      "or recompute, per request"}
 
 
+def as_sent(window: list[TraceRequest], served: list[Served]) -> list[TraceRequest]:
+    """The window as a run sent it (a follow-up waited for its previous turn's reply): what the simulator replays."""
+    return sorted((dataclasses.replace(window[s.index], arrival_ms=s.sent_ms) for s in served),
+                  key=lambda r: r.arrival_ms)
+
+
 def simulate(window: list[TraceRequest], name: str, measured: Measured, kv_bytes: int, nodes: int,
              block_tokens: int, delta: int, seed: int, report_s: float) -> list[float]:
     """The replay simulator on the measured figures: one request at a time per engine, as the harness serves;
@@ -420,6 +437,8 @@ def _parser() -> Parser:
     parser.add_argument("--slow-mbit", type=positive_float, default=80.0, help="every other link's rate")
     parser.add_argument("--slow-delay-ms", type=non_negative_float, default=0.0,
                         help="delay on the slow nodes' links (netdelay)")
+    parser.add_argument("--think-ms", type=non_negative_float, default=500.0,
+                        help="a follow-up is sent no earlier than this after its previous turn's first token")
     parser.add_argument("--report-s", type=positive_float, default=1.0, help="how often nodes report (the lag)")
     parser.add_argument("--ttft-slo-ms", type=non_negative_float, default=1000.0,
                         help="goodput: TTFT within this of the prompt's prefill alone")
@@ -490,6 +509,7 @@ async def _bench(fleet: ShapedFleet, args, conversations: list[ConversationWindo
     delta = threshold_tokens(kv_bytes, measured.prefill_tokens_per_s, links, 1e12, fixed)
     deltas = {"break-even": min(delta, args.max_prompt * 4), "one": 1, "none": 0}
     windows = [w.requests for w in conversations]
+    previous = [w.previous for w in conversations]
     service_ms = statistics.fmean(measured.recompute_ms(r.input_tokens, 0) for w in windows for r in w)
     stop = asyncio.Event()
     reporting = asyncio.create_task(reporter.run(stop))
@@ -509,9 +529,9 @@ async def _bench(fleet: ShapedFleet, args, conversations: list[ConversationWindo
                 for name in order:
                     salt += 1
                     t0 = time.perf_counter()
-                    runs[(name, pace, rep)] = await replay(fleet, ns, timed, Prompts(vocab, args.block_tokens, salt),
-                                                           name, deltas[POLICIES[name].delta], kv_bytes, reporter,
-                                                           f"{name}-{pace}-{rep}")
+                    runs[(name, pace, rep)] = await replay(
+                        fleet, ns, timed, previous[rep], Prompts(vocab, args.block_tokens, salt), name,
+                        deltas[POLICIES[name].delta], kv_bytes, reporter, f"{name}-{pace}-{rep}", args.think_ms)
                     spans[(name, pace, rep)] = time.perf_counter() - t0
                     done = runs[(name, pace, rep)]
                     say(f"window {rep} pace {pace} {name}: p50 {pct([x.ttft_ms for x in done], 0.5):.0f} ms, "
@@ -551,9 +571,9 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
                                                                    for q, r in units if q == p), 1)}
                         for n in names} for p in args.paces}
     grouped = {n: [runs[(n, p, r)] for p, r in units] for n in names}
-    sim_units = {n: [pct(simulate(scaled[(p, r)], n, measured, kv_bytes, nodes, args.block_tokens,
-                                  deltas[POLICIES[n].delta], r, args.report_s), 0.5) for p, r in units]
-                 for n in names}
+    sim_units = {n: [pct(simulate(as_sent(scaled[(p, r)], runs[(n, p, r)]), n, measured, kv_bytes, nodes,
+                                  args.block_tokens, deltas[POLICIES[n].delta], r, args.report_s), 0.5)
+                      for p, r in units] for n in names}
     real_units = {n: [per[(n, p, r)]["ttft_p50_ms"] for p, r in units] for n in names}
     return {
         "policies": policies,
@@ -573,7 +593,7 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
                   "link_fit_fallback": measured.link_fallback, "contention": round(measured.contention, 3),
                   "calibration_pulls_bytes_ms": {f"{a}>{b}": [[int(x), round(ms, 1)] for x, ms in v]
                                                  for (a, b), v in measured.pull_samples.items()},
-                  "ttft_slo_ms": args.ttft_slo_ms, "report_s": args.report_s},
+                  "ttft_slo_ms": args.ttft_slo_ms, "report_s": args.report_s, "think_ms": args.think_ms},
     }
 
 

@@ -70,7 +70,7 @@ def test_conversation_windows_gather_follow_ups_with_their_previous_turns(tmp_pa
     rows.append({"timestamp": 30_000, "input_length": 512 * 40, "output_length": 5, "hash_ids": list(range(40))})
     w = conversation_window(write(tmp_path / "t.jsonl", rows), 0, 27, 6, 32, 256)
     assert [r.arrival_ms for r in w.requests] == [0, 6000, 9000, 14000, 19000, 21000]   # trace order and gaps
-    assert w.follow_ups == 3 and w.shared_tokens == [0, 0, 0, 96, 96, 96]
+    assert w.follow_ups == 3 and w.shared_tokens == [0, 0, 0, 96, 96, 96] and w.previous == [None] * 3 + [0, 1, 2]
     assert [r.input_tokens for r in w.requests] == [96, 96, 96, 160, 160, 160]   # 32 tokens a trace block
     # more than the conversations: the earliest one-off requests fill the window; the 40-block one never fits
     w = conversation_window(write(tmp_path / "t.jsonl", rows), 0, 27, 8, 32, 256)
