@@ -424,11 +424,11 @@ def _parser() -> Parser:
     parser.add_argument("--trace", default=str(_default_trace()), help="Mooncake-format JSONL trace")
     parser.add_argument("--quick", action="store_true", help="3 nodes, 1 pace, 2 repetitions, short windows")
     parser.add_argument("--nodes", type=positive_int, default=3, help="nodes (each a namespace, a data plane, an engine)")
-    parser.add_argument("--requests", type=positive_int, default=24, help="requests per window")
+    parser.add_argument("--requests", type=positive_int, default=40, help="requests per window")
     parser.add_argument("--horizon", type=positive_int, default=2000,
                         help="trace requests scanned for each window's conversations")
-    parser.add_argument("--repetitions", type=positive_int, default=5)
-    parser.add_argument("--paces", type=lambda t: [positive_float(x) for x in t.split(",")], default=[0.5, 1.0],
+    parser.add_argument("--repetitions", type=positive_int, default=6)
+    parser.add_argument("--paces", type=lambda t: [positive_float(x) for x in t.split(",")], default=[1.0, 2.0],
                         help="arrival rates as fractions of the fleet's measured capacity")
     parser.add_argument("--policies", type=subset(list(POLICIES)), default=list(POLICIES))
     parser.add_argument("--block-tokens", type=positive_int, default=BLOCK_SIZE, help="tokens per trace block")
@@ -437,7 +437,7 @@ def _parser() -> Parser:
     parser.add_argument("--slow-mbit", type=positive_float, default=80.0, help="every other link's rate")
     parser.add_argument("--slow-delay-ms", type=non_negative_float, default=0.0,
                         help="delay on the slow nodes' links (netdelay)")
-    parser.add_argument("--think-ms", type=non_negative_float, default=500.0,
+    parser.add_argument("--think-ms", type=non_negative_float, default=250.0,
                         help="a follow-up is sent no earlier than this after its previous turn's first token")
     parser.add_argument("--report-s", type=positive_float, default=1.0, help="how often nodes report (the lag)")
     parser.add_argument("--ttft-slo-ms", type=non_negative_float, default=1000.0,
