@@ -162,8 +162,8 @@ def measure(fleet: ShapedFleet, vocab: int, kv_bytes: int) -> Measured:
     engines = list(fleet.engines.values())
     for e in engines:   # warm-up: the first requests of an engine are slow
         _engine_ms(e, draw(256), reset_prefix_cache=True)
-    samples = [(n, statistics.median(_engine_ms(e, draw(n), reset_prefix_cache=True) for e in engines))
-               for n in CALIBRATION_LENGTHS]
+    samples = [(n, statistics.median(_engine_ms(e, draw(n), reset_prefix_cache=True) for e in engines
+                                     for _ in range(2))) for n in CALIBRATION_LENGTHS]
     costs = FittedCosts.fit(samples)
     alone = statistics.median(_engine_ms(engines[0], draw(CONTENTION_TOKENS), reset_prefix_cache=True)
                               for _ in range(2))
@@ -393,11 +393,22 @@ def as_sent(window: list[TraceRequest], served: list[Served]) -> list[TraceReque
                   key=lambda r: r.arrival_ms)
 
 
-def simulate(window: list[TraceRequest], name: str, measured: Measured, kv_bytes: int, nodes: int,
-             block_tokens: int, delta: int, seed: int, report_s: float) -> list[float]:
-    """The replay simulator on the measured figures: one request at a time per engine, as the harness serves;
-    the engines' measured slow-down when they prefill at once; no probes (the harness has none: the router
-    learns links from pulls); engine reports every ``report_s``; queues as the gateway counts them."""
+def served_costs(runs: dict[tuple, list[Served]]) -> FittedCosts:
+    """The engines' prefill cost as the replays measured it: a line through every request that pulled nothing
+    (tokens it computed, its time in the engine), all policies and paces pooled; the machine's contention, as
+    the runs met it, is in it."""
+    points = [(s.prompt - s.cached, s.engine_ms) for served in runs.values() for s in served if not s.pulled]
+    x = np.array([[1.0, n] for n, _ in points])
+    (fixed, per_token), *_ = np.linalg.lstsq(x, np.array([ms for _, ms in points]), rcond=None)
+    return FittedCosts(max(0.0, float(fixed)), max(1e-6, float(per_token)), 0.0)
+
+
+def simulate(window: list[TraceRequest], name: str, measured: Measured, costs: FittedCosts, kv_bytes: int,
+             nodes: int, block_tokens: int, delta: int, seed: int, report_s: float) -> list[float]:
+    """The replay simulator on the measured figures: the links' fits, ``costs`` (:func:`served_costs`: the
+    contention the runs met is in them, so no more is added); one request at a time per engine, as the harness
+    serves; no probes (the harness has none: the router learns links from pulls); engine reports every
+    ``report_s``; queues as the gateway counts them."""
     spec = POLICIES[name]
     fast = measured.link_bytes_per_s[("n1", "n2")]
     slow = statistics.median(v for k, v in measured.link_bytes_per_s.items() if "n3" in k) if nodes > 2 else fast
@@ -407,12 +418,12 @@ def simulate(window: list[TraceRequest], name: str, measured: Measured, kv_bytes
                                   max_running=1, max_batched_tokens=8192, racks=2 if nodes > 2 else 1,
                                   nic_bytes_per_s=fast, inter_rack_bytes_per_s=slow, promotion_bytes_per_s=1e12,
                                   lookup_ms=fixed, step_noise=0.05, engine_noise=0.02,
-                                  shared_machine=measured.contention, reprobe_s=0.0, report_s=report_s,
+                                  reprobe_s=0.0, report_s=report_s,
                                   load_report_ms=50.0)
     ns = Namespace("sim", name, "sim", CacheConfig(block_size=block_tokens)).validate()
     settings = RoutingSettings(route_min_cached_token_delta=delta or 1)
     sim = Simulation(Variant(name, spec.policy, spec.p2p), window, BlockHashes(block_tokens), profile, nodes,
-                     InProcessBackend(ns, settings), event_delay_ms=50.0, seed=seed, costs=measured.costs)
+                     InProcessBackend(ns, settings), event_delay_ms=50.0, seed=seed, costs=costs)
     return asyncio.run(sim.run()).ttft_ms
 
 
@@ -571,7 +582,8 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
                                                                    for q, r in units if q == p), 1)}
                         for n in names} for p in args.paces}
     grouped = {n: [runs[(n, p, r)] for p, r in units] for n in names}
-    sim_units = {n: [pct(simulate(as_sent(scaled[(p, r)], runs[(n, p, r)]), n, measured, kv_bytes, nodes,
+    costs = served_costs(runs)
+    sim_units = {n: [pct(simulate(as_sent(scaled[(p, r)], runs[(n, p, r)]), n, measured, costs, kv_bytes, nodes,
                                   args.block_tokens, deltas[POLICIES[n].delta], r, args.report_s), 0.5)
                       for p, r in units] for n in names}
     real_units = {n: [per[(n, p, r)]["ttft_p50_ms"] for p, r in units] for n in names}
@@ -580,7 +592,7 @@ def report(runs, spans, scaled, measured: Measured, args, kv_bytes: int, deltas:
         "paired_vs_cost_aware": paired,
         "repetitions": len({r for _, r in units}),
         "decision_audit": audit(grouped, measured, kv_bytes),
-        "sim_to_real": sim_to_real(real_units, sim_units),
+        "sim_to_real": {**sim_to_real(real_units, sim_units), "prefill_fit_from_runs": costs.as_dict()},
         "by_pace": by_pace,
         "setup": {"nodes": nodes, "paces": args.paces, "requests_per_window": len(next(iter(runs.values()))),
                   "kv_bytes_per_token": kv_bytes, "block_tokens": args.block_tokens, "max_prompt": args.max_prompt,
