@@ -59,6 +59,14 @@ def test_a_link_fit_takes_the_line_through_its_pulls_and_says_when_it_falls_back
     assert fell_back and fixed == 0.0 and rate == pytest.approx(8e6 / 0.12)
 
 
+def test_the_simulators_prefill_cost_is_fitted_on_the_runs_recomputes_only():
+    recomputes = [routing.Served(n + 32, "n1", None, 0, 0, 0.0, engine_ms=20.0 + 0.5 * n, cached=32)
+                  for n in (100, 400, 900)]
+    pulled = routing.Served(900, "n2", "n1", 0, 800, 0.0, engine_ms=5000.0, cached=896, peer_tokens=800)
+    costs = routing.served_costs({("cost-aware", 1.0, 0): recomputes + [pulled]})
+    assert costs.overhead_ms == pytest.approx(20.0) and costs.ms_per_token == pytest.approx(0.5)
+
+
 def test_conversation_windows_gather_follow_ups_with_their_previous_turns(tmp_path):
     from tests.replay.test_trace import write
     rows = []   # conversations 100, 200, 300: 1,024, then 2,048 trace tokens; 20 one-off requests between
