@@ -24,7 +24,8 @@ The workload: conversation windows of the trace (Mooncake JSONL; :mod:`kvmesh_ap
 whole conversations gathered from ``--horizon`` requests, so that follow-ups find their prefix on the engine that
 served the previous turn; each 512-token trace block becomes ``--block-tokens`` token ids drawn from its hash id;
 requests longer than ``--max-prompt`` once scaled are left out), arriving in the trace's order and relative gaps
-at each ``--paces`` fraction of the fleet's measured capacity. Each engine serves one request at a time (the driver
+at each ``--paces`` multiple of what the engines could prefill without any reuse; a follow-up is sent no earlier
+than ``--think-ms`` after its previous turn's first token. Each engine serves one request at a time (the driver
 queues; TTFT = queue + the engine's time for a 1-token request, any pull included). Policies:
 
 - ``cost-aware``: cost-aware with P2P (the default policy);
@@ -39,7 +40,7 @@ policy: TTFT p50/p90 and goodput (TTFT within ``--ttft-slo-ms`` of the prompt's 
 differences against cost-aware with 95 % Student-t intervals, a decision audit (every pull's and every
 recompute's estimated against measured TTFT; an oracle that knows where every prefix was served and the
 measured fits, per request: pull from the best holder or recompute) and sim-to-real (the replay simulator set
-up from the measured figures replays every (pace, repetition): each policy's p50 and paired difference from
+up from the measured links and the prefill cost fitted on the runs' own recomputes replays every (pace, repetition): each policy's p50 and paired difference from
 cost-aware, predicted against measured, the error over the repetitions, and the pairwise sign agreement of the
 verdicts, a tie being its own verdict). The last line is one JSON object (docs/scheduling.md).
 """
@@ -440,7 +441,7 @@ def _parser() -> Parser:
                         help="trace requests scanned for each window's conversations")
     parser.add_argument("--repetitions", type=positive_int, default=6)
     parser.add_argument("--paces", type=lambda t: [positive_float(x) for x in t.split(",")], default=[1.0, 2.0],
-                        help="arrival rates as fractions of the fleet's measured capacity")
+                        help="arrival rates as multiples of what the engines could prefill without reuse")
     parser.add_argument("--policies", type=subset(list(POLICIES)), default=list(POLICIES))
     parser.add_argument("--block-tokens", type=positive_int, default=BLOCK_SIZE, help="tokens per trace block")
     parser.add_argument("--max-prompt", type=positive_int, default=1024)
