@@ -126,7 +126,7 @@ class Measured:
     link_fixed_ms: dict[tuple[str, str], float]         # (source, dest): a pull's fixed cost ...
     link_bytes_per_s: dict[tuple[str, str], float]      # ... and its rate
     samples: list = field(default_factory=list)
-    contention: float = 0.0                             # a step's slow-down per other busy engine (shared cores)
+    contention: float = 0.0                             # a step's slow-down per other busy engine (reported)
     link_fallback: list = field(default_factory=list)   # links whose fit had no positive slope (mean rate used)
     pull_samples: dict = field(default_factory=dict)    # (source, dest): [(bytes, ms)] as the connector measured
 
