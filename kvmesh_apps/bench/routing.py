@@ -637,8 +637,8 @@ def sim_to_real(real_units: dict[str, list[float]], sim_units: dict[str, list[fl
                                            for n, e in errors.items()},
             "paired_vs_cost_aware": paired,
             "verdicts": {f"{a} vs {b}": [real_v[(a, b)], sim_v[(a, b)]] for a, b in real_v},
-            "method": "per (pace, repetition): the simulator on the measured figures replays the same scaled "
-                      "window; verdicts [real, sim]: -1 the first policy faster, 1 slower, 0 a tie (the 95 % "
+            "method": "per (pace, repetition): the simulator on the measured links and the runs' prefill fit "
+                      "replays the window as that policy's run sent it; verdicts [real, sim]: -1 the first policy faster, 1 slower, 0 a tie (the 95 % "
                       "paired interval over the units holds 0); rank_agreement: the fraction of pairs alike"}
 
 
