@@ -156,8 +156,9 @@ class ControlPlane:
                     f"{len(token_ids)} tokens make more than {self.config.max_lookup_blocks} blocks"
                 )
             block_hashes = cfg.hasher().block_hashes(token_ids, cfg.block_size, extras)
-        if len(block_hashes) > self.config.max_lookup_blocks:
-            raise InvalidArgument(f"{len(block_hashes)} block hashes; the limit is {self.config.max_lookup_blocks}")
+        queried = len(block_hashes)
+        if queried > self.config.max_lookup_blocks:
+            raise InvalidArgument(f"{queried} block hashes; the limit is {self.config.max_lookup_blocks}")
         digest = cfg.hash_algo.digest_size
         if isinstance(block_hashes, PackedHashes):
             block_hashes.validate(cfg.hash_algo.value)
@@ -166,12 +167,12 @@ class ControlPlane:
             raise InvalidArgument(
                 f"block_hashes[{i}] has {len(block_hashes[i])} bytes; {cfg.hash_algo.value} hashes are {digest}"
             )
-        if await self.authz.tenant(ns.tenant) is None or not await self.authz.may_read(principal, ns.tenant):
-            match = PrefixMatch(len(block_hashes), [])
+        tenant = await self.authz.tenant(ns.tenant)
+        if tenant is None or not await self.authz.may_read(principal, ns.tenant):
+            match = PrefixMatch(queried, [])
         else:
             match = await self.block_map.lookup_prefix(ns, block_hashes, tiers)
-            tenant = await self.authz.tenant(ns.tenant)
-            if tenant is not None and (tenant.policy.allowed_nodes or tenant.policy.allowed_pools):
+            if tenant.policy.allowed_nodes or tenant.policy.allowed_pools:
                 allowed = [h for h in match.holders if await self._allows(tenant.policy, h.node_id)]
                 match = PrefixMatch(match.blocks_queried, allowed)
         if token_ids:

@@ -23,8 +23,10 @@ import numpy as np
 from control_plane.model import Medium, NodePrefix, PackedHashes, PrefixMatch
 
 _EMPTY = np.uint64(0)
+_GPU, _CPU, _DISK = Medium.GPU, Medium.CPU, Medium.DISK  # (an enum member read through its class costs a lookup)
 PROBE_WINDOW = 8  # positions after a key's home one that BlockTable.vids probes in one gather
 _WINDOW = np.arange(1, PROBE_WINDOW + 1)
+SCALAR_PROBE = 16  # BlockTable.vids probes up to this many keys one at a time in Python
 MEMO_LIMIT = 100_000  # remembered value transitions (a cache: cleared when full)
 
 
@@ -38,10 +40,11 @@ def block_keys(block_hashes: list[bytes] | PackedHashes | bytes, hash_len: int =
     else:
         blob = b"".join(block_hashes)
         hash_len = len(block_hashes[0]) if block_hashes else 8
-    raw = np.frombuffer(blob, dtype=np.uint8)
-    keys = raw.reshape(-1, hash_len)[:, :8].copy().view("<u8").reshape(-1)
-    keys[keys == _EMPTY] = 1
-    return keys
+    if hash_len % 8 == 0:  # every hash's first 8 bytes are a uint64 of the blob: a strided view, no reshaping
+        keys = np.frombuffer(blob, "<u8")[::hash_len // 8]
+    else:
+        keys = np.frombuffer(blob, np.uint8).reshape(-1, hash_len)[:, :8].copy().view("<u8").reshape(-1)
+    return np.maximum(keys, 1)  # a contiguous copy, with 0 made 1
 
 
 def decode_value(value: bytes) -> tuple[tuple[int, int], ...]:
@@ -146,6 +149,8 @@ class BlockTable:
         load of at most 1/2) probe their next ``PROBE_WINDOW`` positions in one gather, and only the rare
         longer runs step on one position at a time: a handful of numpy calls whatever the probe lengths."""
         mask = len(self._keys) - 1
+        if len(keys) <= SCALAR_PROBE:
+            return self._vids_scalar(keys, mask)
         pos = keys.view(np.int64) & mask
         found = self._keys[pos]
         hit = found == keys
@@ -171,6 +176,20 @@ class BlockTable:
             out[todo[hit]] = self._vids[pos[hit]]
             more = ~hit & (found != _EMPTY)
             todo, pos, want = todo[more], pos[more], want[more]
+        return out
+
+    def _vids_scalar(self, keys: np.ndarray, mask: int) -> np.ndarray:
+        """:meth:`vids` one key at a time in Python: for a few keys, cheaper than a dozen numpy calls."""
+        table, vids = self._keys, self._vids
+        out = np.zeros(len(keys), np.uint32)
+        for i, key in enumerate(keys.tolist()):
+            pos = key & mask
+            while (found := int(table[pos])) != key:
+                if found == 0:
+                    break
+                pos = (pos + 1) & mask
+            else:
+                out[i] = vids[pos]
         return out
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
@@ -321,8 +340,7 @@ def prefix_match(counts: dict[int, list[int]], slots: dict[int, SlotRecord], now
         record = slots.get(slot)
         if record is None or any_count <= 0 or record.lease_until_ms < now_ms:
             continue
-        holders.append(NodePrefix(record.node_id, record.address, any_count,
-                                  {Medium.GPU: gpu, Medium.CPU: cpu, Medium.DISK: disk}))
+        holders.append(NodePrefix(record.node_id, record.address, any_count, {_GPU: gpu, _CPU: cpu, _DISK: disk}))
     holders.sort(key=_longest_first)
     return PrefixMatch(blocks_queried, holders)
 

@@ -126,18 +126,24 @@ def ack_to_pb(ack: Ack) -> pb.EventAck:
 
 def prefix_match_to_pb(match: PrefixMatch, into: pb.LookupPrefixResponse | None = None) -> pb.LookupPrefixResponse:
     """The answer, filled into ``into`` (an empty message, e.g. a batch reply's entry) or a new message."""
-    # add() on the repeated fields: half the cost of building each message and copying it in (on every lookup)
+    # add() on the repeated fields and plain attribute sets: half the cost of building each message and copying
+    # it in, and a quarter less than add(**fields) (on every lookup)
     reply = pb.LookupPrefixResponse() if into is None else into
     reply.blocks_queried = match.blocks_queried
     if match.block_hashes:
         reply.block_hashes.extend(match.block_hashes)
     add_holder = reply.holders.add
     for h in match.holders:
-        add_tier = add_holder(node_id=h.node_id, data_plane_address=h.data_plane_address,
-                              leading_blocks=h.leading_blocks).tiers.add
+        holder = add_holder()
+        holder.node_id = h.node_id
+        holder.data_plane_address = h.data_plane_address
+        holder.leading_blocks = h.leading_blocks
+        add_tier = holder.tiers.add
         for medium, n in h.per_tier.items():
             if n:
-                add_tier(medium=int(medium), leading_blocks=n)
+                tier = add_tier()
+                tier.medium = medium
+                tier.leading_blocks = n
     return reply
 
 

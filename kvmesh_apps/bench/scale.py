@@ -22,7 +22,10 @@ At each checkpoint (100k, 1M, 10M blocks, or ``--checkpoints``), on each backend
   ``LookupPrefix`` RPC of a control-plane process on the same Redis, called with a scheduler key
   (``lookup_*``: the server answers from its in-memory replica once it has loaded the namespace), and
   ``RedisBlockMap.lookup_prefix`` in this process without a replica (``direct_lookup_*``: lookup.lua in Redis);
-- on the single server, a cold in-memory replica: resync time, bytes per block, in-process lookups.
+- a cold in-memory replica resynced from the backend: resync time, bytes per block, in-process lookups.
+
+``--cluster-only`` skips the single server, so that the two backends can be built in two runs (the top-level
+figures are then the cluster's: ``sizes_backend`` names the backend they come from).
 
 At the full size, on each backend, the sweep cost: one node leaves and the garbage collection frees its entries
 (``gc_sweep_s``: every namespace's map is scanned). Then, on the cluster, a shard failover: the primary holding a
@@ -508,9 +511,7 @@ async def run_backend(backend: Backend, args, checkpoints: list[int], rng: rando
                 # Redis' own time per entry written (the batch scripts, summed over primaries): a shard's write capacity
                 "redis_script_us_per_entry": round(script_s * 1e6 / entries, 2),
             }
-            if not backend.cluster:
-                sizes[str(checkpoint)].update(
-                    await replica_figures(backend.url, lookups, writer.prompts, args.lookups, rng))
+            sizes[str(checkpoint)].update(await replica_figures(backend.url, lookups, writer.prompts, args.lookups, rng))
             print(f"{backend.name} {checkpoint}: {sizes[str(checkpoint)]}", file=sys.stderr, flush=True)
         out = {"sizes": sizes, "build_s": round(time.perf_counter() - started, 1),
                "namespaces": len(layout.namespaces), "nodes": layout.nodes, "holders_per_block": layout.holders,
@@ -551,6 +552,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-blocks", type=positive_int, default=1024, help="blocks per prompt (and lookup)")
     parser.add_argument("--namespaces", type=positive_int, default=12)
     parser.add_argument("--shards", type=int, default=3, help="cluster primaries (0: one server only)")
+    parser.add_argument("--cluster-only", action="store_true",
+                        help="build the map on the cluster only (no single server): the two backends as two runs")
     parser.add_argument("--lookups", type=positive_int, default=300, help="lookups of each kind per checkpoint")
     parser.add_argument("--concurrency", type=positive_int, default=16, help="nodes writing at once")
     parser.add_argument("--window", type=positive_int, default=1500, help="prompts generated at a time")
@@ -561,23 +564,25 @@ def main(argv: list[str]) -> int:
         raise errors.InvalidArgument(f"--holders {args.holders} exceeds --nodes {args.nodes}; give at most as many holders as nodes")
     if 0 < args.shards < 3:
         raise errors.InvalidArgument("--shards must be 0 (no cluster) or at least 3; a Redis Cluster needs 3 primaries")
+    if args.cluster_only and not args.shards:
+        raise errors.InvalidArgument("--cluster-only needs a cluster: give --shards 3 or more, or drop --cluster-only")
     checkpoints = checkpoints_for(args.blocks, args.checkpoints)
     find_redis_server()  # no server binary: one line now, before anything starts
     rng = random.Random(args.seed)
     started = time.perf_counter()
     result: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-scale-") as tmp:
-        for shards in ([0, args.shards] if args.shards else [0]):
+        for shards in ([args.shards] if args.cluster_only else [0, args.shards] if args.shards else [0]):
             backend = Backend(Path(tmp) / f"shards{shards}", shards)
             try:
                 backend.start()
                 result[backend.name] = asyncio.run(run_backend(backend, args, checkpoints, rng))
             finally:
                 backend.stop()
-    single = result["redis"]
-    out = {"sizes": single["sizes"],
-           "redis_bytes_per_block": list(single["sizes"].values())[-1]["redis_bytes_per_block"],
-           **{k: v for k, v in list(single["sizes"].values())[-1].items() if k.startswith("replica_")},
+    first = result.get("redis") or result["cluster"]  # the single server's figures, unless only the cluster ran
+    out = {"sizes": first["sizes"], "sizes_backend": "redis" if "redis" in result else "cluster",
+           "redis_bytes_per_block": list(first["sizes"].values())[-1]["redis_bytes_per_block"],
+           **{k: v for k, v in list(first["sizes"].values())[-1].items() if k.startswith("replica_")},
            "failover_recovery_s": result.get("cluster", {}).get("failover_recovery_s"),
            "backends": result,
            "bench_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),

@@ -52,6 +52,18 @@ def test_scale_bench_measures_both_backends_and_a_failover():
     # the in-memory replica, resynced cold from the whole map, answers every lookup (each checked in the run)
     assert result["replica_blocks"] == 4096 and result["replica_resync_s"] > 0
     assert 0 < result["replica_bytes_per_block"] and 0 < result["replica_lookup_p50_ms"] <= result["replica_lookup_p99_ms"]
+    assert result["sizes_backend"] == "redis"
+    last = cluster["sizes"]["4096"]  # a replica resynced from the cluster's three shards holds the same map
+    assert last["replica_blocks"] == 4096 and last["replica_resync_s"] > 0 and last["replica_bytes_per_block"] > 0
+
+
+def test_cluster_only_builds_the_map_on_the_cluster_alone():
+    out = kvmesh("bench", "scale", "--json", "--cluster-only", *TINY)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert list(result["backends"]) == ["cluster"] and result["sizes_backend"] == "cluster"
+    assert result["sizes"] == result["backends"]["cluster"]["sizes"] and list(result["sizes"]) == ["1024", "4096"]
+    assert 1.0 < result["failover_recovery_s"] < 30 and result["replica_blocks"] == 4096
 
 
 async def _failover_without_replica(backend: Backend, timeout_s: float) -> tuple[float, BaseException | None]:
@@ -89,6 +101,7 @@ def test_failover_that_never_recovers_fails_in_one_line_within_its_bound(tmp_pat
     (["--blocks", "0"], {}, ["--blocks"]),
     (["--blocks", "100", "--checkpoints", "50,200"], {}, ["--checkpoints"]),
     (["--shards", "2"], {}, ["--shards"]),
+    (["--cluster-only", "--shards", "0"], {}, ["--cluster-only"]),
     (["--holders", "9", "--nodes", "8"], {}, ["--holders"]),
     (["--blocks", "100"], {"KVMESH_REDIS_SERVER": "/nonexistent/valkey-server"}, ["KVMESH_REDIS_SERVER"]),
 ])
