@@ -37,6 +37,8 @@ from control_plane.watch import BlockMapUpdate, BlockMapWatch
 
 log = logging.getLogger(__name__)
 
+GC_STOP_WAIT_S = 5.0  # close() waits this long for a collection in flight (its Redis calls are bounded too)
+
 
 def owns_engine(node_id: str, engine_id: str) -> bool:
     """Engines of a node are named after it: ``<node id>`` or ``<node id>:<name>``."""
@@ -66,6 +68,7 @@ class ControlPlane:
         self.authz = authz
         self.signer = signer
         self._gc_task: asyncio.Task | None = None
+        self._closing = False
         self._watch = watch
         self._blocks_key = blocks_key
 
@@ -298,22 +301,25 @@ class ControlPlane:
             self._gc_task = asyncio.create_task(self._gc_loop(), name="kvmesh-cp-gc")
 
     async def _gc_loop(self) -> None:
-        while True:
+        """Collects every ``gc_interval_s`` until :meth:`close`. It ends on ``_closing`` as well as on its
+        cancellation: a cancellation that lands inside a Redis call can come back as that call's error (or
+        nothing), and the loop would then sleep on, "cancelling" for ever, with close() waiting for it."""
+        while not self._closing:
             await asyncio.sleep(self.config.gc_interval_s)
             try:
                 freed = await self.block_map.collect_garbage()
                 if freed:
                     log.info("swept %d fenced node slots", freed)
             except Exception:  # noqa: BLE001 - the loop must survive a Redis outage
+                if self._closing:
+                    return
                 log.warning("garbage collection failed; will retry", exc_info=True)
 
     async def close(self) -> None:
+        self._closing = True
         if self._gc_task is not None:
             self._gc_task.cancel()
-            try:
-                await self._gc_task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({self._gc_task}, timeout=GC_STOP_WAIT_S)  # bounded whatever Redis does
         await self.block_map.close()
         await self.router.close()
         await self.tenants.close()

@@ -323,3 +323,30 @@ async def test_tenant_redis_users_of_an_older_version_get_this_versions_rules_at
             assert await tenant.ping()  # the same password
     finally:
         await running.stop()
+
+
+@pytest.mark.parametrize("swallow", ["returns", "raises"])
+async def test_stopping_ends_the_gc_loop_even_when_a_collection_swallows_its_cancellation(cp_config, swallow):
+    """A cancellation that lands inside a Redis call can come back as that call's error, or as nothing; the GC
+    loop then slept on while the control plane's stop waited for it for ever (a test teardown hung 300 s).
+    The stop now ends it: the collection in flight swallows the cancel (as such a call does), and the stop
+    still returns, the loop done. Control: the same collection, without a stop, is still running."""
+    running = await serve(cp_config.model_copy(update={"gc_interval_s": 0.01}))
+    entered = asyncio.Event()
+
+    async def collection_that_swallows_cancel() -> int:
+        entered.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            if swallow == "raises":
+                raise ConnectionError("Connection closed by server.") from None
+        return 0
+
+    running.core.block_map.collect_garbage = collection_that_swallows_cancel
+    await asyncio.wait_for(entered.wait(), 10)
+    gc_task = running.core._gc_task
+    await asyncio.sleep(0.2)
+    assert not gc_task.done()  # control: the collection is in flight and would stay so
+    await asyncio.wait_for(running.stop(), 10)
+    assert gc_task.done()
