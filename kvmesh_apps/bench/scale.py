@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import random
 import resource
 import statistics
@@ -52,7 +51,6 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import redis
 from redis.crc import key_slot
 
