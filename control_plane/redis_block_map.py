@@ -143,7 +143,7 @@ class RedisBlockMap(BlockMap):
                 if not failed_inside_redis_py(exc):
                     raise
                 # Retried once when it only reads; a write may have reached Redis: the caller decides.
-                log.warning("redis-py failed inside a %s (%s: %s)", name, type(exc).__name__, exc)
+                log.warning("redis-py failed inside the %s script (%s: %s)", name, type(exc).__name__, exc)
                 if not read_only or attempt:
                     raise errors.Unavailable(f"the Redis connection failed under {name}; retry") from None
             except redis.exceptions.ConnectionError as exc:
