@@ -11,8 +11,8 @@ from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 from control_plane.replica_table import SlotRecord
 from control_plane.watch import BlockMapUpdate, Holder
 from control_plane.model import (
-    Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus, PackedHashes, PrefixMatch,
-    Removed, Stored,
+    MAX_CLEARS_PER_BATCH, Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus,
+    PackedHashes, PrefixMatch, Removed, Stored,
 )
 
 _ACK_TO_PB = {
@@ -98,14 +98,20 @@ def _event(msg: pb.KvEvent, i: int) -> Event:
 
 
 def event_batch(msg: pb.EventBatch, max_blocks: int) -> EventBatch:
-    """The batch, counted first: at most ``max_blocks`` events (each but a clear carries a block) and block
-    hashes, and no stored event with more token ids than its blocks hold (EventBatch.validate checks the rest)."""
+    """The batch, counted first: at most ``max_blocks`` block hashes, MAX_CLEARS_PER_BATCH clears and events
+    (each but a clear carries a block), and no stored event with more token ids than its blocks hold
+    (EventBatch.validate checks the rest)."""
     ns = namespace(msg.namespace, msg.HasField("namespace"))
-    events = at_most(msg.events, max_blocks, "events")
-    blocks = 0
+    events = at_most(msg.events, max_blocks + MAX_CLEARS_PER_BATCH, "events")
+    blocks = clears = 0
     for i, e in enumerate(events):
         kind = e.WhichOneof("event")
-        if kind == "stored":
+        if kind == "cleared":
+            clears += 1
+            if clears > MAX_CLEARS_PER_BATCH:
+                raise InvalidArgument(f"batch clears more than {MAX_CLEARS_PER_BATCH} times; the limit is "
+                                      f"{MAX_CLEARS_PER_BATCH} (send the rest in later batches)")
+        elif kind == "stored":
             blocks += len(e.stored.block_hashes)
             if len(e.stored.token_ids) > len(e.stored.block_hashes) * ns.cache_config.block_size:
                 raise InvalidArgument(f"event {i}: {len(e.stored.token_ids)} token ids for "

@@ -54,7 +54,7 @@ async def test_a_batch_of_a_million_empty_events_is_refused_before_it_is_read(fl
         await cp.PublishEvents(flood, timeout=60)
     took = time.monotonic() - start
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
-    assert "1000000 events in one request; the limit is 65536" in refused.value.details()
+    assert "1000000 events in one request; the limit is 65552" in refused.value.details()
     assert took < 1.5, f"refusing the flood took {took:.1f} s"  # on the code before: ~3 s, then accepted
 
 
@@ -76,3 +76,20 @@ async def test_token_ids_beyond_max_lookup_tokens_are_refused_by_count(fleet):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, refused.value.details())
         assert f"{limit + 1} token ids in one request; the limit is {limit}" in refused.value.details(), method
     assert (await asyncio.wait_for(cp.Ping(common_pb2.PingRequest()), 5)) is not None
+
+
+async def test_a_batch_of_many_clears_is_refused_before_any_sweep(fleet):
+    """Each clear of one tier sweeps every namespace the node holds blocks in (Redis scripts): 65,536 of them in
+    one 256 KiB batch kept the control plane (and Redis) sweeping for minutes. A batch may clear 16 times."""
+    reg, cp = await _registered(fleet, "t3")
+    ns = Namespace("t3", "m", "r", CacheConfig(block_size=32)).to_proto()
+    clear_cpu = pb.KvEvent(cleared=pb.AllBlocksCleared(medium=common_pb2.MEDIUM_CPU))
+    few = pb.EventBatch(node_id="n1", incarnation=reg.incarnation, seq=reg.next_seq, namespace=ns,
+                        events=[clear_cpu] * 16)
+    assert (await cp.PublishEvents(few, timeout=30)).status == pb.ACK_STATUS_APPLIED  # positive control
+    many = pb.EventBatch(node_id="n1", incarnation=reg.incarnation, seq=reg.next_seq + 1, namespace=ns,
+                         events=[clear_cpu] * 65_536)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await cp.PublishEvents(many, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert "batch clears more than 16 times" in refused.value.details()
