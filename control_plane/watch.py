@@ -99,6 +99,8 @@ class BlockMapWatch:
         learn that node holds blocks; ``still_allowed()``, every ``recheck_s``: False ends the stream with
         PermissionDenied."""
         replica = self._replica
+        if not replica.follow(blocks_key):
+            raise Unavailable("this control plane follows as many namespaces as it may; retry, or use LookupPrefix")
         queue = _Pending()
         replica.subscribe(blocks_key, queue)
         replica.slot_subscribe(queue)
