@@ -129,3 +129,17 @@ async def test_lookups_of_many_namespaces_follow_a_bounded_number_of_them(fleet,
                                          namespace=real.to_proto(), events=[stored]), timeout=10)
     found = await cp.LookupPrefix(pb.LookupPrefixRequest(namespace=real.to_proto(), block_hashes=[block]), timeout=10)
     assert [(h.node_id, h.leading_blocks) for h in found.holders] == [("n1", 1)]
+
+
+async def test_lookups_naming_made_up_tenants_grow_no_cache_without_bound(fleet, control_plane):
+    """Found by the black-box judge: every tenant id a request named (existing or not) stayed in the control plane's
+    policy cache for good. Now at most MAX_CACHED_TENANTS. Positive control: the real tenant is still served."""
+    from tenancy.authz import MAX_CACHED_TENANTS
+    reg, cp = await _registered(fleet, "t5")
+    cache = control_plane.core.authz._cache
+    for i in range(MAX_CACHED_TENANTS + 200):
+        ns = Namespace(f"made-up-{i}", "m", "r", CacheConfig(block_size=32)).to_proto()
+        reply = await cp.LookupPrefix(pb.LookupPrefixRequest(namespace=ns, block_hashes=[bytes(32)]), timeout=10)
+        assert not reply.holders
+    assert len(cache) <= MAX_CACHED_TENANTS, f"{len(cache)} tenant ids cached"
+    assert (await cp.GetTenantLimits(pb.GetTenantLimitsRequest(tenant="t5"), timeout=10)).tenant_epoch
