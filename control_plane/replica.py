@@ -49,7 +49,8 @@ CLOSE_WAIT_S = 2.0
 RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # backoff after a failed read or load
 # Namespaces a lookup or a watch may start following (each holds a blocking Redis read, so a Redis connection, for
 # good): past this, lookups of namespaces not followed yet are answered from Redis. Unbounded, lookups of made-up
-# models held one Redis connection each (Redis serves 10,000 clients at most, for the whole fleet).
+# models held one Redis connection each (Redis serves 10,000 clients at most, for the whole fleet); lookups now
+# follow only namespaces that hold blocks (the block map's namespace set), a watch any it may read.
 MAX_FOLLOWED_NAMESPACES = 1024
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
@@ -162,6 +163,10 @@ class BlockMapReplica:
         self.start()
         self._ensure_task(self._namespace(blocks_key, tenant or Keys.tenant_of(blocks_key)))
         return True
+
+    def follows(self, blocks_key: str) -> bool:
+        """Is the namespace followed (loading or in sync)?"""
+        return blocks_key in self._namespaces
 
     def in_sync(self, blocks_key: str) -> bool:
         state = self._namespaces.get(blocks_key)

@@ -105,30 +105,36 @@ async def _redis_clients(redis_server) -> int:
         await client.aclose()
 
 
-async def test_lookups_of_many_namespaces_follow_a_bounded_number_of_them(fleet, redis_server, monkeypatch):
+async def test_lookups_of_many_namespaces_follow_a_bounded_number_of_them(fleet, control_plane, redis_server,
+                                                                         monkeypatch):
     """Found by the black-box judge: the control plane's replica started following every namespace a lookup named,
     each with its own blocking Redis read, never stopping. 200 lookups of made-up models of one tenant (any key that
-    may read it: its scheduler, a node its policy allows) held 200 more Redis connections, for good; Redis serves
-    10,000 clients at most, the whole fleet's. Now at most MAX_FOLLOWED_NAMESPACES are followed; lookups of the
-    others are answered from Redis, as before the replica. Positive control: a namespace beyond the bound that
-    holds blocks is answered with its holder."""
+    may read it: its scheduler, a node its policy allows) held 200-400 more Redis connections, for good; Redis
+    serves 10,000 clients at most, the whole fleet's. Now a lookup follows only a namespace that holds blocks, and at
+    most MAX_FOLLOWED_NAMESPACES (shortened here); lookups of the others are answered from Redis, as before the
+    replica. Positive control: namespaces beyond the bound that hold blocks are answered with their holder."""
     from control_plane import replica as replica_module
     monkeypatch.setattr(replica_module, "MAX_FOLLOWED_NAMESPACES", 8, raising=False)
     reg, cp = await _registered(fleet, "t4")
+    replica = control_plane.core.block_map.replica
+    followed = len(replica._namespaces)
     before = await _redis_clients(redis_server)
     for i in range(200):
         ns = Namespace("t4", f"made-up-model-{i}", "r", CacheConfig(block_size=32)).to_proto()
         await cp.LookupPrefix(pb.LookupPrefixRequest(namespace=ns, block_hashes=[bytes(32)]), timeout=10)
     await asyncio.sleep(1.5)  # every follower has started its read by now
     grew = await _redis_clients(redis_server) - before
-    assert grew < 40, f"{grew} more Redis connections after lookups of 200 namespaces"
-    real = Namespace("t4", "real-model", "r", CacheConfig(block_size=32))
+    assert grew < 20, f"{grew} more Redis connections after lookups of 200 namespaces"
+    assert len(replica._namespaces) == followed
     block = bytes(range(32))
     stored = pb.KvEvent(stored=pb.BlockStored(block_hashes=[block], block_size=32, medium=common_pb2.MEDIUM_CPU))
-    await cp.PublishEvents(pb.EventBatch(node_id="n1", incarnation=reg.incarnation, seq=reg.next_seq,
-                                         namespace=real.to_proto(), events=[stored]), timeout=10)
-    found = await cp.LookupPrefix(pb.LookupPrefixRequest(namespace=real.to_proto(), block_hashes=[block]), timeout=10)
-    assert [(h.node_id, h.leading_blocks) for h in found.holders] == [("n1", 1)]
+    for i in range(12):  # namespaces that hold blocks: followed up to the bound, answered either way
+        real = Namespace("t4", f"real-model-{i}", "r", CacheConfig(block_size=32)).to_proto()
+        await cp.PublishEvents(pb.EventBatch(node_id="n1", incarnation=reg.incarnation, seq=reg.next_seq + i,
+                                             namespace=real, events=[stored]), timeout=10)
+        found = await cp.LookupPrefix(pb.LookupPrefixRequest(namespace=real, block_hashes=[block]), timeout=10)
+        assert [(h.node_id, h.leading_blocks) for h in found.holders] == [("n1", 1)]
+    assert len(replica._namespaces) <= 8
 
 
 async def test_lookups_naming_made_up_tenants_grow_no_cache_without_bound(fleet, control_plane):
