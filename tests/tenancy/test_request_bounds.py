@@ -96,7 +96,6 @@ async def test_a_batch_of_many_clears_is_refused_before_any_sweep(fleet):
 
 
 async def _redis_clients(redis_server) -> int:
-    import redis.asyncio as aioredis
     from kvmesh.redis_client import connect
     client = connect(redis_server.url)
     try:
