@@ -512,6 +512,11 @@ class Judge:
                     namespace=self.demo_ns.to_proto(), block_hashes=self.demo_hashes), timeout=5))
             return got[0], time.monotonic() - start
 
+        baseline = hashes_of(39)
+        await stage(baseline)
+        got, took = await pull(baseline)
+        self.row(area, "no fault: dp1 Pull of 3 fresh demo blocks of dp2 (positive control)", "pulled=3",
+                 f"{got} in {took:.1f} s", got.endswith("pulled=3"))
         for n, (what, sig) in enumerate([("redis", signal.SIGSTOP), ("control plane", signal.SIGSTOP),
                                          ("dp2", signal.SIGKILL)]):
             fresh = hashes_of(40 + n)
