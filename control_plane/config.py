@@ -43,8 +43,10 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
                                            "bootstrap admin key)")
     key_prefix: str = Field("kvm", description="prefix of every Redis key kvmesh writes")
     lease_ms: int = Field(10_000, ge=500, description="node lease; nodes heartbeat well within it")
-    max_batch_blocks: int = Field(65_536, ge=1, description="most block hashes one event batch may carry")
+    max_batch_blocks: int = Field(65_536, ge=1, description="most block hashes (and events) one event batch may carry")
     max_lookup_blocks: int = Field(65_536, ge=1, description="most blocks one LookupPrefix may ask about")
+    max_lookup_tokens: int = Field(2_097_152, ge=1, description="most token ids one LookupPrefix or Route may "
+                                   "carry (counted before they are read)")
     lookup_stream_window: int = Field(32, ge=1, le=1024, description="lookups of one LookupPrefixStream worked on at "
                                       "once (answers still go back in request order)")
     max_lookup_batch: int = Field(256, ge=1, le=65_536, description="most lookups one LookupPrefixBatches message "

@@ -114,6 +114,10 @@ class Cleared:
 
 Event = Stored | Removed | Cleared
 
+# Each clear fences or sweeps every namespace the node holds blocks in (Redis scripts over the whole map), so a batch
+# may carry only a few: 65,536 of them in a 256 KiB batch kept the control plane sweeping for minutes.
+MAX_CLEARS_PER_BATCH = 16
+
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:
@@ -139,6 +143,10 @@ class EventBatch:
             raise InvalidArgument("empty event batch")
         if self.block_count > max_blocks:
             raise InvalidArgument(f"batch carries {self.block_count} blocks; the limit is {max_blocks}")
+        clears = sum(isinstance(e, Cleared) for e in self.events)
+        if clears > MAX_CLEARS_PER_BATCH:
+            raise InvalidArgument(f"batch clears {clears} times; the limit is {MAX_CLEARS_PER_BATCH} (send the rest "
+                                  "in later batches)")
         cfg = self.namespace.cache_config
         digest = cfg.hash_algo.digest_size
         for i, event in enumerate(self.events):

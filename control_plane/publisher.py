@@ -39,7 +39,7 @@ from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
 from control_plane import wire
-from control_plane.model import Cleared, Medium, NodeInfo, Removed, Stored
+from control_plane.model import MAX_CLEARS_PER_BATCH, Cleared, Medium, NodeInfo, Removed, Stored
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +247,12 @@ class EventPublisher:
             if not self._queue:
                 return None
             ns = self._queue[0].ns
-            events, blocks = [], 0
+            events, blocks, clears = [], 0, 0
             while self._queue and self._queue[0].ns == ns and blocks < self._max_batch_blocks:
+                if self._queue[0].kind is _Kind.CLEARED:
+                    if clears == MAX_CLEARS_PER_BATCH:
+                        break
+                    clears += 1
                 change = self._queue.popleft()
                 blocks += len(change.block_hashes)
                 medium = Medium(change.medium) if change.medium else None

@@ -47,6 +47,11 @@ READ_COUNT = 1024  # stream records per XREAD
 SCAN_COUNT = 10_000  # hash fields per HSCAN while loading
 CLOSE_WAIT_S = 2.0
 RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # backoff after a failed read or load
+# Namespaces a lookup or a watch may start following (each holds a blocking Redis read, so a Redis connection, for
+# good): past this, lookups of namespaces not followed yet are answered from Redis. Unbounded, lookups of made-up
+# models held one Redis connection each (Redis serves 10,000 clients at most, for the whole fleet); lookups now
+# follow only namespaces that hold blocks (the block map's namespace set), a watch any it may read.
+MAX_FOLLOWED_NAMESPACES = 1024
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 ClientFor = Callable[[str], Awaitable[object]]  # tenant -> the Redis client to read its keys with
@@ -150,18 +155,28 @@ class BlockMapReplica:
             self._ensure_task(state)
         return self.block_count()
 
-    def follow(self, blocks_key: str, tenant: str | None = None) -> None:
-        """Starts loading and following the namespace at ``blocks_key`` (idempotent)."""
+    def follow(self, blocks_key: str, tenant: str | None = None) -> bool:
+        """Starts loading and following the namespace at ``blocks_key`` (idempotent); False when it is not followed
+        and will not be: MAX_FOLLOWED_NAMESPACES are (its lookups go to Redis)."""
+        if blocks_key not in self._namespaces and len(self._namespaces) >= MAX_FOLLOWED_NAMESPACES:
+            return False
         self.start()
         self._ensure_task(self._namespace(blocks_key, tenant or Keys.tenant_of(blocks_key)))
+        return True
+
+    def follows(self, blocks_key: str) -> bool:
+        """Is the namespace followed (loading or in sync)?"""
+        return blocks_key in self._namespaces
 
     def in_sync(self, blocks_key: str) -> bool:
         state = self._namespaces.get(blocks_key)
         return state is not None and state.synced and self._slot_stream.synced
 
     async def wait_synced(self, blocks_key: str, timeout_s: float) -> bool:
-        """Follows the namespace and waits until it is in sync (False: not within ``timeout_s``)."""
-        self.follow(blocks_key)
+        """Follows the namespace and waits until it is in sync (False: not within ``timeout_s``, or it cannot be
+        followed)."""
+        if not self.follow(blocks_key):
+            return False
         deadline = time.monotonic() + timeout_s
         while not self.in_sync(blocks_key):
             if time.monotonic() >= deadline:

@@ -46,7 +46,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def PublishEvents(self, request, context):
         """One batch: a refused batch is an error status (RESOURCE_EXHAUSTED / PERMISSION_DENIED)."""
         try:
-            return wire.ack_to_pb(await self._core.apply_batch(current_principal(), wire.event_batch(request)))
+            return wire.ack_to_pb(await self._core.apply_batch(current_principal(), wire.event_batch(
+                request, self._core.config.max_batch_blocks)))
         except BatchRefused as refused:
             raise refused.error from None
 
@@ -55,7 +56,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         """A stream: a refused batch is acked REFUSED (its seq consumed) so the stream goes on."""
         principal = current_principal()
         async for msg in request_iterator:
-            batch = wire.event_batch(msg)
+            batch = wire.event_batch(msg, self._core.config.max_batch_blocks)
             try:
                 yield wire.ack_to_pb(await self._core.apply_batch(principal, batch))
             except BatchRefused as refused:
@@ -122,8 +123,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         """One lookup's answer, in ``into`` when given (a batch reply's entry), else in a new message."""
         ns = wire.namespace(request.namespace, request.HasField("namespace"))
         media = [wire.medium(m, "media") for m in request.media]
-        match = await self._core.lookup_prefix(principal, ns, wire.lookup_hashes(request, ns),
-                                               list(request.token_ids), wire.extras(request.extras), tier_mask(media))
+        config = self._core.config
+        hashes = wire.lookup_hashes(request, ns, config.max_lookup_blocks)
+        match = await self._core.lookup_prefix(principal, ns, hashes,
+                                               wire.token_ids(request.token_ids, config.max_lookup_tokens),
+                                               wire.extras(request.extras), tier_mask(media))
         return wire.prefix_match_to_pb(match, into)
 
     @grpc_errors
@@ -148,7 +152,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     @grpc_errors
     async def Route(self, request, context):
-        decision = await self._core.route(current_principal(), routing_wire.route_request(request))
+        config = self._core.config
+        decision = await self._core.route(current_principal(), routing_wire.route_request(
+            request, config.max_lookup_blocks, config.max_lookup_tokens))
         return routing_wire.route_decision_to_pb(decision)
 
     @grpc_errors

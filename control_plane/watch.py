@@ -26,6 +26,10 @@ from control_plane.replica import BlockMapReplica, Change
 from control_plane.replica_table import BlockTable, SlotRecord, Values, block_keys, prefix_match
 
 SNAPSHOT_CHUNK = 100_000  # blocks per snapshot message (12 bytes each: well under gRPC's message limit)
+# Changes queued for one subscriber while it does not read (gRPC flow control holds the stream): past this many, they
+# are dropped and the subscriber is owed a fresh snapshot instead. Unbounded, a watch that was never read kept
+# every change of its namespace in the control plane's memory for as long as its stream stayed open.
+MAX_PENDING_CHANGES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,18 @@ class _Check:
     """Queue marker: time to check the subscriber's rights again."""
 
 
+class _Pending(asyncio.Queue):
+    """One subscriber's changes, at most MAX_PENDING_CHANGES of them: once it falls further behind, what is queued
+    collapses into one "everything changed" (a snapshot follows, with every holder sent again)."""
+
+    def put_nowait(self, item) -> None:
+        if self.qsize() >= MAX_PENDING_CHANGES:
+            while not self.empty():
+                self.get_nowait()
+            item = Change(None)
+        super().put_nowait(item)
+
+
 class BlockMapWatch:
     """Streams namespaces of ``replica`` (see the module docstring)."""
 
@@ -83,7 +99,9 @@ class BlockMapWatch:
         learn that node holds blocks; ``still_allowed()``, every ``recheck_s``: False ends the stream with
         PermissionDenied."""
         replica = self._replica
-        queue: asyncio.Queue = asyncio.Queue()
+        if not replica.follow(blocks_key):
+            raise Unavailable("this control plane follows as many namespaces as it may; retry, or use LookupPrefix")
+        queue = _Pending()
         replica.subscribe(blocks_key, queue)
         replica.slot_subscribe(queue)
         allowed: dict[str, bool] = {}

@@ -5,13 +5,14 @@ from __future__ import annotations
 from kvmesh.errors import InvalidArgument
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
+from kvmesh.repeated import at_most
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 
 from control_plane.replica_table import SlotRecord
 from control_plane.watch import BlockMapUpdate, Holder
 from control_plane.model import (
-    Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus, PackedHashes, PrefixMatch,
-    Removed, Stored,
+    MAX_CLEARS_PER_BATCH, Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus,
+    PackedHashes, PrefixMatch, Removed, Stored,
 )
 
 _ACK_TO_PB = {
@@ -54,14 +55,19 @@ def namespace(msg: common_pb2.Namespace, present: bool) -> Namespace:
     return Namespace.from_proto(msg)
 
 
-def lookup_hashes(msg: pb.LookupPrefixRequest, ns: Namespace) -> list[bytes] | PackedHashes:
+def lookup_hashes(msg: pb.LookupPrefixRequest, ns: Namespace, max_blocks: int) -> list[bytes] | PackedHashes:
     """A lookup's block hashes: ``packed_block_hashes`` as they came (the core checks their length), else
-    ``block_hashes`` (possibly none: a lookup by token ids)."""
+    ``block_hashes`` (possibly none: a lookup by token ids), at most ``max_blocks`` of them."""
     if msg.packed_block_hashes:
         if len(msg.block_hashes):
             raise InvalidArgument("give block_hashes or packed_block_hashes, not both")
         return PackedHashes(msg.packed_block_hashes, ns.cache_config.hash_algo.digest_size)
-    return list(msg.block_hashes)
+    return list(at_most(msg.block_hashes, max_blocks, "block hashes"))
+
+
+def token_ids(values, max_tokens: int) -> list[int]:
+    """A request's token ids, at most ``max_tokens`` of them."""
+    return list(at_most(values, max_tokens, "token ids"))
 
 
 def node_info(msg: pb.NodeInfo) -> NodeInfo:
@@ -91,13 +97,35 @@ def _event(msg: pb.KvEvent, i: int) -> Event:
     raise InvalidArgument(f"event {i} is empty: set stored, removed or cleared")
 
 
-def event_batch(msg: pb.EventBatch) -> EventBatch:
+def event_batch(msg: pb.EventBatch, max_blocks: int) -> EventBatch:
+    """The batch, counted first: at most ``max_blocks`` block hashes, MAX_CLEARS_PER_BATCH clears and events
+    (each but a clear carries a block), and no stored event with more token ids than its blocks hold
+    (EventBatch.validate checks the rest)."""
+    ns = namespace(msg.namespace, msg.HasField("namespace"))
+    events = at_most(msg.events, max_blocks + MAX_CLEARS_PER_BATCH, "events")
+    blocks = clears = 0
+    for i, e in enumerate(events):
+        kind = e.WhichOneof("event")
+        if kind == "cleared":
+            clears += 1
+            if clears > MAX_CLEARS_PER_BATCH:
+                raise InvalidArgument(f"batch clears more than {MAX_CLEARS_PER_BATCH} times; the limit is "
+                                      f"{MAX_CLEARS_PER_BATCH} (send the rest in later batches)")
+        elif kind == "stored":
+            blocks += len(e.stored.block_hashes)
+            if len(e.stored.token_ids) > len(e.stored.block_hashes) * ns.cache_config.block_size:
+                raise InvalidArgument(f"event {i}: {len(e.stored.token_ids)} token ids for "
+                                      f"{len(e.stored.block_hashes)} blocks of {ns.cache_config.block_size} tokens")
+        elif kind == "removed":
+            blocks += len(e.removed.block_hashes)
+    if blocks > max_blocks:
+        raise InvalidArgument(f"batch carries {blocks} blocks; the limit is {max_blocks}")
     return EventBatch(
         node_id=msg.node_id,
         incarnation=msg.incarnation,
         seq=msg.seq,
-        namespace=namespace(msg.namespace, msg.HasField("namespace")),
-        events=tuple(_event(e, i) for i, e in enumerate(msg.events)),
+        namespace=ns,
+        events=tuple(_event(e, i) for i, e in enumerate(events)),
         reset=msg.reset,
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvmesh.errors import InvalidArgument, PermissionDenied
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.namespace import Namespace
+from kvmesh.repeated import at_most
 from kvmesh.v1 import common_pb2, data_plane_pb2 as pb, data_plane_pb2_grpc
 
 from tenancy.grants import Grant
@@ -52,9 +53,15 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                                                 agent_metadata=metadata, block_bytes=self._core.block_bytes,
                                                 agent_challenge_sent=bool(digest), agent_challenge_digest=digest)
 
+    def _hashes(self, request) -> list[bytes]:
+        """The request's block hashes, counted before they are read (or digested for a peer's proof)."""
+        return list(at_most(request.block_hashes, self._core.config.max_hashes_per_request, "block hashes"))
+
     @grpc_errors
     async def Lookup(self, request, context):
         ns = Namespace.from_proto(request.namespace)
+        hashes = self._hashes(request)
+        at_most(request.landing_addrs, self._core.config.max_hashes_per_request, "landing addresses")
         grant = await self._auth.require_grant(context.invocation_metadata(), ns, PeerCall.of("Lookup", request))
         if request.landing_addrs or request.lease_id:
             if grant is None:
@@ -64,13 +71,12 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             # the caller's deadline, never more than this node's own bound on a pull
             timeout_s = min(self._core.config.pull_timeout_ms / 1000 if remaining is None else remaining,
                             self._core.config.max_pull_timeout_ms / 1000)
-            hashes = list(request.block_hashes)
             sent = await self._core.sends.send(
                 ns, request.lease_id, hashes, list(request.landing_addrs), grant.consumer_node_id,
                 lease_holder(grant), timeout_s=max(0.0, timeout_s - SEND_MARGIN_S), grant_epoch=grant.tenant_epoch)
             return wire.send_response(sent, len(hashes), self._core.block_bytes)
         answer = await self._core.lookup(
-            ns, list(request.block_hashes),
+            ns, hashes,
             consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,
             lease_ms=request.lease_ms, media=wire.media_from_pb(request.media),
             holder=lease_holder(grant), grant_epoch=None if grant is None else grant.tenant_epoch)
@@ -88,7 +94,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Pull(self, request, context):
         self._auth.require_local("Pull")
         result = await self._prefetcher.pull(  # the core's pull, joining route-time prefetches (data_plane.prefetch)
-            Namespace.from_proto(request.namespace), list(request.block_hashes), request.source_node_id,
+            Namespace.from_proto(request.namespace), self._hashes(request), request.source_node_id,
             request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
             grant=wire.grant_token(request.grant), route_token=wire.grant_token(request.route_token.encode()))
@@ -98,7 +104,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Prefetch(self, request, context):
         """Route's order (its signed ticket is the authority, not the caller's key: data_plane.prefetch)."""
         ns = Namespace.from_proto(request.namespace).validate()
-        hashes = validate_hashes(ns, list(request.block_hashes), self._core.config.max_hashes_per_request)
+        hashes = validate_hashes(ns, self._hashes(request), self._core.config.max_hashes_per_request)
         ticket = await self._auth.check_prefetch(request.ticket.encode(), ns, hashes)
         status = self._prefetcher.start(ns, hashes, ticket)
         return pb.PrefetchResponse(status=status.value)
@@ -117,7 +123,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         ns = Namespace.from_proto(request.namespace)
         limit = await self._auth.tenant_limit(ns.tenant)
         slots = self._core.reserve(
-            ns, list(request.block_hashes), tenant_limit_bytes=limit,
+            ns, self._hashes(request), tenant_limit_bytes=limit,
             max_offload_tokens=request.max_offload_tokens, first_block_index=request.first_block_index,
             protected_blocks=request.protected_blocks)
         return pb.ReserveResponse(slots=slots)
@@ -125,19 +131,19 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Commit(self, request, context):
         self._auth.require_local("Commit")
-        n = self._core.commit(Namespace.from_proto(request.namespace), list(request.block_hashes))
+        n = self._core.commit(Namespace.from_proto(request.namespace), self._hashes(request))
         return pb.CommitResponse(committed=n)
 
     @grpc_errors
     async def Abort(self, request, context):
         self._auth.require_local("Abort")
-        self._core.abort(Namespace.from_proto(request.namespace), list(request.block_hashes))
+        self._core.abort(Namespace.from_proto(request.namespace), self._hashes(request))
         return pb.AbortResponse()
 
     @grpc_errors
     async def Acquire(self, request, context):
         self._auth.require_local("Acquire")
-        ns, hashes = Namespace.from_proto(request.namespace), list(request.block_hashes)
+        ns, hashes = Namespace.from_proto(request.namespace), self._hashes(request)
         slots, lease_id = await self._core.acquire(ns, hashes, wire.media_from_pb(request.media), request.lease_ms)
         self._prefetcher.acquired(ns, hashes[:len(slots)])
         return pb.AcquireResponse(slots=slots, lease_id=lease_id)

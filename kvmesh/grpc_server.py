@@ -182,6 +182,9 @@ async def wait_for_signal() -> None:
 
 
 KEEPALIVE_MS = 2_000
+# A connection that has not finished its TLS handshake and HTTP/2 preface by then is closed (gRPC's default, 120 s,
+# let anyone who reaches the port hold one of the service's file descriptors per connection for two minutes).
+HANDSHAKE_TIMEOUT_MS = 10_000
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -209,6 +212,7 @@ def server_options() -> list[tuple[str, int]]:
     a new incarnation answering at a data plane's address proves the old one exited (data_plane.reclaim)."""
     return [
         ("grpc.so_reuseport", 0),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_permit_without_calls", 1),

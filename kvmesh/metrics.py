@@ -26,6 +26,12 @@ from kvmesh.grpc_server import rewrap_handler
 
 OFF = ("", "off")
 STOP_POLL_S = 0.1  # how often the endpoint's loop looks for stop(): the longest stop() waits
+# Nobody authenticates to /metrics, so what one client can hold is bounded: each connection is a thread and a file
+# descriptor of the service itself (measured: 300 idle connections held 300 threads for ever, and enough of them
+# would leave the service no descriptor for its gRPC clients or Redis). A connection that sends or reads nothing for
+# this long is closed, and past this many at once a new one is closed at once (a scrape retries).
+METRICS_IO_TIMEOUT_S = 5.0
+MAX_METRICS_CONNECTIONS = 16
 
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -151,12 +157,41 @@ class MetricsEndpoint:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = METRICS_IO_TIMEOUT_S  # on every read and write of the connection
+        super().setup()
+
     def log_message(self, format, *args) -> None:  # no access log on stderr
         pass
 
 
 def _server_class(host: str) -> type[ThreadingWSGIServer]:
     class Server(ThreadingWSGIServer):
+        """At most MAX_METRICS_CONNECTIONS connections served at once (more are closed unserved); a client that
+        stalls is dropped quietly (socketserver would print a traceback on the service's stderr)."""
+
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        request_queue_size = 128  # accepted and closed at once past the cap, rather than left to retry their SYN
+        _slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+
+        def process_request(self, request, client_address) -> None:
+            if not self._slots.acquire(blocking=False):
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:  # no thread started: it will not release the slot
+                self._slots.release()
+                self.shutdown_request(request)
+                raise
+
+        def process_request_thread(self, request, client_address) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self._slots.release()
+
+        def handle_error(self, request, client_address) -> None:
+            pass  # a client that timed out or hung up: nothing to report
 
     return Server

@@ -90,10 +90,14 @@ class Slots:
         return f"{self.block_bytes} bytes per {self.block_tokens}-token block ({why})"
 
 
+MAX_DATA_PLANES = 64  # one machine's fleet: a mistyped 100000 made 218,000 certificate files in a minute
+
+
 def resolve_slots(args: argparse.Namespace) -> Slots:
     """The slots ``args`` ask for; ``ValueError`` (one line) for bad or contradictory input."""
-    if args.data_planes < 0:
-        raise ValueError(f"--data-planes must be 0 or more, not {args.data_planes}")
+    if not 0 <= args.data_planes <= MAX_DATA_PLANES:
+        raise ValueError(f"--data-planes must be 0 to {MAX_DATA_PLANES} (each is a process with its own "
+                         f"--capacity of shared memory and a TLS certificate), not {args.data_planes}")
     block_tokens = check_block_tokens(args.block_tokens)
     if args.block_bytes is not None and args.block_bytes <= 0:
         raise ValueError(f"--block-bytes must be a positive number of bytes, not {args.block_bytes}")

@@ -22,6 +22,10 @@ from tenancy.auth import AuditSink
 from tenancy.model import AuditEntry, Principal, Role, Tenant
 from tenancy.store import RedisTenantStore
 
+# Tenant ids whose policy (or absence) is cached: any caller names any tenant id in a request, so past this many the
+# oldest entry goes (unbounded, a key holder naming made-up tenants grew the cache by ~400 bytes a call, for good).
+MAX_CACHED_TENANTS = 4096
+
 
 class Authorizer:
     def __init__(self, store: RedisTenantStore, audit: AuditSink, policy_ttl_s: float = 2.0) -> None:
@@ -36,6 +40,8 @@ class Authorizer:
         if hit and now - hit[0] < self._ttl:
             return hit[1]
         tenant = await self._store.find_tenant(tenant_id)
+        if tenant_id not in self._cache and len(self._cache) >= MAX_CACHED_TENANTS:
+            del self._cache[next(iter(self._cache))]  # the oldest entry
         self._cache[tenant_id] = (now, tenant)
         return tenant
 

@@ -25,6 +25,9 @@ from control_plane.routing.types import StatsReport
 
 _LINK_SEP = ">"  # node ids never contain it
 _EWMA_LUA = (Path(__file__).parent.parent / "lua" / "stats_ewma.lua").read_text()
+# Links and engines each hash keeps: a new one past this is not recorded (the cost model uses its defaults for it).
+# Unbounded, a node reporting made-up engine names ("<node>:<anything>") grew both Redis and every route's read.
+MAX_FIGURES = 16_384
 
 
 class StatsStore(ABC):
@@ -62,10 +65,10 @@ class RedisStatsStore(StatsStore):
         if not self._sha:
             self._sha = await self._redis.script_load(_EWMA_LUA)
         try:
-            await self._redis.evalsha(self._sha, 1, key, self._alpha, *pairs)
+            await self._redis.evalsha(self._sha, 1, key, self._alpha, MAX_FIGURES, *pairs)
         except redis.exceptions.NoScriptError:  # the server restarted or was flushed
             self._sha = await self._redis.script_load(_EWMA_LUA)
-            await self._redis.evalsha(self._sha, 1, key, self._alpha, *pairs)
+            await self._redis.evalsha(self._sha, 1, key, self._alpha, MAX_FIGURES, *pairs)
 
     async def report(self, report: StatsReport) -> None:
         links: list = []

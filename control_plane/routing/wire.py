@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.repeated import at_most
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 
 from control_plane import wire as cp_wire
 from control_plane.model import Medium
 from control_plane.routing.types import (
-    Candidate, EngineSample, Estimate, KvSource, LinkSample, Policy, PrefetchOrder, PullOutcome, Reason, RouteDecision,
+    MAX_CANDIDATES,     Candidate, EngineSample, Estimate, KvSource, LinkSample, Policy, PrefetchOrder, PullOutcome, Reason, RouteDecision,
     RouteRequest, SourceDecision, StatsReport,
 )
 
@@ -22,13 +23,14 @@ def _policy(value: int) -> Policy | None:
         raise InvalidArgument(f"unknown route policy {value}") from None
 
 
-def route_request(msg: pb.RouteRequest) -> RouteRequest:
+def route_request(msg: pb.RouteRequest, max_blocks: int, max_tokens: int) -> RouteRequest:
+    """The request, its repeated fields counted before they are read (RouteRequest.validate checks the rest)."""
     return RouteRequest(
         namespace=cp_wire.namespace(msg.namespace, msg.HasField("namespace")),
         candidates=tuple(Candidate(c.engine_id, c.node_id, c.waiting_requests, c.running_tokens)
-                         for c in msg.candidates),
-        block_hashes=tuple(msg.block_hashes),
-        token_ids=tuple(msg.token_ids),
+                         for c in at_most(msg.candidates, MAX_CANDIDATES, "candidates")),
+        block_hashes=tuple(at_most(msg.block_hashes, max_blocks, "block hashes")),
+        token_ids=tuple(at_most(msg.token_ids, max_tokens, "token ids")),
         extras=cp_wire.extras(msg.extras),
         prompt_tokens=msg.prompt_tokens,
         policy=_policy(msg.policy),

@@ -117,3 +117,20 @@ async def test_stop_ends_the_publisher_while_a_resync_is_pending(control_plane, 
     pub._need_register = True  # what a resync code from a heartbeat sets (its wake-up not delivered yet)
     await asyncio.wait_for(pub.stop(), 5)
     assert pub.incarnation == incarnation, "the stopped publisher registered the node again"
+
+
+async def test_a_burst_of_clears_is_delivered_in_batches_the_control_plane_takes(control_plane, admin_key):
+    """A control plane takes at most MAX_CLEARS_PER_BATCH clears a batch (each sweeps the node's namespaces): a
+    publisher with more queued splits them, so all are delivered, and the blocks stored after them too."""
+    from control_plane.model import MAX_CLEARS_PER_BATCH
+    node, hs = Node(), hashes(3, "after-clears")
+    pub = publisher(control_plane.port, node, admin_key)
+    await pub.start()
+    try:
+        for _ in range(3 * MAX_CLEARS_PER_BATCH + 1):
+            pub.cleared(NS, int(Medium.CPU))
+        pub.stored(NS, hs, int(Medium.CPU))
+        assert await pub.flush(30)
+        assert await longest(control_plane, hs) == 3
+    finally:
+        await pub.stop()

@@ -171,3 +171,34 @@ async def test_the_scheduler_replica_converges_on_the_servers_answers(two_tenant
             assert time.monotonic() < deadline, f"scheduler replica {mine} != server {server}"
             await asyncio.sleep(0.05)
         assert any(server)  # positive control: something is held
+
+
+async def test_a_watch_that_stops_reading_holds_a_bounded_backlog_then_gets_a_snapshot(two_tenants, control_plane):
+    """Found by the black-box judge: a subscriber (any key that may read the namespace: its scheduler, a node the
+    policy allows) that opens a watch and never reads had every later change of the namespace queued for it in the
+    control plane, for as long as its stream stayed open. Now at most MAX_PENDING_CHANGES, then one snapshot."""
+    from control_plane.replica_table import block_keys
+    from control_plane.watch import MAX_PENDING_CHANGES
+    t = two_tenants
+    replica = control_plane.core.block_map.replica
+    async with channel(t["address"], t["key_a"]) as ch:
+        call = control_plane_pb2_grpc.ControlPlaneStub(ch).WatchBlockMap(pb.WatchBlockMapRequest(
+            namespace=t["ns_a"].to_proto()))
+        assert (await call.read()).synced  # the snapshot (one message); then the subscriber stops reading
+        queues = [q for state in replica._namespaces.values() for q in state.subscribers]
+        assert len(queues) == 1
+        for i in range(2 * MAX_PENDING_CHANGES):
+            await t["node_a"].store(t["ns_a"], hashes(512, f"churn-{i}-"))  # ~6 KiB an update: past any window
+        assert queues[0].qsize() <= MAX_PENDING_CHANGES, f"{queues[0].qsize()} changes held for a stalled reader"
+        last = hashes(512, f"churn-{2 * MAX_PENDING_CHANGES - 1}-")[-1]
+        deadline = time.monotonic() + 30
+        seen_reset = False
+        while time.monotonic() < deadline:  # reading again: a fresh snapshot comes, holding the latest block
+            update = await call.read()
+            seen_reset |= update.reset
+            if seen_reset and block_keys([last]).astype("<u8").tobytes() in [
+                    update.keys[i:i + 8] for i in range(0, len(update.keys), 8)]:
+                break
+        else:
+            raise AssertionError("no snapshot with the latest block after reading again")
+        call.cancel()

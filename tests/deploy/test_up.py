@@ -133,7 +133,8 @@ def _refused(argv: list[str], capsys) -> str:
     (["--model", "{tmp}/model", "--kv-cache-dtype", "int8"], "kv cache dtype 'int8'"),
     (["--model", "{tmp}/model", "--capacity", "8KiB"], "holds no 12288-byte block"),
     (["--capacity", "lots"], "is not a size"),
-    (["--data-planes", "-1"], "--data-planes must be 0 or more"),
+    (["--data-planes", "-1"], "--data-planes must be 0 to 64"),
+    (["--data-planes", "100000"], "--data-planes must be 0 to 64"),
     (["--block-tokens", "abc"], "--block-tokens: invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),
 ])
