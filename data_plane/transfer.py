@@ -85,7 +85,7 @@ _NOTE_POLL_S = 0.002
 MAX_DESCRIPTOR_BYTES = 1 << 62
 # A WRITE that reports its landing goes as pieces of at most this many bytes, each a transfer request of its own
 # whose NIXL notification tells the consumer that piece has landed (it checks it while the next one moves).
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 8 << 20  # (the data plane's transfer_piece_bytes)
 _LANDED = b"kvmesh-landed:"  # prefix of a piece's notification: the tag, its first block index, its block count
 _LANDED_POLL_S = 0.0005
 
@@ -271,9 +271,12 @@ class NixlTransport(Transport):
     for :meth:`ready` (bounded by each request's own deadline).
     """
 
-    def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1) -> None:
+    def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1,
+                 piece_bytes: int = PIECE_BYTES) -> None:
         """``lanes``: transfer requests one read or write is split into, posted at once from as many threads,
-        each with a UCX worker of its own."""
+        each with a UCX worker of its own; ``piece_bytes``: the most bytes of one request of a tagged write
+        (0: tagged writes go as untagged ones, one request per lane, and report nothing)."""
+        self._piece_bytes = piece_bytes
         # A fresh name per start (and per rotate()): peers holding an old agent's metadata must re-handshake.
         self._node_id = node_id
         self._progress_wait_ms = progress_wait_ms
@@ -478,8 +481,8 @@ class NixlTransport(Transport):
             raise TransferFailed(f"unknown peer agent {peer!r}" if peer not in self._peers else
                                  "the NIXL agent is being replaced")
         lanes = lane_pieces(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
-                            np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes, tag, PIECE_BYTES,
-                            MAX_DESCRIPTOR_BYTES)
+                            np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes,
+                            tag if self._piece_bytes else b"", self._piece_bytes, MAX_DESCRIPTOR_BYTES)
         deadline = time.monotonic() + timeout_s
         self._busy[peer] = self._busy.get(peer, 0) + 1
         try:

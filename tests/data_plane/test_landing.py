@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import data_plane.transfer as transfer
 from data_plane.checksum import LandingChecks, RunChecker, checksum
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.shm import SharedRegion
@@ -62,7 +61,8 @@ async def pair(shm_dir, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")  # bytes cross a socket, as between hosts: the report must wait for them
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     regions = [SharedRegion(shm_dir / f"l{i}.tier", BLOCK, SLOTS, owner=True) for i in range(2)]
-    src, dst = (NixlTransport(f"l{i}", region, progress_wait_ms=10) for i, region in enumerate(regions))
+    src, dst = (NixlTransport(f"l{i}", region, progress_wait_ms=10, piece_bytes=5 * BLOCK)
+                for i, region in enumerate(regions))
     for t in (src, dst):
         await t.ready(60.0)
     yield src, dst, regions
@@ -72,9 +72,8 @@ async def pair(shm_dir, monkeypatch):
         region.close()
 
 
-async def test_each_piece_is_reported_after_its_bytes_landed_and_only_to_its_waiter(pair, monkeypatch):
+async def test_each_piece_is_reported_after_its_bytes_landed_and_only_to_its_waiter(pair):
     src, dst, (src_region, dst_region) = pair
-    monkeypatch.setattr(transfer, "PIECE_BYTES", 5 * BLOCK)
     peer = src.add_peer(dst.metadata())
     src_region.array[:] = np.random.default_rng(1).integers(0, 256, src_region.array.size, dtype=np.uint8)
     offsets = [src_region.offset(s) for s in range(SLOTS)]
@@ -175,11 +174,11 @@ async def test_a_pull_in_pieces_commits_the_intact_blocks_before_a_corrupt_one(l
     """The source WRITEs 12 blocks in pieces of 3; its block 8 changed after its CRC was taken: blocks 0-7 are
     committed with their bytes, 8 onwards are MISS. The consumer checked pieces as they landed (control: reports
     reached it)."""
-    monkeypatch.setattr(transfer, "PIECE_BYTES", 3 * BLOCK)
     reported = []
     real_landed = LandingChecks.landed
     monkeypatch.setattr(LandingChecks, "landed", lambda self, f, c: (reported.append((f, c)), real_landed(self, f, c)))
-    source = await local_node(node_id="src", block_bytes=BLOCK, capacity_bytes=16 * BLOCK)
+    source = await local_node(node_id="src", block_bytes=BLOCK, capacity_bytes=16 * BLOCK,
+                              transfer_piece_bytes=3 * BLOCK)
     consumer = await local_node(node_id="dst", block_bytes=BLOCK, capacity_bytes=16 * BLOCK)
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
