@@ -18,6 +18,14 @@ Implementor contracts:
     process may still move its bytes until it exits).
   * ``write`` is the mirror image: the local offsets are the source, the
     remote addresses lie in the peer's registered region; same guarantees.
+    A write with a ``tag`` (a send's: its lease id) goes as pieces, one
+    request each (NixlTransport: at most ``piece_bytes``, one lane's pieces
+    one after the other), each with a NIXL notification naming the tag and
+    its blocks, which UCX sends once the piece's bytes are flushed to the
+    peer; a consumer waiting in :meth:`Transport.landed` for that tag from
+    that agent is told of each piece, checks it while the next one moves,
+    and still waits for the write's end (a notification is a hint of when
+    to look, never proof of what landed).
   * ``read`` never waits past its timeout; a peer that died or disconnected
     (NIXL_ERR_REMOTE_DISCONNECT) fails the read, it does not hang it.
   * A peer's metadata is read (:meth:`Transport.describe_peer`: its agent name, hence its node, and the
@@ -46,7 +54,8 @@ UCX worker's event descriptor, waking when a message arrives (a peer's
 connection set-up or an active message) or after ``progress_wait_ms``: an idle
 node uses no CPU. (The nixl 1.5.1 Python wrapper hard-codes a 0 ms timeout,
 which turns that loop into a busy poll of a whole core; :func:`new_nixl_agent`
-sets the timeout.)
+sets the timeout.) While anyone waits for landed pieces, a task on the loop
+reads the agent's notifications every ``_LANDED_POLL_S``.
 """
 
 from __future__ import annotations
