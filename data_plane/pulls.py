@@ -271,7 +271,8 @@ class Pulls:
 
     async def _fetch_by_read(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                              source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
-                             tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float, None] | None:
+                             tenant_limit_bytes: int | None
+                             ) -> tuple[list[Block], list[int], float, float, None] | None:
         """Lookup on the source, then one-sided READs: the arrived blocks (uncommitted) and their checksums."""
         t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)

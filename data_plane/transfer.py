@@ -8,8 +8,8 @@ Implementor contracts:
     hands out none and WRITEs the blocks a grant covers (docs/security.md).
   * ``read`` copies ``length`` bytes from each remote address into each local
     offset (NixlTransport: one descriptor per run of blocks contiguous on both
-    sides, the blocks split over its ``lanes`` transfer requests, posted at
-    once), and returns only when all of them have arrived (every lane ended). Otherwise it raises :class:`TransferFailed`; its
+    sides, of at most ``MAX_DESCRIPTOR_BYTES``, the blocks split over its ``lanes``
+    transfer requests, posted at once), and returns only when all of them have arrived (every lane ended). Otherwise it raises :class:`TransferFailed`; its
     ``may_still_write`` is True when the request timed out (over TCP, bytes
     already in the socket land when the path drains, cancelled or not) or
     could not be cancelled, and then the caller must not reuse the
