@@ -222,7 +222,7 @@ class Pulls:
                 raise Unavailable(f"the grant is for epoch {grant_epoch!r} of tenant {ns.tenant!r}, this node "
                                   f"knows {self.epochs.current(ns.tenant)!r} (the tenant was re-created)")
             await self.transport.ready(deadline - time.monotonic())
-            peer = await self._within(
+            peer = self._peers.cached(source_address) or await self._within(
                 self._peers.get(source_address, source_node_id, deadline - time.monotonic(), grant),
                 deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes

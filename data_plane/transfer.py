@@ -363,6 +363,8 @@ class NixlTransport(Transport):
     async def ready(self, timeout_s: float) -> None:
         """The agent is built and so is the metadata vetter's (a peer's handshake needs both)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
+        if self._agent is not None and self._vetter.ready:  # every pull and handshake asks: no task once up
+            return
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._built)), max(0.0, timeout_s))
         except TimeoutError:
