@@ -8,8 +8,8 @@ Implementor contracts:
     hands out none and WRITEs the blocks a grant covers (docs/security.md).
   * ``read`` copies ``length`` bytes from each remote address into each local
     offset (NixlTransport: one descriptor per run of blocks contiguous on both
-    sides, of at most ``MAX_DESCRIPTOR_BYTES``, the blocks split over its ``lanes``
-    transfer requests, posted at once), and returns only when all of them have arrived (every lane ended). Otherwise it raises :class:`TransferFailed`; its
+    sides, the blocks split over its ``lanes`` transfer requests, posted at
+    once), and returns only when all of them have arrived (every lane ended). Otherwise it raises :class:`TransferFailed`; its
     ``may_still_write`` is True when the request timed out (over TCP, bytes
     already in the socket land when the path drains, cancelled or not) or
     could not be cancelled, and then the caller must not reuse the
@@ -89,12 +89,6 @@ _AGENT_CONFIG_LOCK = threading.Lock()
 _XFER_THREADS_PER_LANE = 4  # threads polling transfers, per lane (several pulls and sends at once, a hung one)
 _MAX_NOTES = 256  # senders whose latest notification is kept until taken
 _NOTE_POLL_S = 0.002
-# Largest NIXL descriptor a run of blocks is merged into (UCX's copy of one 128 MiB descriptor measured slower
-# than of 2 MiB ones: docs/data_plane.md)
-MAX_DESCRIPTOR_BYTES = 1 << 62
-# A WRITE that reports its landing goes as pieces of at most this many bytes, each a transfer request of its own
-# whose NIXL notification tells the consumer that piece has landed (it checks it while the next one moves).
-PIECE_BYTES = 8 << 20  # (the data plane's transfer_piece_bytes)
 _LANDED = b"kvmesh-landed:"  # prefix of a piece's notification: the tag, its first block index, its block count
 _LANDED_POLL_S = 0.0005
 
@@ -133,20 +127,15 @@ def new_nixl_agent(name: str, progress_wait_ms: int, workers: int = 1):
     return agent
 
 
-def _descriptors(local: np.ndarray, remote: np.ndarray, length: int, max_bytes: int,
+def _descriptors(local: np.ndarray, remote: np.ndarray, length: int,
                  piece_blocks: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NIXL descriptor lists ``(addr, length, device)`` for blocks of ``length`` bytes, each run of blocks
-    contiguous on both sides merged into descriptors of at most ``max_bytes`` (at least one block) each
-    (consecutive slots usually are: one UCX operation per descriptor instead of one per block), none across a
-    multiple of ``piece_blocks`` (when set); and the index of each descriptor's first block."""
+    contiguous on both sides merged into one descriptor (consecutive slots usually are: one UCX operation
+    instead of one per block), none across a multiple of ``piece_blocks`` (when set); and the index of each
+    descriptor's first block."""
     n = len(local)
     starts = np.ones(n, dtype=bool)
     starts[1:] = (local[1:] != local[:-1] + np.uint64(length)) | (remote[1:] != remote[:-1] + np.uint64(length))
-    per = max(1, max_bytes // length)  # blocks per descriptor, at most
-    if per < n:  # a block also opens a descriptor every ``per`` blocks within its run
-        run_first = np.flatnonzero(starts)
-        within = np.arange(n, dtype=np.int64) - np.repeat(run_first, np.diff(np.append(run_first, n)))
-        starts |= within % per == 0
     if piece_blocks:
         starts[::piece_blocks] = True
     first = np.flatnonzero(starts)
@@ -160,23 +149,23 @@ def _descriptors(local: np.ndarray, remote: np.ndarray, length: int, max_bytes: 
     return out[0], out[1], first
 
 
-def lane_descriptors(local: np.ndarray, remote: np.ndarray, length: int, lanes: int,
-                     max_bytes: int = MAX_DESCRIPTOR_BYTES) -> list[tuple[np.ndarray, np.ndarray]]:
+def lane_descriptors(local: np.ndarray, remote: np.ndarray, length: int, lanes: int
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The blocks (addresses of ``length``-byte blocks, in order) cut into at most ``lanes`` groups of
     consecutive blocks of equal count, each as its NIXL descriptor lists (:func:`_descriptors`): one transfer
     request per lane."""
-    return [_descriptors(lo, re, length, max_bytes)[:2]
+    return [_descriptors(lo, re, length)[:2]
             for lo, re in zip(np.array_split(local, lanes), np.array_split(remote, lanes)) if len(lo)]
 
 
-def lane_pieces(local: np.ndarray, remote: np.ndarray, length: int, lanes: int, tag: bytes, piece_bytes: int,
-                max_bytes: int) -> list[list[tuple[np.ndarray, np.ndarray, bytes]]]:
+def lane_pieces(local: np.ndarray, remote: np.ndarray, length: int, lanes: int, tag: bytes, piece_bytes: int
+                ) -> list[list[tuple[np.ndarray, np.ndarray, bytes]]]:
     """Per lane (as :func:`lane_descriptors` cuts them), its transfer requests in order: descriptor lists and
-    notification message. Without ``tag``, one request per lane, notifying nothing; with it, the lane's blocks
-    in pieces of at most ``piece_bytes`` (at least one block), each notifying :func:`landed_message` of its
-    first block's index (in all the blocks) and its block count."""
-    if not tag:
-        return [[(lo, re, b"")] for lo, re in lane_descriptors(local, remote, length, lanes, max_bytes)]
+    notification message. Without ``tag`` (or ``piece_bytes``), one request per lane, notifying nothing; with
+    them, the lane's blocks in pieces of at most ``piece_bytes`` (at least one block), each notifying
+    :func:`landed_message` of its first block's index (in all the blocks) and its block count."""
+    if not tag or not piece_bytes:
+        return [[(lo, re, b"")] for lo, re in lane_descriptors(local, remote, length, lanes)]
     per = max(1, piece_bytes // length)
     out = []
     offset = 0  # index of the lane's first block
@@ -184,7 +173,7 @@ def lane_pieces(local: np.ndarray, remote: np.ndarray, length: int, lanes: int, 
         n = len(lo)
         if not n:
             continue
-        local_d, remote_d, first = _descriptors(lo, re, length, max_bytes, per)
+        local_d, remote_d, first = _descriptors(lo, re, length, per)
         cuts = np.searchsorted(first, np.arange(0, n + per, per)).tolist()  # each piece's first descriptor
         out.append([(local_d[a:b], remote_d[a:b], landed_message(tag, offset + i * per, min(per, n - i * per)))
                     for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a])
@@ -281,10 +270,11 @@ class NixlTransport(Transport):
     """
 
     def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = 0) -> None:
         """``lanes``: transfer requests one read or write is split into, posted at once from as many threads,
-        each with a UCX worker of its own; ``piece_bytes``: the most bytes of one request of a tagged write
-        (0: tagged writes go as untagged ones, one request per lane, and report nothing)."""
+        each with a UCX worker of its own; ``piece_bytes``: the most bytes of one request of a tagged write, each
+        reported landed to the peer by a NIXL notification (0: tagged writes go as untagged ones, one request per
+        lane, and report nothing)."""
         self._piece_bytes = piece_bytes
         # A fresh name per start (and per rotate()): peers holding an old agent's metadata must re-handshake.
         self._node_id = node_id
@@ -492,8 +482,7 @@ class NixlTransport(Transport):
             raise TransferFailed(f"unknown peer agent {peer!r}" if peer not in self._peers else
                                  "the NIXL agent is being replaced")
         lanes = lane_pieces(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
-                            np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes,
-                            tag if self._piece_bytes else b"", self._piece_bytes, MAX_DESCRIPTOR_BYTES)
+                            np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes, tag, self._piece_bytes)
         deadline = time.monotonic() + timeout_s
         self._busy[peer] = self._busy.get(peer, 0) + 1
         try:

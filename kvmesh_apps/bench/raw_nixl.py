@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from data_plane.transfer import MAX_DESCRIPTOR_BYTES, lane_descriptors, new_nixl_agent
+from data_plane.transfer import lane_descriptors, new_nixl_agent
 
 PROGRESS_WAIT_MS = 100  # the data plane's default nixl_progress_wait_ms
 
@@ -55,7 +55,7 @@ def _write(agent, peer: str, local: np.ndarray, remote: np.ndarray) -> None:
         raise RuntimeError(f"raw NIXL WRITE failed ({state})")
 
 
-def _source(conn, block_bytes: int, n: int, rounds: int, lanes: int, max_descriptor_bytes: int) -> None:
+def _source(conn, block_bytes: int, n: int, rounds: int, lanes: int) -> None:
     nbytes = block_bytes * n
     parent, child = multiprocessing.get_context("spawn").Pipe()
     dst = multiprocessing.get_context("spawn").Process(target=_destination, args=(child, nbytes, lanes))
@@ -67,7 +67,7 @@ def _source(conn, block_bytes: int, n: int, rounds: int, lanes: int, max_descrip
         peer = agent.add_remote_agent(metadata)
         offsets = np.arange(n, dtype=np.uint64) * np.uint64(block_bytes)
         pairs = lane_descriptors(offsets + np.uint64(array.ctypes.data), offsets + np.uint64(remote_base),
-                                 block_bytes, lanes, max_descriptor_bytes)
+                                 block_bytes, lanes)
         seconds = []
         for _ in range(rounds + 1):  # the first warms up (connection, registration caches)
             t0 = time.perf_counter()
@@ -85,13 +85,11 @@ def _source(conn, block_bytes: int, n: int, rounds: int, lanes: int, max_descrip
             dst.kill()
 
 
-def raw_nixl_gbps(block_bytes: int, n: int, rounds: int, lanes: int,
-                  max_descriptor_bytes: int = MAX_DESCRIPTOR_BYTES) -> float:
+def raw_nixl_gbps(block_bytes: int, n: int, rounds: int, lanes: int) -> float:
     """GB/s of ``n`` blocks of ``block_bytes`` WRITten by NIXL alone from one process into another (median of
-    ``rounds`` after a warm-up), in descriptors of at most ``max_descriptor_bytes`` (the data plane's cap)."""
+    ``rounds`` after a warm-up)."""
     parent, child = multiprocessing.get_context("spawn").Pipe()
-    src = multiprocessing.get_context("spawn").Process(target=_source, args=(child, block_bytes, n, rounds, lanes,
-                                                                                  max_descriptor_bytes))
+    src = multiprocessing.get_context("spawn").Process(target=_source, args=(child, block_bytes, n, rounds, lanes))
     src.start()
     try:
         if not parent.poll(120):
