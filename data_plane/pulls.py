@@ -315,8 +315,10 @@ class Pulls:
             return None
         slots = self._slots(blocks)
         landing = (slots * self.block_bytes + self.region.base_addr).tolist()
-        # the blocks are checked piece by piece as the source reports them landed, while the rest moves
-        checks = LandingChecks(self._checker, slots, checksums) if self.config.verify_pulls else None
+        # with pieces (transfer_piece_bytes, set fleet-wide) the blocks are checked piece by piece as the source
+        # reports them landed, while the rest moves; without, nothing is watched and all is checked after
+        checks = LandingChecks(self._checker, slots, checksums) \
+            if self.config.verify_pulls and self.config.transfer_piece_bytes else None
         t1 = time.perf_counter()
         outcome = "failed"
         try:

@@ -180,7 +180,8 @@ async def test_a_pull_in_pieces_commits_the_intact_blocks_before_a_corrupt_one(l
     monkeypatch.setattr(LandingChecks, "landed", lambda self, f, c: (reported.append((f, c)), real_landed(self, f, c)))
     source = await local_node(node_id="src", block_bytes=BLOCK, capacity_bytes=16 * BLOCK,
                               transfer_piece_bytes=3 * BLOCK)
-    consumer = await local_node(node_id="dst", block_bytes=BLOCK, capacity_bytes=16 * BLOCK)
+    consumer = await local_node(node_id="dst", block_bytes=BLOCK, capacity_bytes=16 * BLOCK,
+                                transfer_piece_bytes=3 * BLOCK)
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
         hashes = await commit_blocks(owner, ns, 12)  # block i is all i + 1
