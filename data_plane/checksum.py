@@ -15,7 +15,8 @@ numpy (the powers of ``Z`` for one block size are computed once), and the
 actual CRC of the run's bytes in one ``crc32c`` call per run (in worker
 threads, the GIL released). Only a run that does not match is checked block by
 block, to find its first changed block. A run's check is as strong as its
-blocks' (a change passes only by matching a 32-bit CRC).
+blocks' (a change passes only by matching a 32-bit CRC). A pull's blocks are
+checked piece by piece as its WRITE lands (:class:`LandingChecks`).
 """
 
 from __future__ import annotations
@@ -103,11 +104,11 @@ class RunChecker:
         self._threads = max(1, threads)
         self._folder = CrcFolder(block_bytes)
 
-    def _parts(self, slots: np.ndarray) -> list[tuple[int, int]]:
+    def _parts(self, slots: np.ndarray, threads: int) -> list[tuple[int, int]]:
         """(first index, end index) pieces of runs of consecutive slots: every run, the longest ones cut so that
-        the work splits over the threads."""
+        the work splits over ``threads``."""
         edges = slot_runs(slots)
-        cap = max(1, -(-len(slots) // self._threads))
+        cap = max(1, -(-len(slots) // threads))
         parts = []
         for start, end in zip(edges[:-1].tolist(), edges[1:].tolist()):
             for i in range(start, end, cap):
@@ -127,16 +128,58 @@ class RunChecker:
                     return i
         return len(slots)
 
-    async def first_mismatch(self, slots, expected) -> int:
+    async def first_mismatch(self, slots, expected, threads: int = 0) -> int:
         """Index of the first block whose slot's bytes do not have its expected CRC-32C (``len(slots)`` when
-        all match); runs of consecutive slots are checked in one native call each, over the threads."""
+        all match); runs of consecutive slots are checked in one native call each, over ``threads`` threads
+        (0: the checker's own count)."""
         slots = np.asarray(slots, dtype=np.int64)
         expected = np.asarray(expected, dtype=np.uint32)
         if len(slots) == 0:
             return 0
-        parts = self._parts(slots)
-        step = -(-len(parts) // self._threads)
+        threads = threads or self._threads
+        parts = self._parts(slots, threads)
+        step = -(-len(parts) // threads)
         shares = [parts[i:i + step] for i in range(0, len(parts), step)]
         found = await asyncio.gather(*(asyncio.to_thread(self._first_bad, slots, expected, share)
                                        for share in shares))
         return min(found)
+
+
+class LandingChecks:
+    """The check of one pull's blocks (``slots``, ``expected`` CRC-32Cs, in order) while its WRITE lands: each
+    piece the source reports landed (:meth:`landed`) is checked at once, in one thread (the copy keeps the
+    other core), and :meth:`first_mismatch`, once the WRITE has ended, checks whatever no early check passed
+    (a piece reported before its bytes were all there fails its early check and is simply checked again).
+    Every block is checked after its bytes landed; a report only moves the check earlier."""
+
+    def __init__(self, checker: RunChecker, slots: np.ndarray, expected) -> None:
+        self._checker = checker
+        self._slots = np.asarray(slots, dtype=np.int64)
+        self._expected = np.asarray(expected, dtype=np.uint32)
+        self._passed = np.zeros(len(self._slots), dtype=bool)
+        self._running: set[asyncio.Task] = set()
+
+    def landed(self, first: int, count: int) -> None:
+        """Blocks ``first`` to ``first + count - 1`` have landed (says the source): checks them now. A range
+        outside the pull's blocks is ignored."""
+        if first < 0 or count <= 0 or first + count > len(self._slots):
+            return
+        task = asyncio.get_running_loop().create_task(self._check(first, first + count))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _check(self, start: int, end: int) -> None:
+        if await self._checker.first_mismatch(self._slots[start:end], self._expected[start:end], threads=1) \
+                == end - start:
+            self._passed[start:end] = True
+
+    async def first_mismatch(self, n: int) -> int:
+        """Once the WRITE of the leading ``n`` blocks has ended: the index of the first of them whose bytes do
+        not have its CRC-32C (``n`` when all match)."""
+        if self._running:  # started: finishing them costs less than checking their blocks again
+            await asyncio.gather(*self._running, return_exceptions=True)
+        todo = np.flatnonzero(~self._passed[:n])
+        if len(todo) == 0:
+            return n
+        bad = await self._checker.first_mismatch(self._slots[todo], self._expected[todo])
+        return int(todo[bad]) if bad < len(todo) else n

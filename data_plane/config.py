@@ -70,6 +70,11 @@ class DataPlaneConfig(BaseSettings):
     verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
     transfer_lanes: int = Field(1, ge=1, le=16, description="NIXL transfer requests (each on a UCX worker of its "
                                 "own, posted at once from as many threads) one pull's or send's blocks are split into")
+    transfer_piece_bytes: int = Field(0, ge=0, description="a send's WRITE goes in pieces of at most this many "
+                                      "bytes, each reported landed to the consumer, which checks it while the rest "
+                                      "moves if its own transfer_piece_bytes is set too (0: one request per lane, "
+                                      "checked once it all landed; pieces cost more than they save on a host "
+                                      "without an idle core: docs/data_plane.md)")
     nixl_progress_wait_ms: int = Field(
         100, ge=1, le=10_000, description="longest sleep of NIXL's progress thread between checks when no UCX "
         "event wakes it (it wakes at once on one); small values cost idle CPU")

@@ -105,6 +105,11 @@ class MetadataVetter:
                     self._ready = False
             return self._ready
 
+    @property
+    def ready(self) -> bool:
+        """Whether the checking process answered that it started (and has not failed since)."""
+        return self._ready
+
     async def started(self, timeout_s: float) -> bool:
         """:meth:`wait_started` off the event loop (no thread once started: every pull asks)."""
         return self._ready or await asyncio.to_thread(self.wait_started, timeout_s)

@@ -57,6 +57,10 @@ class PeerPool:
         self._peers: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
+    def cached(self, address: str) -> Peer | None:
+        """The peer at ``address`` if its handshake is done (no waiting, no task)."""
+        return self._peers.get(address)
+
     async def get(self, address: str, node_id: str, timeout_s: float, grant: bytes) -> Peer:
         """The peer at ``address`` (node ``node_id``, which peer proofs name); Unavailable when it cannot be reached, FailedPrecondition when incompatible,
         PermissionDenied when it refuses this node's grant."""

@@ -7,7 +7,8 @@ source: the tenant's limit, the route token and the grant are checked, the sourc
 lease, landing slots are reserved for the leading HITs in one tier call (:meth:`MemoryTier.reserve_run`), the
 bytes arrive (the source WRITEs them into the slots the lease's send names, or, from a ``serve_peer_reads`` source,
 one-sided READs), every run of consecutive landing slots is checked against the source's CRC-32Cs in one native
-call (:class:`~data_plane.checksum.RunChecker`) and the leading intact blocks are committed in one tier call. The
+call (:class:`~data_plane.checksum.RunChecker`; during a WRITE, each piece as the source reports it landed:
+:class:`~data_plane.checksum.LandingChecks`) and the leading intact blocks are committed in one tier call. The
 NIXL transfer itself takes one descriptor per run of slots contiguous on both nodes, split over
 ``transfer_lanes`` requests (:mod:`data_plane.transfer`).
 
@@ -24,6 +25,7 @@ threads).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -42,6 +44,7 @@ from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied,
 from kvmesh.namespace import Namespace
 from kvmesh.tracing import ATTR
 
+from data_plane.checksum import LandingChecks
 from data_plane.events import EventSink
 from data_plane.eviction import block_info
 from data_plane.peers import Peer
@@ -219,7 +222,7 @@ class Pulls:
                 raise Unavailable(f"the grant is for epoch {grant_epoch!r} of tenant {ns.tenant!r}, this node "
                                   f"knows {self.epochs.current(ns.tenant)!r} (the tenant was re-created)")
             await self.transport.ready(deadline - time.monotonic())
-            peer = await self._within(
+            peer = self._peers.cached(source_address) or await self._within(
                 self._peers.get(source_address, source_node_id, deadline - time.monotonic(), grant),
                 deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
@@ -239,14 +242,14 @@ class Pulls:
                                                  first_block_index, limit)
         if fetched is None:
             return 0, (time.perf_counter() - t0) * 1000, 0.0, ""
-        blocks, checksums, lookup_ms, transfer_ms = fetched
+        blocks, checksums, lookup_ms, transfer_ms, checks = fetched
         arrived = bool(blocks)
         committed: list[Block] = []
         if arrived:
             # bytes of the grant's epoch are kept only under that epoch, still the tenant's current one
             intact = self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)) and \
                 set(map(EPOCH, blocks)) == {grant_epoch}
-            good = await self._verified(blocks, checksums) if intact else 0
+            good = await self._verified(blocks, checksums, checks) if intact else 0
             if intact and good < len(blocks):
                 log.error("pull from %s: block %s failed verification; it and its successors are dropped",
                           source_address, blocks[good].key.block_hash.hex())
@@ -268,7 +271,8 @@ class Pulls:
 
     async def _fetch_by_read(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                              source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
-                             tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
+                             tenant_limit_bytes: int | None
+                             ) -> tuple[list[Block], list[int], float, float, None] | None:
         """Lookup on the source, then one-sided READs: the arrived blocks (uncommitted) and their checksums."""
         t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
@@ -285,16 +289,19 @@ class Pulls:
         finally:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
-        return (blocks, checksums, lookup_ms, transfer_ms) if arrived else ([], [], lookup_ms, transfer_ms)
+        return (blocks, checksums, lookup_ms, transfer_ms, None) if arrived else ([], [], lookup_ms, transfer_ms,
+                                                                                  None)
 
     async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                               source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
-                              tenant_limit_bytes: int | None) -> tuple[list[Block], list[int], float, float] | None:
+                              tenant_limit_bytes: int | None
+                              ) -> tuple[list[Block], list[int], float, float, LandingChecks | None] | None:
         """Asks the source which wanted blocks it holds (a plain Lookup, which pins its HITs under a lease:
         nothing is reserved or evicted here for a source that is down or holds nothing), reserves slots for
         the leading HITs and has the source WRITE the blocks of that lease into them and end it (the send):
-        the arrived blocks (uncommitted) and their checksums; the rest is aborted. A send that failed
-        mid-way quarantines the slots (the source's WRITE may still land)."""
+        the arrived blocks (uncommitted), their checksums and the checks of the pieces that landed during the
+        send; the rest is aborted. A send that failed mid-way quarantines the slots (the source's WRITE may
+        still land)."""
         t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
         lookup_ms = (time.perf_counter() - t0) * 1000
@@ -306,13 +313,20 @@ class Pulls:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
             return None
-        landing = (self._slots(blocks) * self.block_bytes + self.region.base_addr).tolist()
+        slots = self._slots(blocks)
+        landing = (slots * self.block_bytes + self.region.base_addr).tolist()
+        # with pieces (transfer_piece_bytes, set fleet-wide) the blocks are checked piece by piece as the source
+        # reports them landed, while the rest moves; without, nothing is watched and all is checked after
+        checks = LandingChecks(self._checker, slots, checksums) \
+            if self.config.verify_pulls and self.config.transfer_piece_bytes else None
         t1 = time.perf_counter()
         outcome = "failed"
         try:
-            sent, block_bytes = await peer.client.send(
-                ns, answer.lease_id, list(map(BLOCK_HASH, blocks)), landing,
-                timeout=max(0.0, deadline - time.monotonic()), grant=grant)
+            with self.transport.landed(peer.incarnation, answer.lease_id.encode(), checks.landed) \
+                    if checks is not None else contextlib.nullcontext():
+                sent, block_bytes = await peer.client.send(
+                    ns, answer.lease_id, list(map(BLOCK_HASH, blocks)), landing,
+                    timeout=max(0.0, deadline - time.monotonic()), grant=grant)
             outcome = "ok" if block_bytes == self.block_bytes else "failed"
         except grpc.aio.AioRpcError as exc:
             clean = exc.code() in _REFUSED_BEFORE_WRITE
@@ -339,7 +353,7 @@ class Pulls:
         self._forget_writers(blocks[sent:])
         for block in blocks[sent:]:
             self.tier.abort(block)
-        return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms
+        return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms, checks
 
     @staticmethod
     def _slots(blocks: list[Block]) -> np.ndarray:
@@ -349,10 +363,13 @@ class Pulls:
         """Drops the blocks from the writers ledger (settled: committed, aborted or quarantined)."""
         deque(map(self._writers.pop, map(KEY, blocks), repeat(None)), maxlen=0)
 
-    async def _verified(self, blocks: list[Block], checksums: list[int]) -> int:
-        """How many leading pulled blocks have the source's checksum (all, when verify_pulls is off)."""
+    async def _verified(self, blocks: list[Block], checksums: list[int], checks: LandingChecks | None) -> int:
+        """How many leading pulled blocks have the source's checksum (all, when verify_pulls is off); ``checks``:
+        those begun while the blocks landed."""
         if not self.config.verify_pulls:
             return len(blocks)
+        if checks is not None:
+            return await checks.first_mismatch(len(blocks))
         return await self._checker.first_mismatch(self._slots(blocks), checksums)
 
     async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],

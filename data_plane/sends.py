@@ -154,8 +154,9 @@ class Sends:
             indexed = next(compress(count(), moved), n)
             if indexed:
                 slots = np.fromiter(map(SLOT, blocks[:indexed]), dtype=np.int64, count=indexed)
+                # tagged with the lease: the consumer learns of each piece that landed and checks it meanwhile
                 await self.transport.write(agent.name, slots * self.block_bytes, landing_addrs[:indexed],
-                                           self.block_bytes, timeout_s)
+                                           self.block_bytes, timeout_s, tag=lease_id.encode())
             sent = indexed
         except TransferFailed as exc:
             log.warning("sending %d blocks to %s failed: %s", indexed, consumer_node_id, exc)

@@ -89,7 +89,8 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
     region = SharedRegion(config.shm_path, config.block_bytes, config.num_slots, owner=True,
                           lock_memory=config.lock_memory)
     try:
-        transport = NixlTransport(config.node_id, region, config.nixl_progress_wait_ms, config.transfer_lanes)
+        transport = NixlTransport(config.node_id, region, config.nixl_progress_wait_ms, config.transfer_lanes,
+                                  config.transfer_piece_bytes)
     except BaseException:
         region.close()
         if disk is not None:

@@ -18,6 +18,14 @@ Implementor contracts:
     process may still move its bytes until it exits).
   * ``write`` is the mirror image: the local offsets are the source, the
     remote addresses lie in the peer's registered region; same guarantees.
+    A write with a ``tag`` (a send's: its lease id) goes as pieces, one
+    request each (NixlTransport: at most ``piece_bytes``, one lane's pieces
+    one after the other), each with a NIXL notification naming the tag and
+    its blocks, which UCX sends once the piece's bytes are flushed to the
+    peer; a consumer waiting in :meth:`Transport.landed` for that tag from
+    that agent is told of each piece, checks it while the next one moves,
+    and still waits for the write's end (a notification is a hint of when
+    to look, never proof of what landed).
   * ``read`` never waits past its timeout; a peer that died or disconnected
     (NIXL_ERR_REMOTE_DISCONNECT) fails the read, it does not hang it.
   * A peer's metadata is read (:meth:`Transport.describe_peer`: its agent name, hence its node, and the
@@ -46,7 +54,8 @@ UCX worker's event descriptor, waking when a message arrives (a peer's
 connection set-up or an active message) or after ``progress_wait_ms``: an idle
 node uses no CPU. (The nixl 1.5.1 Python wrapper hard-codes a 0 ms timeout,
 which turns that loop into a busy poll of a whole core; :func:`new_nixl_agent`
-sets the timeout.)
+sets the timeout.) While anyone waits for landed pieces, a task on the loop
+reads the agent's notifications every ``_LANDED_POLL_S``.
 """
 
 from __future__ import annotations
@@ -54,10 +63,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import threading
 import time
+from typing import Callable, Iterator
+
 import numpy as np
 
 from kvmesh.errors import InvalidArgument, Unavailable
@@ -77,6 +89,16 @@ _AGENT_CONFIG_LOCK = threading.Lock()
 _XFER_THREADS_PER_LANE = 4  # threads polling transfers, per lane (several pulls and sends at once, a hung one)
 _MAX_NOTES = 256  # senders whose latest notification is kept until taken
 _NOTE_POLL_S = 0.002
+_LANDED = b"kvmesh-landed:"  # prefix of a piece's notification: the tag, its first block index, its block count
+_LANDED_POLL_S = 0.0005
+
+# (first block index, block count) of a piece of a WRITE that has landed
+OnLanded = Callable[[int, int], None]
+
+
+def landed_message(tag: bytes, first: int, count: int) -> bytes:
+    """The notification a piece of a WRITE tagged ``tag`` carries (:meth:`Transport.landed` reads it)."""
+    return b"%s%s:%d:%d" % (_LANDED, tag, first, count)
 
 
 def new_nixl_agent(name: str, progress_wait_ms: int, workers: int = 1):
@@ -105,13 +127,17 @@ def new_nixl_agent(name: str, progress_wait_ms: int, workers: int = 1):
     return agent
 
 
-def _descriptors(local: np.ndarray, remote: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+def _descriptors(local: np.ndarray, remote: np.ndarray, length: int,
+                 piece_blocks: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NIXL descriptor lists ``(addr, length, device)`` for blocks of ``length`` bytes, each run of blocks
-    contiguous on both sides merged into one descriptor (consecutive slots usually are: one UCX
-    operation instead of one per block)."""
+    contiguous on both sides merged into one descriptor (consecutive slots usually are: one UCX operation
+    instead of one per block), none across a multiple of ``piece_blocks`` (when set); and the index of each
+    descriptor's first block."""
     n = len(local)
     starts = np.ones(n, dtype=bool)
     starts[1:] = (local[1:] != local[:-1] + np.uint64(length)) | (remote[1:] != remote[:-1] + np.uint64(length))
+    if piece_blocks:
+        starts[::piece_blocks] = True
     first = np.flatnonzero(starts)
     sizes = np.diff(np.append(first, n)).astype(np.uint64) * np.uint64(length)
     out = []
@@ -120,7 +146,7 @@ def _descriptors(local: np.ndarray, remote: np.ndarray, length: int) -> tuple[np
         d[:, 0] = addrs[first]
         d[:, 1] = sizes
         out.append(d)
-    return out[0], out[1]
+    return out[0], out[1], first
 
 
 def lane_descriptors(local: np.ndarray, remote: np.ndarray, length: int, lanes: int
@@ -128,8 +154,31 @@ def lane_descriptors(local: np.ndarray, remote: np.ndarray, length: int, lanes: 
     """The blocks (addresses of ``length``-byte blocks, in order) cut into at most ``lanes`` groups of
     consecutive blocks of equal count, each as its NIXL descriptor lists (:func:`_descriptors`): one transfer
     request per lane."""
-    return [_descriptors(lo, re, length) for lo, re in zip(np.array_split(local, lanes), np.array_split(remote, lanes))
-            if len(lo)]
+    return [_descriptors(lo, re, length)[:2]
+            for lo, re in zip(np.array_split(local, lanes), np.array_split(remote, lanes)) if len(lo)]
+
+
+def lane_pieces(local: np.ndarray, remote: np.ndarray, length: int, lanes: int, tag: bytes, piece_bytes: int
+                ) -> list[list[tuple[np.ndarray, np.ndarray, bytes]]]:
+    """Per lane (as :func:`lane_descriptors` cuts them), its transfer requests in order: descriptor lists and
+    notification message. Without ``tag`` (or ``piece_bytes``), one request per lane, notifying nothing; with
+    them, the lane's blocks in pieces of at most ``piece_bytes`` (at least one block), each notifying
+    :func:`landed_message` of its first block's index (in all the blocks) and its block count."""
+    if not tag or not piece_bytes:
+        return [[(lo, re, b"")] for lo, re in lane_descriptors(local, remote, length, lanes)]
+    per = max(1, piece_bytes // length)
+    out = []
+    offset = 0  # index of the lane's first block
+    for lo, re in zip(np.array_split(local, lanes), np.array_split(remote, lanes)):
+        n = len(lo)
+        if not n:
+            continue
+        local_d, remote_d, first = _descriptors(lo, re, length, per)
+        cuts = np.searchsorted(first, np.arange(0, n + per, per)).tolist()  # each piece's first descriptor
+        out.append([(local_d[a:b], remote_d[a:b], landed_message(tag, offset + i * per, min(per, n - i * per)))
+                    for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a])
+        offset += n
+    return out
 
 
 class TransferFailed(Exception):
@@ -191,8 +240,17 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def write(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
-                    timeout_s: float) -> None:
-        """WRITEs ``length`` bytes at each local offset to the peer's memory at each remote address."""
+                    timeout_s: float, tag: bytes = b"") -> None:
+        """WRITEs ``length`` bytes at each local offset to the peer's memory at each remote address. With
+        ``tag``, the peer may learn of pieces that have landed before the whole WRITE ends (:meth:`landed`)."""
+
+    @contextlib.contextmanager
+    def landed(self, sender: str, tag: bytes, on_landed: OnLanded) -> Iterator[None]:
+        """While inside: ``on_landed(first, count)`` (on the event loop) for each piece of a WRITE tagged ``tag``
+        that agent ``sender`` reports landed here, blocks ``first`` to ``first + count - 1`` of it. A hint of
+        when to look, never proof of what arrived (anyone who can reach this node's agent could send one): the
+        caller checks the bytes and still waits for the WRITE's end. By default no piece is reported."""
+        yield
 
     async def rotate(self) -> bool:
         """Replaces the local agent so that nothing addressed to the old one can land; False when it cannot
@@ -211,9 +269,13 @@ class NixlTransport(Transport):
     for :meth:`ready` (bounded by each request's own deadline).
     """
 
-    def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1) -> None:
+    def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1,
+                 piece_bytes: int = 0) -> None:
         """``lanes``: transfer requests one read or write is split into, posted at once from as many threads,
-        each with a UCX worker of its own."""
+        each with a UCX worker of its own; ``piece_bytes``: the most bytes of one request of a tagged write, each
+        reported landed to the peer by a NIXL notification (0: tagged writes go as untagged ones, one request per
+        lane, and report nothing)."""
+        self._piece_bytes = piece_bytes
         # A fresh name per start (and per rotate()): peers holding an old agent's metadata must re-handshake.
         self._node_id = node_id
         self._progress_wait_ms = progress_wait_ms
@@ -226,6 +288,8 @@ class NixlTransport(Transport):
         self._busy: dict[str, int] = {}  # transfers in flight per peer
         self._retired: set[str] = set()  # removed while busy: closed when its last transfer ends
         self._notes: dict[str, bytes] = {}  # sender agent -> its latest notification not taken yet
+        self._landings: dict[tuple[str, bytes], OnLanded] = {}  # (sender agent, tag) -> who is told of pieces
+        self._landings_pump: asyncio.Task | None = None  # reads notifications while anyone waits for pieces
         self._unreleased = 0  # transfers NIXL could not release: they may move bytes until this process exits
         self._rotating = False
         self._built: concurrent.futures.Future = concurrent.futures.Future()
@@ -289,6 +353,8 @@ class NixlTransport(Transport):
     async def ready(self, timeout_s: float) -> None:
         """The agent is built and so is the metadata vetter's (a peer's handshake needs both)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
+        if self._agent is not None and self._vetter.ready:  # every pull and handshake asks: no task once up
+            return
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._built)), max(0.0, timeout_s))
         except TimeoutError:
@@ -331,15 +397,55 @@ class NixlTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes
             raise Unavailable(f"cannot notify agent {agent_name!r}: {exc}") from None
 
+    def _take_notifications(self) -> None:
+        """Reads what the agent received: pieces landed go to whoever waits for them (others are dropped), the
+        latest other notification of each sender is kept for :meth:`notification`."""
+        agent = self._agent
+        if agent is None:
+            return
+        for name, messages in agent.get_new_notifs().items():
+            others = [m for m in messages if not m.startswith(_LANDED)]
+            if len(others) < len(messages):
+                for message in messages:
+                    if message.startswith(_LANDED):
+                        self._piece_landed(name, message)
+            if others:
+                if len(self._notes) >= _MAX_NOTES and name not in self._notes:
+                    self._notes.pop(next(iter(self._notes)))  # the oldest sender's: nobody took it
+                self._notes[name] = others[-1]
+
+    def _piece_landed(self, sender: str, message: bytes) -> None:
+        tag, _, rest = message[len(_LANDED):].partition(b":")
+        on_landed = self._landings.get((sender, tag))
+        first, _, count = rest.partition(b":")
+        if on_landed is not None and first.isdigit() and count.isdigit():
+            on_landed(int(first), int(count))
+
+    @contextlib.contextmanager
+    def landed(self, sender: str, tag: bytes, on_landed: OnLanded) -> Iterator[None]:
+        key = (sender, tag)
+        self._landings[key] = on_landed
+        if self._landings_pump is None or self._landings_pump.done():
+            self._landings_pump = asyncio.get_running_loop().create_task(self._pump_landings())
+        try:
+            yield
+        finally:
+            if self._landings.get(key) is on_landed:
+                del self._landings[key]
+
+    async def _pump_landings(self) -> None:
+        while self._landings:
+            try:
+                self._take_notifications()
+            except Exception as exc:  # noqa: BLE001 - a waiter's callback or NIXL; pieces are only hints
+                log.warning("reading NIXL notifications: %s", exc)
+            await asyncio.sleep(_LANDED_POLL_S)
+
     async def notification(self, sender: str, timeout_s: float, digest: bytes = b"") -> bytes | None:
-        agent = self._ready_agent()
+        self._ready_agent()
         deadline = time.monotonic() + timeout_s
         while True:
-            for name, messages in agent.get_new_notifs().items():
-                if messages:
-                    if len(self._notes) >= _MAX_NOTES and name not in self._notes:
-                        self._notes.pop(next(iter(self._notes)))  # the oldest sender's: nobody took it
-                    self._notes[name] = messages[-1]
+            self._take_notifications()
             note = self._notes.get(sender)
             if note is not None and (not digest or hashlib.sha256(note).digest() == digest):
                 return self._notes.pop(sender)
@@ -367,24 +473,24 @@ class NixlTransport(Transport):
         await self._xfer("READ", peer, local_offsets, remote_addrs, length, timeout_s)
 
     async def write(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
-                    timeout_s: float) -> None:
-        await self._xfer("WRITE", peer, local_offsets, remote_addrs, length, timeout_s)
+                    timeout_s: float, tag: bytes = b"") -> None:
+        await self._xfer("WRITE", peer, local_offsets, remote_addrs, length, timeout_s, tag)
 
     async def _xfer(self, op: str, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
-                    timeout_s: float) -> None:
+                    timeout_s: float, tag: bytes = b"") -> None:
         if peer not in self._peers or self._rotating:
             raise TransferFailed(f"unknown peer agent {peer!r}" if peer not in self._peers else
                                  "the NIXL agent is being replaced")
-        lanes = lane_descriptors(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
-                                 np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes)
+        lanes = lane_pieces(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
+                            np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes, tag, self._piece_bytes)
         deadline = time.monotonic() + timeout_s
         self._busy[peer] = self._busy.get(peer, 0) + 1
         try:
             # every lane runs to its end (or its bound) before the transfer is reported, failed or not
             loop = asyncio.get_running_loop()
-            outcomes = await asyncio.gather(*(loop.run_in_executor(self._threads, self._xfer_blocking, op, peer, local,
-                                                                   remote, deadline)
-                                              for local, remote in lanes), return_exceptions=True)
+            outcomes = await asyncio.gather(*(loop.run_in_executor(self._threads, self._xfer_blocking, op, peer,
+                                                                   pieces, deadline)
+                                              for pieces in lanes), return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 unexpected = next((o for o in failed if not isinstance(o, TransferFailed)), None)
@@ -405,12 +511,19 @@ class NixlTransport(Transport):
                     self._retired.discard(peer)
                     self._invalidate(peer)
 
-    def _xfer_blocking(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray,
+    def _xfer_blocking(self, op: str, peer: str, pieces: list[tuple[np.ndarray, np.ndarray, bytes]],
                        deadline: float) -> None:
+        """One lane's requests, one after the other (each piece's notification leaves when it has landed);
+        the first that fails ends the lane."""
+        for local, remote, message in pieces:
+            self._xfer_piece(op, peer, local, remote, message, deadline)
+
+    def _xfer_piece(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, message: bytes,
+                    deadline: float) -> None:
         agent = self._agent
         try:
             handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
-                                           agent.get_xfer_descs(remote, "DRAM"), peer)
+                                           agent.get_xfer_descs(remote, "DRAM"), peer, message)
         except Exception as exc:  # noqa: BLE001 - every NIXL failure is a failed transfer
             raise TransferFailed(f"preparing the {op} with {peer} failed: {exc}") from exc
         try:
@@ -451,6 +564,8 @@ class NixlTransport(Transport):
             return False
 
     def close(self) -> None:
+        if self._landings_pump is not None:
+            self._landings_pump.cancel()
         self._vetter.close()
         self._threads.shutdown(wait=False)  # a transfer still polling ends within its own bound
         try:

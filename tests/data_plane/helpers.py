@@ -51,8 +51,11 @@ class WrappedTransport(Transport):
     async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
         await self._real.read(peer, local_offsets, remote_addrs, length, timeout_s)
 
-    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
-        await self._real.write(peer, local_offsets, remote_addrs, length, timeout_s)
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s, tag=b""):
+        await self._real.write(peer, local_offsets, remote_addrs, length, timeout_s, tag)
+
+    def landed(self, sender, tag, on_landed):
+        return self._real.landed(sender, tag, on_landed)
 
     def close(self):
         self._real.close()

@@ -30,7 +30,7 @@ class FailingTransfers(WrappedTransport):
     async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
         raise TransferFailed("READ failed", may_still_write=not self._cancelled)
 
-    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s, tag=b""):
         raise TransferFailed("WRITE failed", may_still_write=not self._cancelled)
 
     def close(self):

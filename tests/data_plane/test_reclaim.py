@@ -140,9 +140,9 @@ class HeldWrites(WrappedTransport):
         super().__init__(real)
         self.go = asyncio.Event()
 
-    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s, tag=b""):
         await self.go.wait()
-        await self._real.write(peer, local_offsets, remote_addrs, length, 10.0)
+        await self._real.write(peer, local_offsets, remote_addrs, length, 10.0, tag)
 
 
 async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, grant, monkeypatch):
@@ -261,7 +261,7 @@ class TimedOutWrites(WrappedTransport):
     """The real transport, whose WRITEs time out the way one over UCX tcp does on a cut path: NIXL released
     the request, but bytes already in the socket buffers may still land when the path drains."""
 
-    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s):
+    async def write(self, peer, local_offsets, remote_addrs, length, timeout_s, tag=b""):
         raise TransferFailed(f"WRITE with {peer} timed out", may_still_write=True, released=True)
 
 
