@@ -3,12 +3,14 @@ real NIXL transport, and committing blocks of known bytes on a node."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 
 from data_plane.client import DataPlaneClient, SharedTier
-from data_plane.transfer import Transport
+from data_plane.shm import SharedRegion
+from data_plane.transfer import NixlTransport, Transport
 
 
 class WrappedTransport(Transport):
@@ -70,3 +72,23 @@ async def commit_blocks(client: DataPlaneClient, ns, n: int) -> list[bytes]:
     tier.close()
     assert await client.commit(ns, hashes) == n
     return hashes
+
+
+@contextlib.asynccontextmanager
+async def nixl_pair(shm_dir, monkeypatch, name: str, block: int, slots: int, **transport_args):
+    """Two NixlTransports in this process over UCX's tcp transport (bytes cross a socket, as between hosts;
+    in-process UCX would copy), each on a region of its own: yields ``(src, dst, regions)``."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    regions = [SharedRegion(shm_dir / f"{name}{i}.tier", block, slots, owner=True) for i in range(2)]
+    src, dst = (NixlTransport(f"{name}{i}", region, progress_wait_ms=10, **transport_args)
+                for i, region in enumerate(regions))
+    try:
+        for t in (src, dst):
+            await t.ready(60.0)
+        yield src, dst, regions
+    finally:
+        for t in (src, dst):
+            t.close()
+        for region in regions:
+            region.close()

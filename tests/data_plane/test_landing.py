@@ -13,11 +13,10 @@ import pytest
 
 from data_plane.checksum import LandingChecks, RunChecker, checksum
 from data_plane.client import DataPlaneClient, SharedTier
-from data_plane.shm import SharedRegion
-from data_plane.transfer import NixlTransport, landed_message, lane_pieces
+from data_plane.transfer import landed_message, lane_pieces
 from data_plane.types import LookupStatus
 
-from tests.data_plane.helpers import commit_blocks
+from tests.data_plane.helpers import commit_blocks, nixl_pair
 
 pytestmark = pytest.mark.nixl
 
@@ -59,18 +58,8 @@ def test_the_pieces_cover_every_block_once(lanes, piece_blocks):
 
 @pytest.fixture
 async def pair(shm_dir, monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # bytes cross a socket, as between hosts: the report must wait for them
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    regions = [SharedRegion(shm_dir / f"l{i}.tier", BLOCK, SLOTS, owner=True) for i in range(2)]
-    src, dst = (NixlTransport(f"l{i}", region, progress_wait_ms=10, piece_bytes=5 * BLOCK)
-                for i, region in enumerate(regions))
-    for t in (src, dst):
-        await t.ready(60.0)
-    yield src, dst, regions
-    for t in (src, dst):
-        t.close()
-    for region in regions:
-        region.close()
+    async with nixl_pair(shm_dir, monkeypatch, "l", BLOCK, SLOTS, piece_bytes=5 * BLOCK) as transports:
+        yield transports
 
 
 async def test_each_piece_is_reported_after_its_bytes_landed_and_only_to_its_waiter(pair):

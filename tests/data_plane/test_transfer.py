@@ -13,6 +13,8 @@ import pytest
 from data_plane.shm import SharedRegion
 from data_plane.transfer import NixlTransport, TransferFailed
 
+from tests.data_plane.helpers import nixl_pair
+
 pytestmark = pytest.mark.nixl
 
 BLOCK = 1 << 20
@@ -21,17 +23,8 @@ SLOTS = 64
 
 @pytest.fixture
 async def pair(shm_dir, monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # bytes cross a socket, as between hosts (in-process UCX would copy)
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    regions = [SharedRegion(shm_dir / f"t{i}.tier", BLOCK, SLOTS, owner=True) for i in range(2)]
-    src, dst = (NixlTransport(f"t{i}", region, progress_wait_ms=10) for i, region in enumerate(regions))
-    for t in (src, dst):
-        await t.ready(60.0)
-    yield src, dst, regions
-    for t in (src, dst):
-        t.close()
-    for region in regions:
-        region.close()
+    async with nixl_pair(shm_dir, monkeypatch, "t", BLOCK, SLOTS) as transports:
+        yield transports
 
 
 async def test_a_timed_out_write_may_still_write_and_closes_the_endpoint(pair):
