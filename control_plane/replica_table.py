@@ -205,8 +205,9 @@ class BlockTable:
     def set_vids(self, keys: np.ndarray, vids: np.ndarray) -> None:
         """Sets each key's vid (0 removes it); a key given twice takes its last vid."""
         pos = self.find(keys)
-        missing = (pos < 0) & (vids != 0)
-        if missing.any():
+        while (missing := (pos < 0) & (vids != 0)).any():
+            # a resize keeps present keys only: a removed key stored again in this call goes with it, and is
+            # inserted on the next round (the resized table has room for all of them)
             self._insert(np.unique(keys[missing]))
             pos = self.find(keys)
         keep = pos >= 0
