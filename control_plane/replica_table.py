@@ -49,7 +49,7 @@ def block_keys(block_hashes: list[bytes] | PackedHashes | bytes, hash_len: int =
         blob = b"".join(block_hashes)
         hash_len = len(block_hashes[0]) if block_hashes else 8
     if hash_len % 8 == 0:  # every hash's first 8 bytes are a uint64 of the blob: a strided view, no reshaping
-        keys = np.frombuffer(blob, _KEY)[::hash_len // 8]
+        keys = np.ndarray((len(blob) // hash_len,), _KEY, blob, 0, (hash_len,))
     else:
         keys = np.frombuffer(blob, np.uint8).reshape(-1, hash_len)[:, :8].copy().view(_KEY).reshape(-1)
     return np.maximum(keys, _ONE)  # a contiguous copy, with 0 made 1
@@ -158,7 +158,7 @@ class BlockTable:
         if len(keys) <= SCALAR_PROBE:
             return self._vids_scalar(keys)
         buckets = keys.view(np.uint32) & self._mask  # each key's two buckets, side by side
-        hits = np.flatnonzero(self._keys.take(buckets, axis=0).reshape(-1) == np.repeat(keys, 2 * BUCKET))
+        (hits,) = (self._keys.take(buckets, axis=0).reshape(-1) == np.repeat(keys, 2 * BUCKET)).nonzero()
         out = np.zeros(len(keys), np.uint32)
         out[hits >> _KEY_SHIFT] = self._vids.take(buckets, axis=0).reshape(-1)[hits]
         if len(self._stash_keys):
@@ -191,7 +191,7 @@ class BlockTable:
         stored)."""
         keys = np.ascontiguousarray(keys, np.uint64)
         buckets = keys.view(np.uint32) & self._mask
-        hits = np.flatnonzero(self._keys.take(buckets, axis=0).reshape(-1) == np.repeat(keys, 2 * BUCKET))
+        (hits,) = (self._keys.take(buckets, axis=0).reshape(-1) == np.repeat(keys, 2 * BUCKET)).nonzero()
         out = np.full(len(keys), -1, np.intp)
         out[hits >> _KEY_SHIFT] = buckets[hits >> _BUCKET_SHIFT].astype(np.intp) * BUCKET + (hits & (BUCKET - 1))
         if len(self._stash_keys):
