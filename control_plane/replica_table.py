@@ -318,7 +318,7 @@ class BlockTable:
     def _grow(self, needed: int) -> None:
         keys, vids = self.items()
         capacity = self.capacity
-        while capacity < 4 * max(needed - (self._used - len(keys)), len(keys), 256):
+        while capacity < 2 * max(needed - (self._used - len(keys)), len(keys), 256):  # a load of 1/4 to 1/2
             capacity *= 2
         self._allocate(capacity)
         self._used = 0
