@@ -7,10 +7,11 @@ composes them with the RPC interceptor.
 
 from __future__ import annotations
 
+import bisect
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvmesh.metrics import LATENCY_BUCKETS
 from kvmesh.namespace import Namespace
@@ -26,12 +27,11 @@ class MeteredBlockMap(BlockMap):
 
     def __init__(self, inner: BlockMap, registry: CollectorRegistry) -> None:
         self._inner = inner
-        self._lookup_seconds = Histogram("kvmesh_cp_lookup_seconds", "LookupPrefix time in the block map",
-                                         registry=registry, buckets=LATENCY_BUCKETS)
-        # Plain ints, exported at scrape time: a prometheus_client Counter takes a lock per inc (five a lookup).
-        # One event loop updates them, so no lock is needed.
+        # Plain numbers, exported at scrape time: a prometheus_client Counter or Histogram takes a lock per update
+        # (six a lookup). One event loop updates them, so no lock is needed.
+        self.lookup_seconds = _PlainHistogram(LATENCY_BUCKETS)
         self.lookup_blocks = dict.fromkeys(["queried", "matched", *(f"matched_{m.name.lower()}" for m in Medium)], 0)
-        registry.register(_LookupBlocksCollector(self.lookup_blocks))
+        registry.register(_LookupCollector(self.lookup_seconds, self.lookup_blocks))
         self._batches = Counter("kvmesh_cp_event_batches", "event batches by outcome", ["status"], registry=registry)
         self._event_blocks = Counter("kvmesh_cp_event_blocks", "blocks in applied events", ["op"], registry=registry)
         self._tier_results = [(medium, f"matched_{medium.name.lower()}") for medium in Medium]
@@ -39,7 +39,7 @@ class MeteredBlockMap(BlockMap):
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
         start = time.perf_counter()
         match = await self._inner.lookup_prefix(ns, block_hashes, tiers)
-        self._lookup_seconds.observe(time.perf_counter() - start)
+        self.lookup_seconds.observe(time.perf_counter() - start)
         counts = self.lookup_blocks
         counts["queried"] += len(block_hashes)
         if match.holders:
@@ -114,19 +114,46 @@ class RouteCollector:
                                 value=self._c.stale_route_rate)
 
 
-class _LookupBlocksCollector:
-    """``kvmesh_cp_lookup_blocks_total``, from MeteredBlockMap's plain counts."""
+class _PlainHistogram:
+    """A histogram's bucket counts and sum as plain numbers (one event loop updates it)."""
 
-    def __init__(self, counts: dict[str, int]) -> None:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _LookupCollector:
+    """``kvmesh_cp_lookup_seconds`` and ``kvmesh_cp_lookup_blocks_total``, from MeteredBlockMap's plain numbers."""
+
+    def __init__(self, seconds: _PlainHistogram, counts: dict[str, int]) -> None:
+        self._seconds = seconds
         self._counts = counts
 
     def collect(self):
+        h = self._seconds
+        counts, total = list(h.counts), h.sum
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(float, h.bounds), float("inf")], counts):
+            cumulative += n
+            buckets.append((_le(bound), cumulative))
+        yield HistogramMetricFamily("kvmesh_cp_lookup_seconds", "LookupPrefix time in the block map",
+                                    buckets=buckets, sum_value=total)
         family = CounterMetricFamily("kvmesh_cp_lookup_blocks",
                                      "blocks asked about, and leading blocks the best holder had, by tier",
                                      labels=["result"])
         for result, n in list(self._counts.items()):
             family.add_metric([result], n)
         yield family
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as prometheus_client writes it (0.5, 1.0, +Inf)."""
+    return "+Inf" if bound == float("inf") else repr(bound)
 
 
 class ReplicaCollector:

@@ -17,7 +17,8 @@ Fencing holds as in lookup.lua: entries of slots not in the live-slot table, or 
 Redis clock (the replica keeps Redis's clock offset), are not returned. A replica is behind Redis by its lag
 (``lag_ms``): a stale holder costs at most a MISS at that source, which the data plane already answers.
 
-Memory: see control_plane.replica_table (12 bytes a table slot; 24-48 bytes a block; values interned).
+Memory: see control_plane.replica_table (12 bytes a table slot, in buckets of 4; 24-48 bytes a block; values
+interned).
 
 Threading model: one event loop. :meth:`lookup` and the other reads are synchronous and never await.
 """

@@ -2,8 +2,14 @@
 
 A block is keyed by the first 8 bytes of its hash (a uint64; block hashes are cryptographic, so two blocks of a
 10M-block map share a key with probability ~3e-6, and a false match costs at most a MISS at the source). The
-table is open addressing over two numpy arrays, ``keys`` (uint64, 0 = empty) and ``vids`` (uint32, 0 = absent):
-12 bytes a slot at a load of 1/4 to 1/2, so 24-48 bytes a block. A vid names an interned *value*, the block's
+table is a two-choice bucketed hash over two numpy arrays, ``keys`` (uint64, 0 = empty) and ``vids`` (uint32,
+0 = absent), in buckets of 4 slots: a key's two buckets are named by its low and its high 32 bits, and it sits in
+the emptier one (or, both full, moves a key out of the way into that key's other bucket; failing that, into a
+small sorted overflow, the "stash", which only crafted keys fill). A lookup gathers both buckets of every key
+and compares them in one go: the same few numpy calls however the keys lie (linear probing needed a second and
+third round for the keys not at their home position, ~25 calls for 1,024 keys, and a numpy call costs the
+server several microseconds on cold caches). 12 bytes a slot (and 1 a bucket) at a load of 1/4 to 1/2, so 24-48
+bytes a block. A vid names an interned *value*, the block's
 Redis value itself (2-byte entries ``slot * 8 + tier bits``, see docs/redis-schema.md): blocks along shared
 prefixes share a handful of values, so a block held by 8 nodes costs its 12 bytes, not 16 more.
 
@@ -22,10 +28,12 @@ import numpy as np
 
 from control_plane.model import Medium, NodePrefix, PackedHashes, PrefixMatch
 
-_EMPTY = np.uint64(0)
 _GPU, _CPU, _DISK = Medium.GPU, Medium.CPU, Medium.DISK  # (an enum member read through its class costs a lookup)
-PROBE_WINDOW = 8  # positions after a key's home one that BlockTable.vids probes in one gather
-_WINDOW = np.arange(1, PROBE_WINDOW + 1)
+BUCKET = 4  # slots a bucket (4 keys: 32 bytes, half a cache line)
+_BUCKET_SHIFT = 2  # log2(BUCKET): a compared slot's index >> this is its bucket's place among the gathered ones
+_KEY_SHIFT = 3  # log2(2 * BUCKET): ... >> this is its key's index
+INSERT_ROUNDS = 3  # rounds of placing a batch's keys before those left go to the stash
+_KEY, _ONE = np.dtype("<u8"), np.uint64(1)
 SCALAR_PROBE = 16  # BlockTable.vids probes up to this many keys one at a time in Python
 MEMO_LIMIT = 100_000  # remembered value transitions (a cache: cleared when full)
 
@@ -41,10 +49,10 @@ def block_keys(block_hashes: list[bytes] | PackedHashes | bytes, hash_len: int =
         blob = b"".join(block_hashes)
         hash_len = len(block_hashes[0]) if block_hashes else 8
     if hash_len % 8 == 0:  # every hash's first 8 bytes are a uint64 of the blob: a strided view, no reshaping
-        keys = np.frombuffer(blob, "<u8")[::hash_len // 8]
+        keys = np.ndarray((len(blob) // hash_len,), _KEY, blob, 0, (hash_len,))
     else:
-        keys = np.frombuffer(blob, np.uint8).reshape(-1, hash_len)[:, :8].copy().view("<u8").reshape(-1)
-    return np.maximum(keys, 1)  # a contiguous copy, with 0 made 1
+        keys = np.frombuffer(blob, np.uint8).reshape(-1, hash_len)[:, :8].copy().view(_KEY).reshape(-1)
+    return np.maximum(keys, _ONE)  # a contiguous copy, with 0 made 1
 
 
 def decode_value(value: bytes) -> tuple[tuple[int, int], ...]:
@@ -111,111 +119,129 @@ class Values:
 
 
 class BlockTable:
-    """One namespace's blocks: key -> vid, open addressing with linear probing (see the module docstring)."""
+    """One namespace's blocks: key -> vid in buckets of :data:`BUCKET` slots; a key sits in one of two buckets
+    (see the module docstring), or, when both are full, in a small sorted overflow (the "stash")."""
 
     def __init__(self, values: Values, capacity: int = 1024) -> None:
         self._values = values
-        self._keys = np.zeros(capacity, np.uint64)
-        self._vids = np.zeros(capacity, np.uint32)
-        self._used = 0  # slots with a key (present blocks and removed ones)
+        self._allocate(capacity)
+        self._used = 0  # slots with a key (present blocks and removed ones), stash included
         self._count = 0  # present blocks
+
+    def _allocate(self, capacity: int) -> None:
+        buckets = max(capacity // BUCKET, 2)
+        self._keys = np.zeros((buckets, BUCKET), np.uint64)  # 0: an empty slot; a bucket fills from its front
+        self._vids = np.zeros((buckets, BUCKET), np.uint32)
+        self._fill = np.zeros(buckets, np.uint8)  # slots taken in each bucket
+        self._mask = np.uint32(buckets - 1)
+        self._stash_keys = np.zeros(0, np.uint64)  # sorted
+        self._stash_vids = np.zeros(0, np.uint32)
 
     def __len__(self) -> int:
         return self._count
 
+    @property
+    def capacity(self) -> int:
+        """Slots in the buckets (the stash's are numbered from here on)."""
+        return self._keys.size
+
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._vids.nbytes
+        return (self._keys.nbytes + self._vids.nbytes + self._fill.nbytes + self._stash_keys.nbytes
+                + self._stash_vids.nbytes)
 
     # -- reads -------------------------------------------------------------------
 
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """Table positions of ``keys`` (-1: never stored)."""
-        mask = len(self._keys) - 1
-        out = np.full(len(keys), -1, np.intp)
-        todo = np.arange(len(keys))
-        pos = (keys & np.uint64(mask)).astype(np.intp)
-        want = keys
-        while todo.size:
-            found = self._keys[pos]
-            hit = found == want
-            out[todo[hit]] = pos[hit]
-            more = ~(hit | (found == _EMPTY))
-            todo, want, pos = todo[more], want[more], (pos[more] + 1) & mask
-        return out
-
     def vids(self, keys: np.ndarray) -> np.ndarray:
-        """The vid of each key (0: absent). Keys are never deleted (only their vid zeroed) until the table is
-        rebuilt, so an empty slot ends a key's probe sequence. The keys not at their home position (a few at a
-        load of at most 1/2) probe their next ``PROBE_WINDOW`` positions in one gather, and only the rare
-        longer runs step on one position at a time: a handful of numpy calls whatever the probe lengths."""
-        mask = len(self._keys) - 1
+        """The vid of each key (0: absent); ``keys`` a contiguous uint64 array (as :func:`block_keys` makes).
+        Both buckets of every key are gathered and compared at once: a fixed handful of numpy calls whatever
+        the table holds (the stash adds a few when it holds anything)."""
         if len(keys) <= SCALAR_PROBE:
-            return self._vids_scalar(keys, mask)
-        pos = keys.view(np.int64) & mask
-        found = self._keys[pos]
-        hit = found == keys
-        out = self._vids[pos] * hit
-        todo = np.flatnonzero(~hit & (found != _EMPTY))
-        if not todo.size:
-            return out
-        window = (pos[todo, None] + _WINDOW) & mask
-        slab = self._keys[window]
-        want = keys[todo]
-        hits = slab == want[:, None]
-        stop = hits | (slab == _EMPTY)
-        first = stop.argmax(axis=1)
-        rows = np.arange(todo.size)
-        found_at = hits[rows, first]
-        out[todo[found_at]] = self._vids[window[rows, first][found_at]]
-        more = ~stop[rows, first]
-        todo, pos, want = todo[more], window[more, -1], want[more]
-        while todo.size:
-            pos = (pos + 1) & mask
-            found = self._keys[pos]
-            hit = found == want
-            out[todo[hit]] = self._vids[pos[hit]]
-            more = ~hit & (found != _EMPTY)
-            todo, pos, want = todo[more], pos[more], want[more]
+            return self._vids_scalar(keys)
+        buckets = keys.view(np.uint32) & self._mask  # each key's two buckets, side by side
+        (hits,) = (self._keys.take(buckets, axis=0).reshape(-1) == np.repeat(keys, 2 * BUCKET)).nonzero()
+        out = np.zeros(len(keys), np.uint32)
+        out[hits >> _KEY_SHIFT] = self._vids.take(buckets, axis=0).reshape(-1)[hits]
+        if len(self._stash_keys):
+            at, found = self._in_stash(keys)
+            out[found] = self._stash_vids[at[found]]
         return out
 
-    def _vids_scalar(self, keys: np.ndarray, mask: int) -> np.ndarray:
-        """:meth:`vids` one key at a time in Python: for a few keys, cheaper than a dozen numpy calls."""
+    def _vids_scalar(self, keys: np.ndarray) -> np.ndarray:
+        """:meth:`vids` one key at a time in Python: for a few keys, cheaper than the numpy calls."""
+        mask = int(self._mask)
         table, vids = self._keys, self._vids
         out = np.zeros(len(keys), np.uint32)
         for i, key in enumerate(keys.tolist()):
-            pos = key & mask
-            while (found := int(table[pos])) != key:
-                if found == 0:
+            for bucket in (key & mask, key >> 32 & mask):
+                row = table[bucket].tolist()
+                if key in row:
+                    out[i] = vids[bucket, row.index(key)]
                     break
-                pos = (pos + 1) & mask
-            else:
-                out[i] = vids[pos]
+        if len(self._stash_keys):
+            at, found = self._in_stash(keys)
+            out[found] = self._stash_vids[at[found]]
+        return out
+
+    def _in_stash(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = np.minimum(np.searchsorted(self._stash_keys, keys), len(self._stash_keys) - 1)
+        return at, self._stash_keys[at] == keys
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Slot numbers of ``keys`` (bucket * BUCKET + slot; capacity + i for the stash's i-th key; -1: never
+        stored)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        buckets = keys.view(np.uint32) & self._mask
+        (hits,) = (self._keys.take(buckets, axis=0).reshape(-1) == np.repeat(keys, 2 * BUCKET)).nonzero()
+        out = np.full(len(keys), -1, np.intp)
+        out[hits >> _KEY_SHIFT] = buckets[hits >> _BUCKET_SHIFT].astype(np.intp) * BUCKET + (hits & (BUCKET - 1))
+        if len(self._stash_keys):
+            at, found = self._in_stash(keys)
+            out[found] = self.capacity + at[found]
         return out
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, vids) of every present block."""
-        present = self._vids != 0
-        return self._keys[present], self._vids[present]
+        present, stashed = self._vids != 0, self._stash_vids != 0
+        return (np.concatenate([self._keys[present], self._stash_keys[stashed]]),
+                np.concatenate([self._vids[present], self._stash_vids[stashed]]))
 
     def distinct_vids(self) -> np.ndarray:
-        return np.unique(self._vids[self._vids != 0])
+        return np.unique(self.items()[1])
 
     # -- writes ------------------------------------------------------------------
 
     def set_vids(self, keys: np.ndarray, vids: np.ndarray) -> None:
         """Sets each key's vid (0 removes it); a key given twice takes its last vid."""
         pos = self.find(keys)
-        missing = (pos < 0) & (vids != 0)
-        if missing.any():
+        while (missing := (pos < 0) & (vids != 0)).any():
+            # a resize keeps present keys only: a removed key stored again in this call goes with it, and is
+            # inserted on the next round (the resized table has room for all of them)
             self._insert(np.unique(keys[missing]))
             pos = self.find(keys)
         keep = pos >= 0
         pos, vids = pos[keep], vids[keep]
-        before = self._vids[pos] != 0
-        self._vids[pos] = vids
+        before = self._read(pos) != 0
+        self._write(pos, vids)
         # a position given twice (a key twice) counts once, with its last vid
         _, first = np.unique(pos[::-1], return_index=True)
         self._count += int(np.count_nonzero(vids[::-1][first])) - int(np.count_nonzero(before[::-1][first]))
+
+    def _read(self, pos: np.ndarray) -> np.ndarray:
+        size = self.capacity
+        out = self._vids.reshape(-1)[np.minimum(pos, size - 1)]
+        stashed = pos >= size
+        if stashed.any():
+            out[stashed] = self._stash_vids[pos[stashed] - size]
+        return out
+
+    def _write(self, pos: np.ndarray, vids: np.ndarray) -> None:
+        """Sets the vids at slot numbers ``pos`` (as :meth:`find` gives them); the last of a repeated one wins."""
+        size = self.capacity
+        stashed = pos >= size
+        if stashed.any():
+            self._stash_vids[pos[stashed] - size] = vids[stashed]
+            pos, vids = pos[~stashed], vids[~stashed]
+        self._vids.reshape(-1)[pos] = vids
 
     def apply_run(self, op: str, slot: int, mask: int, keys: np.ndarray) -> None:
         """apply.lua on one run: set ('s') or clear ('r') ``mask`` bits of ``slot`` on the blocks ``keys``."""
@@ -234,39 +260,71 @@ class BlockTable:
         mapping = np.zeros(int(distinct.max()) + 1, np.uint32)
         for v in distinct:
             mapping[v] = self._values.cleared(int(v), clear)
-        present = self._vids != 0
-        new = mapping[self._vids[present]]
-        self._count -= int(np.count_nonzero(new == 0))
-        self._vids[present] = new
+        for vids in (self._vids, self._stash_vids):
+            present = vids != 0
+            new = mapping[vids[present]]
+            self._count -= int(np.count_nonzero(new == 0))
+            vids[present] = new
 
     def _insert(self, keys: np.ndarray) -> None:
-        """Inserts distinct keys none of which is in the table (with vid 0)."""
-        if (self._used + len(keys)) * 2 > len(self._keys):
+        """Inserts distinct keys none of which is in the table (with vid 0): each into the emptier of its two
+        buckets; keys bound for one bucket in the same round take its free slots in turn, and those left over
+        try again (both buckets full after a few rounds: the stash)."""
+        if (self._used + len(keys)) * 2 > self.capacity:
             self._grow(self._used + len(keys))
-        mask = len(self._keys) - 1
-        pos = (keys & np.uint64(mask)).astype(np.intp)
-        while keys.size:
-            free = self._keys[pos] == _EMPTY
-            candidates = np.flatnonzero(free)
-            _, first = np.unique(pos[candidates], return_index=True)
-            won = candidates[first]
-            self._keys[pos[won]] = keys[won]
-            lost = np.ones(keys.size, bool)
-            lost[won] = False
-            keys, pos = keys[lost], (pos[lost] + 1) & mask
-            self._used += won.size
+        for _ in range(INSERT_ROUNDS):
+            pair = (keys.view(np.uint32) & self._mask).reshape(-1, 2).astype(np.intp)
+            fill = self._fill[pair]
+            bucket = np.where(fill[:, 1] < fill[:, 0], pair[:, 1], pair[:, 0])
+            order = np.argsort(bucket, kind="stable")
+            bucket, keys = bucket[order], keys[order]
+            first = np.flatnonzero(np.concatenate([[True], bucket[1:] != bucket[:-1]]))
+            rank = np.arange(len(bucket)) - np.repeat(first, np.diff(np.append(first, len(bucket))))
+            slot = self._fill[bucket] + rank
+            fits = slot < BUCKET
+            self._keys[bucket[fits], slot[fits]] = keys[fits]
+            np.add.at(self._fill, bucket[fits], 1)
+            self._used += int(np.count_nonzero(fits))
+            keys = keys[~fits]
+            if not keys.size:
+                return
+        self._stash(np.array([k for k in keys.tolist() if not self._kick(k)], np.uint64))
+
+    def _kick(self, key: int) -> bool:
+        """Places ``key``, whose two buckets are full, by moving one of their keys to its other bucket if that
+        one has room (False: none has)."""
+        mask = int(self._mask)
+        for bucket in (key & mask, key >> 32 & mask):
+            for slot, resident in enumerate(self._keys[bucket].tolist()):
+                other = resident >> 32 & mask if resident & mask == bucket else resident & mask
+                if self._fill[other] < BUCKET:
+                    free = int(self._fill[other])
+                    self._keys[other, free], self._vids[other, free] = resident, self._vids[bucket, slot]
+                    self._fill[other] += 1
+                    self._keys[bucket, slot], self._vids[bucket, slot] = key, 0
+                    self._used += 1
+                    return True
+        return False
+
+    def _stash(self, keys: np.ndarray) -> None:
+        if not keys.size:
+            return
+        stash_keys = np.concatenate([self._stash_keys, keys])
+        order = np.argsort(stash_keys)
+        self._stash_keys = stash_keys[order]
+        self._stash_vids = np.concatenate([self._stash_vids, np.zeros(len(keys), np.uint32)])[order]
+        self._used += len(keys)
 
     def _grow(self, needed: int) -> None:
         keys, vids = self.items()
-        capacity = len(self._keys)
-        while capacity < 4 * max(needed - (self._used - len(keys)), len(keys), 256):
+        capacity = self.capacity
+        while capacity < 2 * max(needed - (self._used - len(keys)), len(keys), 256):  # a load of 1/4 to 1/2
             capacity *= 2
-        self._keys = np.zeros(capacity, np.uint64)
-        self._vids = np.zeros(capacity, np.uint32)
+        self._allocate(capacity)
         self._used = 0
         if keys.size:
             self._insert(keys)
-            self._vids[self.find(keys)] = vids
+            self._write(self.find(keys), vids)
 
     # -- the lookup ----------------------------------------------------------------
 
@@ -277,7 +335,8 @@ class BlockTable:
         first = int(vids[0]) if len(vids) else 0
         if not first:
             return {}
-        if (vids == first).all():  # one value all along (a prefix every holder holds in full): counts at once
+        if vids.tobytes() == vids[:1].tobytes() * len(vids):  # one value all along (a prefix every holder holds
+            # in full): counts at once (bytes compared: cheaper than a numpy comparison and its reduction)
             n = len(vids)
             return {s: [n, n * (m & 1), n * (m >> 1 & 1), n * (m >> 2 & 1)]
                     for s, m in ((s, m & tiers) for s, m in self._values.entries(first)) if m}
