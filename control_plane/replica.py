@@ -295,9 +295,9 @@ class BlockMapReplica:
         return self._redis
 
     async def _follow(self, stream: _Stream) -> None:
-        """Loads the stream's state when not in sync, then replays its records; forever."""
+        """Loads the stream's state when not in sync, then replays its records until closed or cancelled."""
         failures = 0
-        while True:
+        while not self._stopping():
             try:
                 client = await self._client(stream)
                 if not stream.synced:
@@ -325,12 +325,19 @@ class BlockMapReplica:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a follower survives Redis outages and failovers
+                if self._stopping():  # cancelled inside a Redis call that answered with its own error
+                    return
                 if not failures:  # once per run of failures (a tenant deleted meanwhile fails until closed)
                     log.warning("change stream %s: %s; resyncing", stream.key, exc,
                                 exc_info=not isinstance(exc, _TRANSIENT))
                 self._out_of_sync(stream)
                 await asyncio.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
                 failures += 1
+
+    def _stopping(self) -> bool:
+        """Closed, or this follower's task cancelled: a cancellation that lands inside a Redis call can come
+        back as that call's error (redis-py's read timeout makes it a TimeoutError), or as nothing."""
+        return self._closing or asyncio.current_task().cancelling() > 0
 
     def _out_of_sync(self, stream: _Stream) -> None:
         if stream.synced:

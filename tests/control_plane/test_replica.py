@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import redis.exceptions
 
 from kvmesh.namespace import Namespace
@@ -263,3 +264,38 @@ async def test_replica_resyncs_after_a_cluster_shard_fails_over(tmp_path, key_pr
     finally:
         await bm.close()
         cluster.stop()
+
+
+@pytest.mark.parametrize("swallow", ["returns", "raises"])
+async def test_a_follower_ends_when_cancelled_even_inside_a_read_that_swallows_the_cancellation(
+        redis_server, key_prefix, swallow):
+    """A cancellation that lands inside a Redis call can come back as that call's error, or as nothing. A
+    follower then read on for ever, and a replica never closed (a test's leftover) hung the session's last
+    teardown for 300 s: asyncio's final cancellation of every task waited on it. Cancelled, the follower now
+    ends whatever the read did with the cancellation. Control: uncancelled, it is still reading."""
+    replica = BlockMapReplica.from_url(redis_server.url, key_prefix=key_prefix)
+    reading = asyncio.Event()
+
+    async def read_that_swallows_cancel(*args, **kwargs):
+        reading.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            if swallow == "raises":
+                raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+        return []
+
+    replica._redis.xread = read_that_swallows_cancel
+    replica.start()
+    follower = replica._slot_stream.task
+    try:
+        await asyncio.wait_for(reading.wait(), 10)
+        await asyncio.sleep(0.2)
+        assert not follower.done()  # control: it is reading, and would go on
+        follower.cancel()
+        await asyncio.wait_for(asyncio.shield(follower), 5)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await replica.close()
+    assert follower.done()

@@ -27,6 +27,13 @@ async def control_plane(redis_server, key_prefix, admin_key, ns):
     await running.stop()
 
 
+async def nixl_up(*nodes) -> None:
+    """Waits for the nodes' NIXL agents (and metadata vetters): a pull before then answers MISS by design, and
+    on a loaded machine they take more than a pull's 10 s bound to start (this file is about the events)."""
+    for node in nodes:
+        await node.core.transport.ready(120.0)
+
+
 async def holders(address: str, key: str, ns, hashes: list[bytes]) -> dict[str, int]:
     async with channel(address, key) as ch:
         r = await cp_grpc.ControlPlaneStub(ch).LookupPrefix(
@@ -42,6 +49,7 @@ async def test_commit_pull_and_eviction_are_published(control_plane, local_node,
     a = await local_node(node_id="cp-a", api_key=keys["cp-a"], **node)
     b = await local_node(node_id="cp-b", api_key=keys["cp-b"], **node)
     x = await local_node(node_id="cp-x", api_key=keys["cp-x"], **node)  # outside the tenant's policy
+    await nixl_up(a, b, x)
     hashes = [os.urandom(32) for _ in range(3)]
     async with DataPlaneClient(a.address, key=keys["cp-a"]) as ca, DataPlaneClient(b.address, key=keys["cp-b"]) as cb, \
             DataPlaneClient(x.address, key=keys["cp-x"]) as cx:
@@ -72,6 +80,7 @@ async def test_tenant_cpu_tier_quota_and_node_policy_hold_on_the_node(control_pl
     a = await local_node(node_id="cp-a", api_key=keys["cp-a"], **node)
     b = await local_node(node_id="cp-b", api_key=keys["cp-b"], **node)
     x = await local_node(node_id="cp-x", api_key=keys["cp-x"], **node)
+    await nixl_up(a, b, x)
     hashes = [os.urandom(32) for _ in range(3)]
     async with DataPlaneClient(a.address, key=keys["cp-a"]) as ca, DataPlaneClient(b.address, key=keys["cp-b"]) as cb, \
             DataPlaneClient(x.address, key=keys["cp-x"]) as cx:

@@ -183,7 +183,7 @@ async def test_corrupt_disk_block_is_a_miss(local_node, ns, tmp_path):
 @pytest.mark.parametrize("mutate, code, message", [
     (lambda ns, h: (ns, h * 2), grpc.StatusCode.INVALID_ARGUMENT, "duplicates"),
     (lambda ns, h: (ns, [b"short"]), grpc.StatusCode.INVALID_ARGUMENT, "has 5 bytes"),
-    (lambda ns, h: (ns, make_hashes(65)), grpc.StatusCode.INVALID_ARGUMENT, "at most 64"),
+    (lambda ns, h: (ns, make_hashes(65)), grpc.StatusCode.INVALID_ARGUMENT, "65 block hashes in one request; the limit is 64"),
     (lambda ns, h: (Namespace("Bad Tenant", "m", "r", ns.cache_config), h), grpc.StatusCode.INVALID_ARGUMENT,
      "not a valid tenant"),
     (lambda ns, h: (Namespace(ns.tenant, ns.model, ns.weight_version, CacheConfig(block_size=16)), h),
