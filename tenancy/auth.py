@@ -45,6 +45,18 @@ def current_principal() -> Principal:
     return principal
 
 
+def call_owner(context) -> str | None:
+    """Who a call in flight counts against (kvmesh.grpc_server.InFlightLimit): its key; for a call that
+    authenticates by a proof rather than a key (a data plane's peers), the peer's host too (peers share one
+    principal until their grant is checked). None outside an authenticated call."""
+    principal = _principal.get()
+    if principal is None:
+        return None
+    if principal.secret_hash:
+        return principal.key_id
+    return f"{principal.key_id}@{(context.peer() or '').rsplit(':', 1)[0]}"
+
+
 def bearer(metadata) -> str:
     for key, value in metadata or ():
         if key == "authorization":
