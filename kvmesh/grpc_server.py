@@ -190,15 +190,19 @@ class InFlightLimit(grpc.aio.ServerInterceptor):
         self._owner = owner
         self._setting = setting
         self._in_flight: dict[str, int] = {}
-
-    def in_flight(self, owner: str) -> int:
-        return self._in_flight.get(owner, 0)
+        # Nothing of a wrapped handler depends on the call (the owner is read when it runs): built once per method.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or not details.method.startswith("/kvmesh."):
             return handler
-        return rewrap_handler(handler, self._limited)
+        found = self._wrapped.get(details.method)
+        if found is not None and found[0] is handler:
+            return found[1]
+        wrapped = rewrap_handler(handler, self._limited)
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
 
     async def _enter(self, context) -> str | None:
         owner = self._owner(context)
@@ -207,8 +211,8 @@ class InFlightLimit(grpc.aio.ServerInterceptor):
         count = self._in_flight.get(owner, 0)
         if count >= self._limit:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"this key already has {count} calls in flight, the most one key may have "
-                                f"({self._setting}); wait for some to finish")
+                                f"the calling key already has {count} calls in flight here, the most one key may "
+                                f"have ({self._setting}); retry once some have ended")
         self._in_flight[owner] = count + 1
         return owner
 
