@@ -31,7 +31,7 @@ from kvmesh.command_line import run_command
 from kvmesh.settings_cli import service_main
 from kvmesh.v1 import data_plane_pb2_grpc
 
-from tenancy.auth import AuthInterceptor, auth_metadata, call_owner
+from tenancy.auth import AuthInterceptor, auth_metadata
 
 from data_plane.auth import NodeAuth
 from data_plane.config import DataPlaneConfig
@@ -138,7 +138,7 @@ async def _serve(config: DataPlaneConfig, metrics: DataPlaneMetrics, endpoint: M
                                  "kvmesh.v1.DataPlane")
         interceptors = [RpcMetricsInterceptor(metrics.registry, "data-plane"),
                         AuthInterceptor(auth.authenticate, peer=auth.peer_principal)]
-        in_flight = InFlightLimit(config.max_calls_in_flight_per_key, call_owner, "max_calls_in_flight_per_key")
+        in_flight = InFlightLimit(config.max_calls_in_flight_per_key, auth.call_owner, "max_calls_in_flight_per_key")
         server = await start_server(config.listen, [binding], interceptors=interceptors, tls=tls, in_flight=in_flight)
     except BaseException:
         await core.close()

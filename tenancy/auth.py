@@ -46,15 +46,15 @@ def current_principal() -> Principal:
 
 
 def call_owner(context) -> str | None:
-    """Who a call in flight counts against (kvmesh.grpc_server.InFlightLimit): its key; for a call that
-    authenticates by a proof rather than a key (a data plane's peers), the peer's host too (peers share one
-    principal until their grant is checked). None outside an authenticated call."""
+    """Who a call in flight counts against (kvmesh.grpc_server.InFlightLimit) where every key is verified (the
+    control plane): its key. None outside an authenticated call."""
     principal = _principal.get()
-    if principal is None:
-        return None
-    if principal.secret_hash:
-        return principal.key_id
-    return f"{principal.key_id}@{(context.peer() or '').rsplit(':', 1)[0]}"
+    return principal.key_id if principal is not None else None
+
+
+def peer_host(context) -> str:
+    """The host a call came from (``ipv4:10.0.0.7`` of ``ipv4:10.0.0.7:53122``)."""
+    return (context.peer() or "").rsplit(":", 1)[0]
 
 
 def bearer(metadata) -> str:
