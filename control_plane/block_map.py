@@ -47,6 +47,12 @@ class BlockMap(ABC):
         """Applies a validated batch under the ordering contract above."""
 
     @abstractmethod
+    async def claim_namespace(self, node_id: str, ns: Namespace, limit: int) -> bool:
+        """Records that ``node_id`` writes blocks of ``ns``; False, recording nothing, when ``ns`` is new to its
+        tenant and the tenant already has ``limit`` namespaces (0: no limit). Atomic: concurrent claims, from any
+        replica, never take a tenant past ``limit``. ``apply_batch`` claims its namespace without a limit."""
+
+    @abstractmethod
     async def skip_batch(self, batch: EventBatch) -> Ack:
         """Consumes the batch's seq under the ordering contract without applying its events
         (APPLIED here means "consumed"); for batches refused by policy."""

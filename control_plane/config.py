@@ -44,6 +44,9 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     key_prefix: str = Field("kvm", description="prefix of every Redis key kvmesh writes")
     lease_ms: int = Field(10_000, ge=500, description="node lease; nodes heartbeat well within it")
     max_batch_blocks: int = Field(65_536, ge=1, description="most block hashes (and events) one event batch may carry")
+    max_namespaces_per_tenant: int = Field(256, ge=1, description="most namespaces (model, weights, cache "
+                                           "config) holding one tenant's blocks, unless its policy sets "
+                                           "max_namespaces; a batch opening one more is RESOURCE_EXHAUSTED")
     max_lookup_blocks: int = Field(65_536, ge=1, description="most blocks one LookupPrefix may ask about")
     max_lookup_tokens: int = Field(2_097_152, ge=1, description="most token ids one LookupPrefix or Route may "
                                    "carry (counted before they are read)")
@@ -51,6 +54,9 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
                                       "once (answers still go back in request order)")
     max_lookup_batch: int = Field(256, ge=1, le=65_536, description="most lookups one LookupPrefixBatches message "
                                   "may carry")
+    max_calls_in_flight_per_key: int = Field(256, ge=1, description="calls (a stream: until it ends) one API key "
+                                             "may have in flight here; past it a call answers RESOURCE_EXHAUSTED "
+                                             "(each may hold a 64 MiB message while served)")
     read_replica: bool = Field(True, description="answer lookups from an in-memory replica of the block map, "
                                "fed by Redis change streams (false: every lookup runs the Redis script)")
     gc_interval_s: float = Field(5.0, gt=0, description="how often expired leases are reaped and fenced entries swept")

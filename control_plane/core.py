@@ -112,6 +112,7 @@ class ControlPlane:
                 principal, "PublishEvents", tenant_id,
                 f"tenant {tenant_id!r} does not exist or does not allow node {batch.node_id!r} to hold its blocks"))
         await self._check_quota(principal, batch)
+        await self._claim_namespace(batch)
         return await self.block_map.apply_batch(batch)
 
     async def refuse_batch(self, batch: EventBatch, refused: BatchRefused) -> Ack:
@@ -121,6 +122,17 @@ class ControlPlane:
             code = "RESOURCE_EXHAUSTED" if isinstance(refused.error, ResourceExhausted) else "PERMISSION_DENIED"
             return Ack(ack.seq, AckStatus.REFUSED, detail=f"{code}: {refused}")
         return ack
+
+    async def _claim_namespace(self, batch: EventBatch) -> None:
+        """A tenant's namespaces are bounded (policy max_namespaces, else max_namespaces_per_tenant): made-up
+        models would otherwise each add a block map, and take shared tables (the replica's followed namespaces)."""
+        tenant = await self.authz.tenant(batch.namespace.tenant)
+        limit = (tenant.policy.max_namespaces if tenant else 0) or self.config.max_namespaces_per_tenant
+        if not await self.block_map.claim_namespace(batch.node_id, batch.namespace, limit):
+            raise BatchRefused(ResourceExhausted(
+                f"tenant {batch.namespace.tenant!r} already has its limit of {limit} namespaces (model, weights, "
+                "cache config) holding blocks; nothing of this batch was applied (an admin raises it: "
+                "`kvmesh admin tenants policy --max-namespaces N`)"))
 
     async def _check_quota(self, principal: Principal, batch: EventBatch) -> None:
         tenant = await self.authz.tenant(batch.namespace.tenant)

@@ -74,6 +74,9 @@ class MeteredBlockMap(BlockMap):
     async def list_nodes(self):
         return await self._inner.list_nodes()
 
+    async def claim_namespace(self, node_id, ns, limit):
+        return await self._inner.claim_namespace(node_id, ns, limit)
+
     async def count_new(self, ns, block_hashes):
         return await self._inner.count_new(ns, block_hashes)
 

@@ -41,7 +41,7 @@ GC_HINT = "gc_interval_s"
 REPLICA_WAIT_S = 0.5  # a write waits this long for this process's replica to show it (read-your-writes)
 RETIRE_AFTER_S = 2 * SOCKET_TIMEOUT_S  # a dropped tenant client outlives the calls still on it  # a node may retire 16 slots (prelude.lua) per garbage collection
 _SCRIPTS = ("register", "heartbeat", "deregister", "begin_batch", "end_batch", "apply", "rotate",
-            "lookup", "sweep", "reap", "unlock")
+            "lookup", "sweep", "reap", "unlock", "claim_namespace")
 _NEEDS_PRELUDE = {"register", "heartbeat", "deregister", "begin_batch", "rotate", "reap"}
 
 
@@ -290,12 +290,16 @@ class RedisBlockMap(BlockMap):
 
     # -- events ------------------------------------------------------------------
 
-    async def _remember_namespace(self, node_id: str, ns_key: str) -> None:
+    async def claim_namespace(self, node_id: str, ns: Namespace, limit: int) -> bool:
+        ns_key = await self.blocks_key(ns)
         if (node_id, ns_key) in self._known_ns:
-            return
-        await self._redis.sadd(self._keys.namespaces, ns_key)
-        await self._redis.sadd(self._keys.node_namespaces(node_id), ns_key)
+            return True
+        k = self._keys
+        if not await self._eval("claim_namespace", [k.namespaces, k.tenant_namespaces(ns.tenant),
+                                                    k.node_namespaces(node_id)], [ns_key, limit]):
+            return False
         self._known_ns.add((node_id, ns_key))
+        return True
 
     async def _begin(self, batch: EventBatch, reset: bool) -> int | Ack:
         """The sequence decision (begin_batch.lua): the slot to apply under, or the Ack to answer now."""
@@ -319,7 +323,7 @@ class RedisBlockMap(BlockMap):
             return slot
         tenant = batch.namespace.tenant
         ns_key = await self.blocks_key(batch.namespace)
-        await self._remember_namespace(batch.node_id, ns_key)
+        await self.claim_namespace(batch.node_id, batch.namespace, 0)
         hash_len = batch.namespace.cache_config.hash_algo.digest_size
         runs: list = []
         seq = 0

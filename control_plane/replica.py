@@ -53,6 +53,9 @@ RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # backoff after a failed read or load
 # models held one Redis connection each (Redis serves 10,000 clients at most, for the whole fleet); lookups now
 # follow only namespaces that hold blocks (the block map's namespace set), a watch any it may read.
 MAX_FOLLOWED_NAMESPACES = 1024
+# Of which one tenant's lookups and watches may take this many: a tenant following made-up (or many) namespaces
+# takes its own share, never the other tenants' (theirs would all go to Redis).
+MAX_FOLLOWED_PER_TENANT = 128
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 ClientFor = Callable[[str], Awaitable[object]]  # tenant -> the Redis client to read its keys with
@@ -109,6 +112,7 @@ class BlockMapReplica:
         self._slots: dict[int, SlotRecord] = {}
         self._slot_stream = _Stream(keys.slot_changes)
         self._namespaces: dict[str, _Namespace] = {}
+        self._followed_of: collections.Counter[str] = collections.Counter()  # tenant -> namespaces followed
         self._slot_subscribers: list[asyncio.Queue] = []
         self._clock_offset_ms = 0  # Redis clock minus this host's
         self._started = False
@@ -158,11 +162,14 @@ class BlockMapReplica:
 
     def follow(self, blocks_key: str, tenant: str | None = None) -> bool:
         """Starts loading and following the namespace at ``blocks_key`` (idempotent); False when it is not followed
-        and will not be: MAX_FOLLOWED_NAMESPACES are (its lookups go to Redis)."""
-        if blocks_key not in self._namespaces and len(self._namespaces) >= MAX_FOLLOWED_NAMESPACES:
+        and will not be: MAX_FOLLOWED_NAMESPACES are, or MAX_FOLLOWED_PER_TENANT of its tenant (its lookups go
+        to Redis)."""
+        tenant = tenant or Keys.tenant_of(blocks_key)
+        if blocks_key not in self._namespaces and (len(self._namespaces) >= MAX_FOLLOWED_NAMESPACES or
+                                                   self._followed_of[tenant] >= MAX_FOLLOWED_PER_TENANT):
             return False
         self.start()
-        self._ensure_task(self._namespace(blocks_key, tenant or Keys.tenant_of(blocks_key)))
+        self._ensure_task(self._namespace(blocks_key, tenant))
         return True
 
     def follows(self, blocks_key: str) -> bool:
@@ -281,6 +288,7 @@ class BlockMapReplica:
     def _namespace(self, blocks_key: str, tenant: str) -> _Namespace:
         state = self._namespaces.get(blocks_key)
         if state is None:
+            self._followed_of[tenant] += 1
             state = self._namespaces[blocks_key] = _Namespace(Keys.block_changes(blocks_key), blocks_key=blocks_key,
                                                              tenant=tenant)
         return state

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from kvmesh.grpc_server import RunningServer, ServiceBinding, check_can_bind, server_tls, start_server, \
-    wait_for_signal
+from kvmesh.grpc_server import InFlightLimit, RunningServer, ServiceBinding, check_can_bind, server_tls, \
+    start_server, wait_for_signal
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
 from kvmesh.redis_client import redacted
 from kvmesh.command_line import run_command
 from kvmesh.settings_cli import service_main
 from kvmesh.v1 import control_plane_pb2_grpc, tenant_admin_pb2_grpc
 from tenancy.audit_limit import DenialAudit
-from tenancy.auth import AuthInterceptor, Authenticator
+from tenancy.auth import AuthInterceptor, Authenticator, call_owner
 from tenancy.authz import Authorizer
 from tenancy.key_cache import ChangeListener, KeyCache
 from tenancy.servicer import TenantAdminServicer
@@ -94,7 +94,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     denials = DenialAudit(tenants.audit)  # denied and unauthenticated calls: rate-limited, counted beyond
     authz = Authorizer(tenants, denials, config.policy_ttl_s)
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
-                            refresh_ms=config.route_stats_refresh_ms, **redis_auth)
+                            refresh_ms=config.route_stats_refresh_ms, max_per_node=config.route_stats_max_per_node,
+                            **redis_auth)
     watch = BlockMapWatch(redis_map.replica) if redis_map.replica is not None else None
     core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys,
                         watch=watch, blocks_key=redis_map.blocks_key)
@@ -117,7 +118,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     if redis_map.replica is not None:
         registry.register(ReplicaCollector(redis_map.replica))
     interceptors = [RpcMetricsInterceptor(registry, "control-plane"), auth]
-    server = await start_server(config.listen, services, interceptors=interceptors, tls=tls)
+    in_flight = InFlightLimit(config.max_calls_in_flight_per_key, call_owner, "max_calls_in_flight_per_key")
+    server = await start_server(config.listen, services, interceptors=interceptors, tls=tls, in_flight=in_flight)
     core.start_background()
     try:  # serve from a warm cache only once revocations flow (until then every call reads Redis)
         await asyncio.wait_for(key_changes.subscribed.wait(), SUBSCRIBE_WAIT_S)

@@ -103,6 +103,10 @@ class DataPlaneConfig(BaseSettings):
     api_key: str | None = Field(None, description="this node's API key (role node): local callers must present it, "
                                                   "and it authenticates the node to the control plane and to peers")
     api_key_file: str | None = Field(None, description="file holding the API key, if api_key is unset")
+    max_calls_in_flight_per_key: int = Field(1024, ge=1, description="calls (a stream: until it ends) one API key, "
+                                             "or one peer host, may have in flight here; past it a call answers "
+                                             "RESOURCE_EXHAUSTED (every engine of the node calls with the node's "
+                                             "key, one task per request)")
     metrics_listen: MetricsListen = Field("", description=METRICS_LISTEN_HELP)
     tls_cert_file: str | None = Field(None, description="this node's certificate (PEM): serve TLS, and present it "
                                       "to peers and the control plane that require mutual TLS")

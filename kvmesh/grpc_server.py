@@ -172,6 +172,81 @@ def _check_each_request(behavior):
     return call
 
 
+CallOwner = Callable[[grpc.aio.ServicerContext], "str | None"]
+
+
+class InFlightLimit(grpc.aio.ServerInterceptor):
+    """At most ``limit`` calls of one caller served at once (a streaming call counts until it ends); the next
+    answers RESOURCE_EXHAUSTED at once. Without it one key holder could keep any number of large requests in
+    flight (a 64 MiB message costs ~150 MiB while it is served) and crowd out every other caller.
+
+    ``owner(context)``: who the call counts against (its authenticated key), None for calls nobody is charged
+    for. It is read when the handler starts, so this interceptor comes after the one that authenticates (whose
+    handler wrapper sets the caller). Health and reflection are not limited. Threading: one event loop."""
+
+    def __init__(self, limit: int, owner: CallOwner, setting: str) -> None:
+        """``setting``: the configuration field that sets ``limit`` (named in the refusal)."""
+        self._limit = limit
+        self._owner = owner
+        self._setting = setting
+        self._in_flight: dict[str, int] = {}
+        # Nothing of a wrapped handler depends on the call (the owner is read when it runs): built once per method.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/kvmesh."):
+            return handler
+        found = self._wrapped.get(details.method)
+        if found is not None and found[0] is handler:
+            return found[1]
+        wrapped = rewrap_handler(handler, self._limited)
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
+
+    async def _enter(self, context) -> str | None:
+        owner = self._owner(context)
+        if owner is None:
+            return None
+        count = self._in_flight.get(owner, 0)
+        if count >= self._limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the calling key already has {count} calls in flight here, the most one key may "
+                                f"have ({self._setting}); retry once some have ended")
+        self._in_flight[owner] = count + 1
+        return owner
+
+    def _leave(self, owner: str | None) -> None:
+        if owner is None:
+            return
+        left = self._in_flight[owner] - 1
+        if left:
+            self._in_flight[owner] = left
+        else:
+            del self._in_flight[owner]
+
+    def _limited(self, behavior, streaming: bool):
+        if streaming:
+            async def stream(request, context):
+                owner = await self._enter(context)
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                finally:
+                    self._leave(owner)
+
+            return stream
+
+        async def unary(request, context):
+            owner = await self._enter(context)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._leave(owner)
+
+        return unary
+
+
 async def wait_for_signal() -> None:
     """Returns on SIGINT or SIGTERM (a service's main loop)."""
     stop = asyncio.Event()
@@ -250,15 +325,19 @@ async def start_server(
     services: Sequence[ServiceBinding],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: ServerTLS | None = None,
+    in_flight: InFlightLimit | None = None,
 ) -> RunningServer:
     """Start an aio server on ``address`` ("host:port", port 0 picks a free one).
 
     Tracing (kvmesh.tracing, from env) wraps every other interceptor, so a denied call is traced too;
-    health probes and reflection are not traced. The :class:`DecodeGuard` is innermost: a request that is
-    not a valid message reaches no servicer and answers INVALID_ARGUMENT.
+    health probes and reflection are not traced. ``in_flight`` comes after ``interceptors`` (it charges the
+    caller the authenticating one among them established). The :class:`DecodeGuard` is innermost: a request
+    that is not a valid message reaches no servicer and answers INVALID_ARGUMENT.
     """
     traced = tracing.server_interceptors(services[0].full_name if services else "kvmesh")
-    server = grpc.aio.server(interceptors=[*traced, *interceptors, DecodeGuard()], options=server_options())
+    limited = [in_flight] if in_flight is not None else []
+    server = grpc.aio.server(interceptors=[*traced, *interceptors, *limited, DecodeGuard()],
+                             options=server_options())
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

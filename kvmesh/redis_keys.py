@@ -49,6 +49,10 @@ class Keys:
         """Set of every namespace block-map key ever written (the sweep's work list)."""
         return f"{self._reg}:namespaces"
 
+    def tenant_namespaces(self, tenant: str) -> str:
+        """Set of the namespace block-map keys holding a tenant's blocks (counted against its namespace limit)."""
+        return f"{self._reg}:tenant-ns:{tenant}"
+
     def node_namespaces(self, node_id: str) -> str:
         """Set of the namespace block-map keys a node has written (for per-tier clears)."""
         return f"{self._reg}:node-ns:{node_id}"

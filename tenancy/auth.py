@@ -45,6 +45,18 @@ def current_principal() -> Principal:
     return principal
 
 
+def call_owner(context) -> str | None:
+    """Who a call in flight counts against (kvmesh.grpc_server.InFlightLimit) where every key is verified (the
+    control plane): its key. None outside an authenticated call."""
+    principal = _principal.get()
+    return principal.key_id if principal is not None else None
+
+
+def peer_host(context) -> str:
+    """The host a call came from (``ipv4:10.0.0.7`` of ``ipv4:10.0.0.7:53122``)."""
+    return (context.peer() or "").rsplit(":", 1)[0]
+
+
 def bearer(metadata) -> str:
     for key, value in metadata or ():
         if key == "authorization":

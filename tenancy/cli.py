@@ -28,7 +28,7 @@ commands:
     redis rotate ID
     audit [--limit N]
 Policy flags: --allowed-node N (repeat), --allowed-pool P, --shared-with T ("*" = everyone),
---max-index-entries N, --max-cpu-tier-bytes-per-node N.
+--max-index-entries N, --max-cpu-tier-bytes-per-node N, --max-namespaces N.
 The control plane is HOST:PORT (default $KVMESH_CONTROL_PLANE, else 127.0.0.1:50051, the control plane's default).
 The key comes from --key, --key-file or $KVMESH_ADMIN_KEY. Output is JSON. Errors are one line on stderr.
 TLS: --tls-ca-file (the CA of the control plane's certificate; unset: plaintext), --tls-cert-file and
@@ -46,12 +46,14 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-with", action="append", default=[])
     p.add_argument("--max-index-entries", type=non_negative_int, default=0)
     p.add_argument("--max-cpu-tier-bytes-per-node", type=non_negative_int, default=0)
+    p.add_argument("--max-namespaces", type=non_negative_int, default=0)
 
 
 def _policy(a) -> pb.TenantPolicy:
     return pb.TenantPolicy(allowed_nodes=a.allowed_node, allowed_pools=a.allowed_pool, shared_with=a.shared_with,
                            max_index_entries=a.max_index_entries,
-                           max_cpu_tier_bytes_per_node=a.max_cpu_tier_bytes_per_node)
+                           max_cpu_tier_bytes_per_node=a.max_cpu_tier_bytes_per_node,
+                           max_namespaces=a.max_namespaces)
 
 
 def _parser() -> argparse.ArgumentParser:

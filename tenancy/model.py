@@ -26,6 +26,7 @@ class TenantPolicy:
     shared_with: tuple[str, ...] = ()
     max_index_entries: int = 0
     max_cpu_tier_bytes_per_node: int = 0
+    max_namespaces: int = 0  # 0: the control plane's max_namespaces_per_tenant
 
     def validate(self) -> "TenantPolicy":
         for name in ("allowed_nodes", "allowed_pools", "shared_with"):
@@ -39,7 +40,7 @@ class TenantPolicy:
         for pool in self.allowed_pools:
             if not pool or len(pool) > 128:
                 raise InvalidArgument("policy.allowed_pools entries must be 1-128 characters")
-        if self.max_index_entries < 0 or self.max_cpu_tier_bytes_per_node < 0:
+        if min(self.max_index_entries, self.max_cpu_tier_bytes_per_node, self.max_namespaces) < 0:
             raise InvalidArgument("policy quotas must not be negative")
         return self
 

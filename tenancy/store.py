@@ -48,7 +48,7 @@ def policy_to_json(policy: TenantPolicy) -> str:
     return json.dumps({
         "allowed_nodes": list(policy.allowed_nodes), "allowed_pools": list(policy.allowed_pools),
         "shared_with": list(policy.shared_with), "max_index_entries": policy.max_index_entries,
-        "max_cpu_tier_bytes_per_node": policy.max_cpu_tier_bytes_per_node,
+        "max_cpu_tier_bytes_per_node": policy.max_cpu_tier_bytes_per_node, "max_namespaces": policy.max_namespaces,
     }, sort_keys=True)
 
 
@@ -56,7 +56,7 @@ def policy_from_json(text: str) -> TenantPolicy:
     d = json.loads(text or "{}")
     return TenantPolicy(tuple(d.get("allowed_nodes", ())), tuple(d.get("allowed_pools", ())),
                         tuple(d.get("shared_with", ())), int(d.get("max_index_entries", 0)),
-                        int(d.get("max_cpu_tier_bytes_per_node", 0)))
+                        int(d.get("max_cpu_tier_bytes_per_node", 0)), int(d.get("max_namespaces", 0)))
 
 
 class RedisTenantStore:
@@ -215,6 +215,7 @@ class RedisTenantStore:
         for ns_key in await self.tenant_namespaces(tenant_id):
             await self._redis.delete(ns_key)
             await self._redis.srem(self._map_keys.namespaces, ns_key)
+        await self._redis.delete(self._map_keys.tenant_namespaces(tenant_id))
         acl = await self._tenant_acl()
         try:
             await acl.delete_user(tenant_id)

@@ -17,13 +17,14 @@ def role(value: int) -> Role:
 
 def policy(msg: pb.TenantPolicy) -> TenantPolicy:
     return TenantPolicy(tuple(msg.allowed_nodes), tuple(msg.allowed_pools), tuple(msg.shared_with),
-                        msg.max_index_entries, msg.max_cpu_tier_bytes_per_node).validate()
+                        msg.max_index_entries, msg.max_cpu_tier_bytes_per_node, msg.max_namespaces).validate()
 
 
 def policy_to_pb(p: TenantPolicy) -> pb.TenantPolicy:
     return pb.TenantPolicy(allowed_nodes=p.allowed_nodes, allowed_pools=p.allowed_pools, shared_with=p.shared_with,
                            max_index_entries=p.max_index_entries,
-                           max_cpu_tier_bytes_per_node=p.max_cpu_tier_bytes_per_node)
+                           max_cpu_tier_bytes_per_node=p.max_cpu_tier_bytes_per_node,
+                           max_namespaces=p.max_namespaces)
 
 
 def tenant_to_pb(t: Tenant, index_entries: int = 0) -> pb.Tenant:

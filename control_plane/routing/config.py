@@ -44,6 +44,9 @@ class RoutingSettings(BaseModel):
         0.3, gt=0, le=1, description="weight of a new sample in the reported figures' moving average")
     route_stats_refresh_ms: int = Field(
         1000, ge=0, description="how long a replica reuses the reported figures it read from Redis")
+    route_stats_max_per_node: int = Field(
+        256, ge=1, description="most engines of one node, and links into one node, the reported figures keep (of "
+                               "16,384 each): a node naming made-up engines takes its own share, not other nodes'")
     route_prefetch: bool = Field(
         True, description="route-time prefetch: a PULL decision carries a signed order for the chosen engine's data "
                           "plane to start that pull at once (docs/scheduling.md#prefetch-at-route-time); off: never")

@@ -27,6 +27,7 @@ _LINK_SEP = ">"  # node ids never contain it
 _EWMA_LUA = (Path(__file__).parent.parent / "lua" / "stats_ewma.lua").read_text()
 # Links and engines each hash keeps: a new one past this is not recorded (the cost model uses its defaults for it).
 # Unbounded, a node reporting made-up engine names ("<node>:<anything>") grew both Redis and every route's read.
+# Each node also has a share of it (``max_per_node``, stats_ewma.lua), so one node cannot fill it for the others.
 MAX_FIGURES = 16_384
 
 
@@ -48,35 +49,38 @@ class RedisStatsStore(StatsStore):
     """Two hashes under the registry's hash tag (docs/redis-schema.md, "Scheduling figures")."""
 
     def __init__(self, url: str, *, key_prefix: str = "kvm", alpha: float = 0.3, refresh_ms: int = 1000,
-                 username: str | None = None, password: str | None = None) -> None:
+                 username: str | None = None, password: str | None = None, max_per_node: int = 256) -> None:
         self._redis = connect(url, username=username, password=password)
         reg = f"{key_prefix}:{{{key_prefix}-reg}}"  # kvmesh.redis_keys.Keys' registry tag
         self.link_key = f"{reg}:stats:link-bw"
         self.engine_key = f"{reg}:stats:prefill-tps"
         self._alpha = alpha
+        self._max_per_node = max_per_node
         self._refresh_s = refresh_ms / 1000.0
         self._cached: Figures | None = None
         self._cached_at = 0.0
         self._sha = ""
 
-    async def _fold(self, key: str, pairs: list) -> None:
-        if not pairs:
+    async def _fold(self, key: str, triples: list) -> None:
+        """``triples``: field, sample, owner (the node the figure counts against), ..."""
+        if not triples:
             return
         if not self._sha:
             self._sha = await self._redis.script_load(_EWMA_LUA)
+        args = (2, key, f"{key}:owners", self._alpha, MAX_FIGURES, self._max_per_node, *triples)
         try:
-            await self._redis.evalsha(self._sha, 1, key, self._alpha, MAX_FIGURES, *pairs)
+            await self._redis.evalsha(self._sha, *args)
         except redis.exceptions.NoScriptError:  # the server restarted or was flushed
             self._sha = await self._redis.script_load(_EWMA_LUA)
-            await self._redis.evalsha(self._sha, 1, key, self._alpha, MAX_FIGURES, *pairs)
+            await self._redis.evalsha(self._sha, *args)
 
     async def report(self, report: StatsReport) -> None:
         links: list = []
         for s in report.links:
-            links += [f"{s.source_node_id}{_LINK_SEP}{s.dest_node_id}", repr(float(s.bytes_per_s))]
+            links += [f"{s.source_node_id}{_LINK_SEP}{s.dest_node_id}", repr(float(s.bytes_per_s)), s.dest_node_id]
         engines: list = []
-        for e in report.engines:
-            engines += [e.engine_id, repr(float(e.prefill_tokens_per_s))]
+        for e in report.engines:  # engine ids are "<node id>" or "<node id>:<name>" (control_plane.core.owns_engine)
+            engines += [e.engine_id, repr(float(e.prefill_tokens_per_s)), e.engine_id.split(":", 1)[0]]
         await self._fold(self.link_key, links)
         await self._fold(self.engine_key, engines)
         self._cached = None  # this replica sees its own report at once

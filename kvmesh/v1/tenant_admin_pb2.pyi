@@ -19,18 +19,20 @@ ROLE_SCHEDULER: Role
 ROLE_NODE: Role
 
 class TenantPolicy(_message.Message):
-    __slots__ = ("allowed_nodes", "allowed_pools", "shared_with", "max_index_entries", "max_cpu_tier_bytes_per_node")
+    __slots__ = ("allowed_nodes", "allowed_pools", "shared_with", "max_index_entries", "max_cpu_tier_bytes_per_node", "max_namespaces")
     ALLOWED_NODES_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_POOLS_FIELD_NUMBER: _ClassVar[int]
     SHARED_WITH_FIELD_NUMBER: _ClassVar[int]
     MAX_INDEX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     MAX_CPU_TIER_BYTES_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     allowed_nodes: _containers.RepeatedScalarFieldContainer[str]
     allowed_pools: _containers.RepeatedScalarFieldContainer[str]
     shared_with: _containers.RepeatedScalarFieldContainer[str]
     max_index_entries: int
     max_cpu_tier_bytes_per_node: int
-    def __init__(self, allowed_nodes: _Optional[_Iterable[str]] = ..., allowed_pools: _Optional[_Iterable[str]] = ..., shared_with: _Optional[_Iterable[str]] = ..., max_index_entries: _Optional[int] = ..., max_cpu_tier_bytes_per_node: _Optional[int] = ...) -> None: ...
+    max_namespaces: int
+    def __init__(self, allowed_nodes: _Optional[_Iterable[str]] = ..., allowed_pools: _Optional[_Iterable[str]] = ..., shared_with: _Optional[_Iterable[str]] = ..., max_index_entries: _Optional[int] = ..., max_cpu_tier_bytes_per_node: _Optional[int] = ..., max_namespaces: _Optional[int] = ...) -> None: ...
 
 class Tenant(_message.Message):
     __slots__ = ("tenant_id", "display_name", "policy", "created_unix_ms", "redis_user", "index_entries")

@@ -582,24 +582,108 @@ class Judge:
                  f"+{held} descriptors, Ping {ping[0]}; +{held_later} after 12 s", ping[0] == OK and held_later < 50)
 
     async def probe_many_streams(self, streams: int = 300) -> None:
+        """One key's calls in flight are bounded (max_calls_in_flight_per_key, 256): streams past it are refused
+        at once, and other keys are served meanwhile."""
         area = "many streams, dp1 key"
         cp_pid = pid_listening_on(int(self.cp.rsplit(":", 1)[1]))
         before = rss_kib(cp_pid)
-        async with self.attacker_cp() as ch:
+        async with self.attacker_cp() as ch, channel(self.cp, self.key["dp2"], self.tls["dp2"]) as other:
             cp = cp_grpc.ControlPlaneStub(ch)
             calls = [cp.WatchBlockMap(cp_pb.WatchBlockMapRequest(namespace=self.demo_ns.to_proto()))
                      for _ in range(streams)]
             firsts = await asyncio.gather(*(outcome(c.read()) for c in calls))
             start = time.monotonic()
-            ping = await outcome(cp.Ping(common_pb2.PingRequest(), timeout=10))
+            ping = await outcome(cp_grpc.ControlPlaneStub(other).Ping(common_pb2.PingRequest(), timeout=10))
             ping_ms = (time.monotonic() - start) * 1000
+            own = await outcome(cp.Ping(common_pb2.PingRequest(), timeout=10))
             grew = (rss_kib(cp_pid) - before) / 1024
             for c in calls:
                 c.cancel()
-        codes = sorted({f[0] for f in firsts})
+            after = OK
+            for _ in range(50):  # the server sees the cancellations a moment later
+                after = (await outcome(cp.Ping(common_pb2.PingRequest(), timeout=10)))[0]
+                if after == OK:
+                    break
+                await asyncio.sleep(0.1)
+        codes = {code: sum(1 for f in firsts if f[0] == code) for code in sorted({f[0] for f in firsts})}
         self.row(area, f"{streams} WatchBlockMap streams held open on one connection",
-                 "served, Ping < 1 s, RSS growth bounded", f"{codes}; Ping {ping[0]} {ping_ms:.0f} ms; RSS +{grew:.0f} MiB",
-                 ping[0] == OK and ping_ms < 1000)
+                 "at most 256 in flight, the rest RESOURCE_EXHAUSTED; dp2's key served (Ping < 1 s); RSS bounded",
+                 f"{codes}; dp2 Ping {ping[0]} {ping_ms:.0f} ms; RSS +{grew:.0f} MiB",
+                 codes.get(OK, 0) <= 256 and codes.get("RESOURCE_EXHAUSTED", 0) >= streams - 256
+                 and ping[0] == OK and ping_ms < 1000)
+        self.row(area, "dp1's own next call while its streams are open", "RESOURCE_EXHAUSTED", own[0],
+                 own[0] == "RESOURCE_EXHAUSTED")
+        self.row(area, "dp1's key served again once its streams ended (positive control)", OK, after, after == OK)
+
+    async def _redis(self):
+        """The operator's Redis client (to check what the probes left there; the attacker has none)."""
+        from kvmesh.redis_client import connect
+        return connect(self.info["redis"], username=self.info["redis_user"],
+                       password=Path(self.info["redis_password_file"]).read_text().strip())
+
+    async def probe_figures_share(self, made_up: int = 17_000) -> None:
+        """Made-up engine names and links into itself take one node's share of the routing figures (256 of each
+        16,384-entry hash), not the other nodes': dp2's new engine and link are still recorded."""
+        area = "routing figures, dp1 key"
+        async with self.attacker_cp() as ch:
+            cp = cp_grpc.ControlPlaneStub(ch)
+            for start in range(0, made_up, 1000):
+                await cp.ReportStats(cp_pb.ReportStatsRequest(
+                    engines=[cp_pb.EngineSample(engine_id=f"dp1:made-up-{i}", prefill_tokens_per_s=1.0)
+                             for i in range(start, start + 1000)],
+                    links=[cp_pb.LinkSample(source_node_id=f"made-up-{i}", dest_node_id="dp1", bytes_per_s=1.0)
+                           for i in range(start, start + 1000)]), timeout=30)
+        async with channel(self.cp, self.key["dp2"], self.tls["dp2"]) as ch:
+            await cp_grpc.ControlPlaneStub(ch).ReportStats(cp_pb.ReportStatsRequest(
+                engines=[cp_pb.EngineSample(engine_id="dp2:probe-new-engine", prefill_tokens_per_s=4321.0)],
+                links=[cp_pb.LinkSample(source_node_id="dp3", dest_node_id="dp2", bytes_per_s=1234.0)]), timeout=10)
+        redis = await self._redis()
+        try:
+            engines = await redis.hgetall("kvm:{kvm-reg}:stats:prefill-tps")
+            links = await redis.hgetall("kvm:{kvm-reg}:stats:link-bw")
+        finally:
+            await redis.aclose()
+        dp1 = sum(1 for k in engines if k.startswith(b"dp1:made-up-")) + sum(
+            1 for k in links if k.startswith(b"made-up-"))
+        self.row(area, f"{made_up} made-up engines and {made_up} made-up links into dp1 reported",
+                 "at most 256 of each kept", f"{dp1} kept", dp1 <= 512)
+        held = (engines.get(b"dp2:probe-new-engine"), links.get(b"dp3>dp2"))
+        self.row(area, "dp2's new engine and link recorded after that (positive control)", "both kept",
+                 f"engine {held[0]!r}, link {held[1]!r}", None not in held)
+
+    async def probe_namespace_share(self, tries: int = 300) -> None:
+        """A node key opens at most max_namespaces_per_tenant (256) namespaces of a tenant it may hold; the
+        victim's node still opens new ones. Runs last: its batches advance dp1's and dp2's event sequences."""
+        area = "namespaces, dp1 key"
+        async with self.attacker_cp() as ch:
+            cp = cp_grpc.ControlPlaneStub(ch)
+            dp1 = next(n for n in (await cp.ListNodes(cp_pb.ListNodesRequest(), timeout=10)).nodes
+                       if n.node.node_id == "dp1")
+            seq, opened, refused = dp1.last_seq + 1, 0, ("", "")
+            stored = cp_pb.KvEvent(stored=cp_pb.BlockStored(block_hashes=hashes_of(5, 1), block_size=BLOCK_TOKENS,
+                                                            medium=common_pb2.MEDIUM_CPU))
+            for i in range(tries):
+                ns = Namespace("demo", f"made-up-{i}", "rev1", CacheConfig(block_size=BLOCK_TOKENS)).to_proto()
+                code, details, _ = await outcome(cp.PublishEvents(cp_pb.EventBatch(
+                    node_id="dp1", incarnation=dp1.incarnation, seq=seq, namespace=ns, events=[stored]), timeout=10))
+                if code != OK:
+                    refused = (code, details)
+                    break
+                seq, opened = seq + 1, opened + 1
+        self.row(area, f"PublishEvents into up to {tries} made-up namespaces of tenant demo",
+                 "RESOURCE_EXHAUSTED by the 256th", f"{opened} opened; then {refused[0]} {refused[1][:70]}",
+                 refused[0] == "RESOURCE_EXHAUSTED" and opened < 256)
+        async with channel(self.cp, self.key["dp2"], self.tls["dp2"]) as ch:
+            cp = cp_grpc.ControlPlaneStub(ch)
+            dp2 = next(n for n in (await cp.ListNodes(cp_pb.ListNodesRequest(), timeout=10)).nodes
+                       if n.node.node_id == "dp2")
+            ns = Namespace(VICTIM, "tiny", "rev2", self.victim_ns.cache_config).to_proto()
+            reply = await outcome(cp.PublishEvents(cp_pb.EventBatch(
+                node_id="dp2", incarnation=dp2.incarnation, seq=dp2.last_seq + 1, namespace=ns,
+                events=[cp_pb.KvEvent(stored=cp_pb.BlockStored(block_hashes=hashes_of(6, 1),
+                                                               block_size=BLOCK_TOKENS,
+                                                               medium=common_pb2.MEDIUM_CPU))]), timeout=10))
+        self.expect(area, "dp2 opens a new namespace of the victim after that (positive control)", reply, OK)
 
     async def probe_malformed(self) -> None:
         area = "malformed input, no key"
@@ -643,9 +727,11 @@ class Judge:
         await self.probe_many_streams()
         await self.probe_half_open()
         await self.probe_churn()
+        await self.probe_figures_share()
         if heavy:
             await self.probe_huge_requests()
             await self.probe_faults()
+        await self.probe_namespace_share()  # last: it advances dp1's and dp2's event sequences
         return self.rows
 
 

@@ -135,8 +135,10 @@ async def test_admin_cli(control_plane, admin_key):
         out, err = await asyncio.wait_for(proc.communicate(), 60)
         return proc.returncode, out.decode(), err.decode()
 
-    rc, out, _ = await run("tenants", "create", "cli-tenant", "--name", "CLI", "--max-index-entries", "100")
+    rc, out, _ = await run("tenants", "create", "cli-tenant", "--name", "CLI", "--max-index-entries", "100",
+                           "--max-namespaces", "12")
     assert rc == 0 and json.loads(out)["policy"]["max_index_entries"] == "100"
+    assert json.loads(out)["policy"]["max_namespaces"] == "12"
     rc, out, _ = await run("keys", "issue", "--role", "scheduler", "--tenant", "cli-tenant")
     assert rc == 0 and json.loads(out)["secret"].startswith("kvm_")
     rc, _, err = await run("tenants", "get", "ghost")

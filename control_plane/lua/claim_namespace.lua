@@ -1,0 +1,15 @@
+-- Records that a node writes blocks of a namespace; refuses a namespace new to its tenant once the tenant has
+-- `limit` of them. Check and add in one script, so concurrent claims (two replicas, two streams) never pass it.
+-- KEYS: every namespace (set), the tenant's namespaces (set), the node's namespaces (set)
+-- ARGV: the namespace's block-map key, limit (0: none)
+-- Returns 1 (recorded) or 0 (refused, nothing recorded).
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 then
+  local limit = tonumber(ARGV[2])
+  if limit > 0 and redis.call('SCARD', KEYS[2]) >= limit then
+    return 0
+  end
+  redis.call('SADD', KEYS[2], ARGV[1])
+end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+return 1
