@@ -28,8 +28,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from itertools import repeat
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, itemgetter
 from typing import Awaitable, Callable, Iterable, Iterator
 
 import numpy as np
@@ -60,7 +59,6 @@ log = logging.getLogger(__name__)
 
 LOCAL_HOLDER = "local"
 KEY, SLOT, CHECKSUM = attrgetter("key"), attrgetter("slot"), attrgetter("checksum")  # per block, in native loops
-STATE, EPOCH = attrgetter("state"), attrgetter("epoch")
 _ENGINE = "engine"
 
 
@@ -462,13 +460,8 @@ class DataPlaneCore:
         if self._known(ns) and epoch is not GONE:
             fp, arriving, committed = ns.fingerprint, self.pulls.arriving, BlockState.COMMITTED
             keys = block_keys(fp, hashes)
-            found = self.tier.get_all(keys)
             held = 0  # of in_cpu, pinned already
-            if None not in found and set(map(EPOCH, found)) == {epoch} and \
-                    all(map(is_, map(STATE, found), repeat(committed))) and arriving.keys().isdisjoint(keys):
-                in_cpu = blocks = found  # the usual case, every block a HIT: checked in native loops
-                found = []
-            for i, (key, current) in enumerate(zip(keys, found)):
+            for i, (key, current) in enumerate(zip(keys, self.tier.get_all(keys))):
                 if current is not None and current.state is committed and current.epoch == epoch \
                         and key not in arriving:  # the usual case, in as few steps as it takes
                     in_cpu.append(current)
