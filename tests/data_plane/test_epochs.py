@@ -7,12 +7,15 @@ the node the control plane's answers (``learn_epoch``, what NodeAuth does on eac
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
 
 from kvmesh.namespace import CacheConfig, Namespace
-from tenancy.peer_proof import NodeIdentity
+from tenancy.grants import Grant
+from tenancy.peer_proof import NodeIdentity, encode_public_key
 
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.epochs import GONE, TenantEpochs
@@ -138,4 +141,29 @@ async def test_blocks_committed_before_the_epoch_was_known_are_dropped_loudly_no
         node.core.learn_epoch(ns.tenant, "e1")  # the same answer again: nothing more goes
         assert await found(client, ns, later) == 2
         assert registry.get_sample_value("kvmesh_dp_unknown_epoch_blocks_dropped_total") == 3
+        tier.close()
+
+
+async def test_a_lookup_of_only_committed_blocks_serves_a_grant_of_their_epoch_only(local_node, ns, grant_signer):
+    """The Lookup of a request whose blocks are all committed in the CPU tier (answered in native loops, not a
+    step per block) checks their epoch too: a grant of another epoch of the tenant gets MISS for each."""
+    node = await local_node()
+    node.core.learn_epoch(ns.tenant, "e1")
+    peer_id = NodeIdentity()
+
+    def signed(epoch: str) -> bytes:
+        return grant_signer.sign(Grant(ns.tenant, ns.fingerprint, "consumer", encode_public_key(peer_id.public_key),
+                                       node.core.node_id, int(time.time() * 1000) + 60_000, tenant_epoch=epoch))
+
+    hashes = make_hashes(4)
+    async with DataPlaneClient(node.address, key=node.core.config.node_key()) as client, \
+            DataPlaneClient(node.address, peer_proof=lambda g, m: peer_id.proof(g, m, node.core.node_id)) as peer:
+        tier = SharedTier.open(await client.describe_tier())
+        assert await store(client, tier, ns, hashes) == 4
+        answer, _ = await peer.lookup(ns, hashes, grant=signed("e1"))  # positive control: its own epoch
+        assert answer.statuses == [LookupStatus.HIT] * 4
+        await peer.release(answer.lease_id, grant=signed("e1"))
+        for other in ("", "e0"):
+            answer, _ = await peer.lookup(ns, hashes, grant=signed(other))
+            assert answer.statuses == [LookupStatus.MISS] * 4 and not answer.lease_id, other
         tier.close()

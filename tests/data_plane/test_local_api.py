@@ -15,7 +15,7 @@ from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import common_pb2, data_plane_pb2, data_plane_pb2_grpc
 
 from data_plane.client import DataPlaneClient, SharedTier
-from data_plane.types import LookupStatus, Medium
+from data_plane.types import BlockKey, LookupStatus, Medium
 
 BLOCK_BYTES = 64 * 1024  # the conftest nodes' slot size (checked below)
 
@@ -93,6 +93,27 @@ async def test_hit_pending_waits_at_most_the_bound_then_misses(node, ns):
     waited = time.monotonic() - t0
     assert answer.statuses == [LookupStatus.MISS]
     assert 0.25 <= waited < 1.5
+
+
+async def test_a_committed_block_a_pull_is_still_settling_is_pending(node, ns):
+    """A Lookup whose blocks are all committed (the answer built in native loops) still waits for one a pull on
+    this node has claimed (Pulls.arriving) until the pull settles it, as one block at a time did."""
+    running, client, tier = node
+    hashes = make_hashes(2)
+    await store(client, tier, ns, hashes)
+    answer, _ = await client.lookup(ns, hashes, pending_wait_ms=1)  # positive control: nothing claimed
+    assert answer.statuses == [LookupStatus.HIT] * 2
+    await client.release(answer.lease_id)
+    claim = asyncio.get_running_loop().create_future()
+    running.core.pulls.arriving[BlockKey(ns.fingerprint, hashes[1])] = claim
+    try:
+        t0 = time.monotonic()
+        answer, _ = await client.lookup(ns, hashes, pending_wait_ms=300)
+        assert time.monotonic() - t0 >= 0.25, "the claimed block was answered without waiting for its pull"
+    finally:
+        del running.core.pulls.arriving[BlockKey(ns.fingerprint, hashes[1])]
+        claim.set_result(None)
+    await client.release(answer.lease_id)
 
 
 async def test_hit_pending_becomes_hit_when_committed_in_time(node, ns):
