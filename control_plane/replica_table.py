@@ -5,10 +5,12 @@ A block is keyed by the first 8 bytes of its hash (a uint64; block hashes are cr
 table is a two-choice bucketed hash over two numpy arrays, ``keys`` (uint64, 0 = empty) and ``vids`` (uint32,
 0 = absent), in buckets of 4 slots: a key's two buckets are named by its low and its high 32 bits, and it sits in
 the emptier one (or, both full, moves a key out of the way into that key's other bucket; failing that, into a
-small sorted overflow, the "stash", which only crafted keys fill). A lookup gathers both buckets of every key
-and compares them in one go: the same few numpy calls however the keys lie (linear probing needed a second and
-third round for the keys not at their home position, ~25 calls for 1,024 keys, and a numpy call costs the
-server several microseconds on cold caches). 12 bytes a slot (and 1 a bucket) at a load of 1/4 to 1/2, so 24-48
+small sorted overflow, the "stash", which only crafted keys fill). Reads are one native call
+(control_plane/_probe.c, a C extension pyproject.toml builds): a key is compared with its two buckets' 8 slots,
+then searched in the stash; a lookup reads its keys straight from the request's hashes and gets back only the runs
+of one value along the prefix (numpy took ~15 calls for the same probe, and a numpy call costs the server several
+microseconds on cold caches whatever its size). Writes stay vectorised numpy (a few calls per run of blocks).
+12 bytes a slot (and 1 a bucket) at a load of 1/4 to 1/2, so 24-48
 bytes a block. A vid names an interned *value*, the block's
 Redis value itself (2-byte entries ``slot * 8 + tier bits``, see docs/redis-schema.md): blocks along shared
 prefixes share a handful of values, so a block held by 8 nodes costs its 12 bytes, not 16 more.

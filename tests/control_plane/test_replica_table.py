@@ -95,6 +95,9 @@ def test_block_keys_of_packed_listed_and_8_byte_hashes_agree():
     assert listed[0] == int.from_bytes(hashes[0][:8], "little")
     packed[0] = 5  # a copy of its own, not a view of the message's bytes
     assert block_keys(PackedHashes(b"".join(hashes), 32))[0] != 5
+    table = BlockTable(Values())  # a lookup reads its keys from the hashes as block_keys does (the all-zero one too)
+    table.apply_run("s", 1, 1, listed)
+    assert _probe.leading_runs(*table._probe_args(), b"".join(hashes[::-1]), 32) == [(1, len(hashes))]
 
 
 def _check_against_model(table: BlockTable, model: dict[int, int], probes: np.ndarray, whole: bool = True) -> None:
