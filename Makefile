@@ -7,7 +7,7 @@ PROTOS := $(wildcard proto/kvmesh/v1/*.proto)
 
 .PHONY: demo test test-fast compose-test proto setup clean
 
-$(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
+$(VENV)/.installed: pyproject.toml scripts/setup_venv.sh control_plane/_probe.c
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_venv.sh
 	touch $@
 

@@ -39,7 +39,7 @@ from kvmesh.redis_client import connect
 from kvmesh.redis_keys import Keys
 
 from control_plane.model import ALL_TIERS, PrefixMatch
-from control_plane.replica_table import BlockTable, SlotRecord, Values, block_keys, prefix_match
+from control_plane.replica_table import BlockTable, SlotRecord, Values, block_keys, packed, prefix_match
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class BlockMapReplica:
             return None
         if not block_hashes:
             return PrefixMatch(0, [])
-        counts = self._namespaces[blocks_key].table.leading(block_keys(block_hashes), tiers)
+        counts = self._namespaces[blocks_key].table.leading(*packed(block_hashes), tiers)
         return prefix_match(counts, self._slots, self.now_ms(), len(block_hashes))
 
     def now_ms(self) -> int:

@@ -5,10 +5,12 @@ A block is keyed by the first 8 bytes of its hash (a uint64; block hashes are cr
 table is a two-choice bucketed hash over two numpy arrays, ``keys`` (uint64, 0 = empty) and ``vids`` (uint32,
 0 = absent), in buckets of 4 slots: a key's two buckets are named by its low and its high 32 bits, and it sits in
 the emptier one (or, both full, moves a key out of the way into that key's other bucket; failing that, into a
-small sorted overflow, the "stash", which only crafted keys fill). A lookup gathers both buckets of every key
-and compares them in one go: the same few numpy calls however the keys lie (linear probing needed a second and
-third round for the keys not at their home position, ~25 calls for 1,024 keys, and a numpy call costs the
-server several microseconds on cold caches). 12 bytes a slot (and 1 a bucket) at a load of 1/4 to 1/2, so 24-48
+small sorted overflow, the "stash", which only crafted keys fill). Reads are one native call
+(control_plane/_probe.c, a C extension pyproject.toml builds): a key is compared with its two buckets' 8 slots,
+then searched in the stash; a lookup reads its keys straight from the request's hashes and gets back only the runs
+of one value along the prefix (numpy took ~15 calls for the same probe, and a numpy call costs the server several
+microseconds on cold caches whatever its size). Writes stay vectorised numpy (a few calls per run of blocks).
+12 bytes a slot (and 1 a bucket) at a load of 1/4 to 1/2, so 24-48
 bytes a block. A vid names an interned *value*, the block's
 Redis value itself (2-byte entries ``slot * 8 + tier bits``, see docs/redis-schema.md): blocks along shared
 prefixes share a handful of values, so a block held by 8 nodes costs its 12 bytes, not 16 more.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from control_plane import _probe
 from control_plane.model import Medium, NodePrefix, PackedHashes, PrefixMatch
 
 _GPU, _CPU, _DISK = Medium.GPU, Medium.CPU, Medium.DISK  # (an enum member read through its class costs a lookup)
@@ -34,7 +37,6 @@ _BUCKET_SHIFT = 2  # log2(BUCKET): a compared slot's index >> this is its bucket
 _KEY_SHIFT = 3  # log2(2 * BUCKET): ... >> this is its key's index
 INSERT_ROUNDS = 3  # rounds of placing a batch's keys before those left go to the stash
 _KEY, _ONE = np.dtype("<u8"), np.uint64(1)
-SCALAR_PROBE = 16  # BlockTable.vids probes up to this many keys one at a time in Python
 MEMO_LIMIT = 100_000  # remembered value transitions (a cache: cleared when full)
 
 
@@ -53,6 +55,13 @@ def block_keys(block_hashes: list[bytes] | PackedHashes | bytes, hash_len: int =
     else:
         keys = np.frombuffer(blob, np.uint8).reshape(-1, hash_len)[:, :8].copy().view(_KEY).reshape(-1)
     return np.maximum(keys, _ONE)  # a contiguous copy, with 0 made 1
+
+
+def packed(block_hashes: list[bytes] | PackedHashes) -> tuple[bytes, int]:
+    """(the hashes concatenated, the length of one) for :meth:`BlockTable.leading`."""
+    if isinstance(block_hashes, PackedHashes):
+        return block_hashes.blob, block_hashes.size
+    return b"".join(block_hashes), len(block_hashes[0])
 
 
 def decode_value(value: bytes) -> tuple[tuple[int, int], ...]:
@@ -153,34 +162,13 @@ class BlockTable:
 
     def vids(self, keys: np.ndarray) -> np.ndarray:
         """The vid of each key (0: absent); ``keys`` a contiguous uint64 array (as :func:`block_keys` makes).
-        Both buckets of every key are gathered and compared at once: a fixed handful of numpy calls whatever
-        the table holds (the stash adds a few when it holds anything)."""
-        if len(keys) <= SCALAR_PROBE:
-            return self._vids_scalar(keys)
-        buckets = keys.view(np.uint32) & self._mask  # each key's two buckets, side by side
-        (hits,) = (self._keys.take(buckets, axis=0).reshape(-1) == np.repeat(keys, 2 * BUCKET)).nonzero()
+        One native call (control_plane/_probe.c) whatever the keys and the table hold."""
         out = np.zeros(len(keys), np.uint32)
-        out[hits >> _KEY_SHIFT] = self._vids.take(buckets, axis=0).reshape(-1)[hits]
-        if len(self._stash_keys):
-            at, found = self._in_stash(keys)
-            out[found] = self._stash_vids[at[found]]
+        _probe.vids(*self._probe_args(), keys, out)
         return out
 
-    def _vids_scalar(self, keys: np.ndarray) -> np.ndarray:
-        """:meth:`vids` one key at a time in Python: for a few keys, cheaper than the numpy calls."""
-        mask = int(self._mask)
-        table, vids = self._keys, self._vids
-        out = np.zeros(len(keys), np.uint32)
-        for i, key in enumerate(keys.tolist()):
-            for bucket in (key & mask, key >> 32 & mask):
-                row = table[bucket].tolist()
-                if key in row:
-                    out[i] = vids[bucket, row.index(key)]
-                    break
-        if len(self._stash_keys):
-            at, found = self._in_stash(keys)
-            out[found] = self._stash_vids[at[found]]
-        return out
+    def _probe_args(self) -> tuple:
+        return self._keys, self._vids, int(self._mask), self._stash_keys, self._stash_vids
 
     def _in_stash(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         at = np.minimum(np.searchsorted(self._stash_keys, keys), len(self._stash_keys) - 1)
@@ -328,23 +316,16 @@ class BlockTable:
 
     # -- the lookup ----------------------------------------------------------------
 
-    def leading(self, keys: np.ndarray, tiers: int) -> dict[int, list[int]]:
-        """lookup.lua's counts: slot -> [any, gpu, cpu, disk] leading blocks of ``keys`` on the tiers in mask
-        ``tiers``, for the slots holding the first block."""
-        vids = self.vids(keys)
-        first = int(vids[0]) if len(vids) else 0
-        if not first:
+    def leading(self, hashes: bytes, hash_len: int, tiers: int) -> dict[int, list[int]]:
+        """lookup.lua's counts: slot -> [any, gpu, cpu, disk] leading blocks of ``hashes`` (concatenated, of
+        ``hash_len`` bytes each) on the tiers in mask ``tiers``, for the slots holding the first block."""
+        runs = _probe.leading_runs(*self._probe_args(), hashes, hash_len)  # [(vid, blocks), ...]: few, usually 1
+        if not runs:
             return {}
-        if vids.tobytes() == vids[:1].tobytes() * len(vids):  # one value all along (a prefix every holder holds
-            # in full): counts at once (bytes compared: cheaper than a numpy comparison and its reduction)
-            n = len(vids)
+        if len(runs) == 1:  # one value all along (a prefix every holder holds in full): counts at once
+            first, n = runs[0]
             return {s: [n, n * (m & 1), n * (m >> 1 & 1), n * (m >> 2 & 1)]
                     for s, m in ((s, m & tiers) for s, m in self._values.entries(first)) if m}
-        absent = vids == 0
-        end = int(absent.argmax()) if absent.any() else len(vids)
-        vids = vids[:end]
-        starts = [0, *(np.flatnonzero(vids[1:] != vids[:-1]) + 1).tolist()]  # runs of one value: few, usually 1
-        runs = zip(vids[starts].tolist(), [b - a for a, b in zip(starts, [*starts[1:], end])])
         counts: dict[int, list[int]] = {}
         running: dict[int, list[bool]] = {}
         for vid, times in runs:

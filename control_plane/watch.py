@@ -23,7 +23,7 @@ from kvmesh.errors import InvalidArgument, PermissionDenied, Unavailable
 
 from control_plane.model import ALL_TIERS, PrefixMatch
 from control_plane.replica import BlockMapReplica, Change
-from control_plane.replica_table import BlockTable, SlotRecord, Values, block_keys, prefix_match
+from control_plane.replica_table import BlockTable, SlotRecord, Values, packed, prefix_match
 
 SNAPSHOT_CHUNK = 100_000  # blocks per snapshot message (12 bytes each: well under gRPC's message limit)
 # Changes queued for one subscriber while it does not read (gRPC flow control holds the stream): past this many, they
@@ -233,7 +233,7 @@ class ReplicaView:
             return None
         if not block_hashes:
             return PrefixMatch(0, [])
-        counts = self._table.leading(block_keys(block_hashes), tiers)
+        counts = self._table.leading(*packed(block_hashes), tiers)
         return prefix_match(counts, self._slots, int(time.time() * 1000) + self._clock_offset_ms, len(block_hashes))
 
     def block_count(self) -> int:

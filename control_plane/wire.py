@@ -152,27 +152,45 @@ def ack_to_pb(ack: Ack) -> pb.EventAck:
                        blocks_applied=ack.blocks_applied, detail=ack.detail)
 
 
+HOLDER_CACHE_LIMIT = 10_000  # encoded holders remembered (a cache: cleared when full)
+_HOLDERS_FIELD = 2  # LookupPrefixResponse.holders
+_holder_bytes: dict[tuple, bytes] = {}
+
+
 def prefix_match_to_pb(match: PrefixMatch, into: pb.LookupPrefixResponse | None = None) -> pb.LookupPrefixResponse:
-    """The answer, filled into ``into`` (an empty message, e.g. a batch reply's entry) or a new message."""
-    # add() on the repeated fields and plain attribute sets: half the cost of building each message and copying
-    # it in, and a quarter less than add(**fields) (on every lookup)
+    """The answer, filled into ``into`` (an empty message, e.g. a batch reply's entry) or a new message. The
+    holders go in as bytes, each encoded once and remembered (the same holders answer lookup after lookup), parsed
+    in one call: setting each holder's fields from Python cost twice as much, on every lookup."""
     reply = pb.LookupPrefixResponse() if into is None else into
     reply.blocks_queried = match.blocks_queried
     if match.block_hashes:
         reply.block_hashes.extend(match.block_hashes)
-    add_holder = reply.holders.add
-    for h in match.holders:
-        holder = add_holder()
-        holder.node_id = h.node_id
-        holder.data_plane_address = h.data_plane_address
-        holder.leading_blocks = h.leading_blocks
-        add_tier = holder.tiers.add
-        for medium, n in h.per_tier.items():
-            if n:
-                tier = add_tier()
-                tier.medium = medium
-                tier.leading_blocks = n
+    if match.holders:
+        reply.MergeFromString(b"".join([_holder_bytes.get(key) or _encode_holder(key) for key in
+                                        [(h.node_id, h.data_plane_address, h.leading_blocks, *h.per_tier.items())
+                                         for h in match.holders]]))
     return reply
+
+
+def _encode_holder(key: tuple) -> bytes:
+    """A NodePrefix as a field of LookupPrefixResponse (tag, length, message), from its cache key."""
+    node_id, address, leading, *tiers = key
+    holder = pb.NodePrefix(node_id=node_id, data_plane_address=address, leading_blocks=leading,
+                           tiers=[pb.TierPrefix(medium=medium, leading_blocks=n) for medium, n in tiers if n])
+    encoded = holder.SerializeToString()
+    if len(_holder_bytes) >= HOLDER_CACHE_LIMIT:
+        _holder_bytes.clear()
+    _holder_bytes[key] = encoded = _varint(_HOLDERS_FIELD << 3 | 2) + _varint(len(encoded)) + encoded
+    return encoded
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def prefix_match(reply: pb.LookupPrefixResponse) -> PrefixMatch:

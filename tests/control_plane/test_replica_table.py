@@ -1,16 +1,19 @@
-"""The replica's table (control_plane/replica_table.py) on its own: a lookup of a few keys (probed one at a time
-in Python) answers as the vectorised probe does, on a table crowded with keys that share both their buckets (the
-overflow "stash" in use); the table answers as a dict through a random workload of stores, removals and resizes;
-and block keys read from packed hashes, a list of hashes and 8-byte change-stream keys agree."""
+"""The replica's table (control_plane/replica_table.py) on its own, with its native probe (control_plane/_probe.c):
+keys found in both their buckets and in the overflow "stash" of a table crowded with keys that share both buckets;
+the table answers as a dict through a random workload of stores, removals and resizes, key by key and as a
+lookup's leading runs read straight from hashes; the probe refuses arrays that do not match the table; and block
+keys read from packed hashes, a list of hashes and 8-byte change-stream keys agree."""
 
 from __future__ import annotations
 
 import hashlib
 
 import numpy as np
+import pytest
 
+from control_plane import _probe
 from control_plane.model import PackedHashes
-from control_plane.replica_table import BUCKET, SCALAR_PROBE, BlockTable, Values, block_keys, encode_value
+from control_plane.replica_table import BUCKET, BlockTable, Values, block_keys, encode_value
 
 
 def _crowded_table() -> tuple[BlockTable, np.ndarray, np.ndarray]:
@@ -26,20 +29,58 @@ def _crowded_table() -> tuple[BlockTable, np.ndarray, np.ndarray]:
     return table, stored, absent
 
 
-def test_a_few_keys_are_probed_as_the_vectorised_lookup_probes_them():
+def test_the_probe_finds_keys_in_both_buckets_and_in_the_stash():
     table, stored, absent = _crowded_table()
     keys = np.concatenate([stored, absent])
     np.random.default_rng(7).shuffle(keys)
-    whole = table.vids(keys)  # more than SCALAR_PROBE keys: the vectorised probe
-    assert len(keys) > SCALAR_PROBE
-    assert int(np.count_nonzero(whole)) == len(stored)  # every stored key found, no absent one
-    for start in range(0, len(keys), SCALAR_PROBE):
-        part = keys[start:start + SCALAR_PROBE]
-        assert list(table.vids(part)) == list(whole[start:start + SCALAR_PROBE])
+    vid = table._values.vid(encode_value([(3, 2)]))  # slot 3, tier bit 2: what every stored key holds
+    assert list(table.vids(keys)) == [vid if k in set(stored.tolist()) else 0 for k in keys.tolist()]
     stashed = int(np.count_nonzero(table.find(stored) >= table.capacity))
     assert stashed == len(stored) - 2 * BUCKET  # two full buckets, the rest in the stash: the stash was probed
+    assert _leading_runs(table, stored) == [(vid, len(stored))]  # a lookup's runs, from the buckets and the stash
     table.set_vids(stored[:10], np.zeros(10, np.uint32))  # removed, in the buckets and in the stash alike
     assert int(np.count_nonzero(table.vids(keys))) == len(stored) - 10 == len(table)
+    assert _leading_runs(table, stored) == []  # the first block removed: no prefix
+
+
+def test_the_probe_refuses_arrays_that_do_not_match_the_table():
+    """A native probe reads the arrays it is given: one whose size does not match the bucket mask is refused
+    (ValueError), never read past its end."""
+    table, stored, _ = _crowded_table()
+    keys, vids, mask, stash_keys, stash_vids = table._probe_args()
+    out = np.zeros(len(stored), np.uint32)
+    _probe.vids(keys, vids, mask, stash_keys, stash_vids, stored, out)  # the positive control: as given, it reads
+    assert int(np.count_nonzero(out)) == len(stored)
+    for bad in ((keys[:-1], vids, mask, stash_keys, stash_vids), (keys, vids, mask * 2 + 1, stash_keys, stash_vids),
+                (keys, vids, mask, stash_keys, stash_vids[:-1]), (keys, vids, mask - 1, stash_keys, stash_vids)):
+        with pytest.raises(ValueError):
+            _probe.vids(*bad, stored, out)
+        with pytest.raises(ValueError):
+            _probe.leading_runs(*bad, stored.astype("<u8").tobytes(), 8)
+    with pytest.raises(ValueError):
+        _probe.vids(keys, vids, mask, stash_keys, stash_vids, stored, out[:-1])  # too few vids for the keys
+    with pytest.raises(ValueError):
+        _probe.leading_runs(keys, vids, mask, stash_keys, stash_vids, b"x" * 20, 8)  # not whole hashes
+
+
+def _leading_runs(table: BlockTable, keys: np.ndarray, hash_len: int = 8) -> list[tuple[int, int]]:
+    """The probe's leading runs for ``keys`` given as hashes of ``hash_len`` bytes (each key's 8 bytes, then
+    filler that must not count)."""
+    hashes = b"".join(k.to_bytes(8, "little") + b"\xff" * (hash_len - 8) for k in keys.tolist())
+    return _probe.leading_runs(*table._probe_args(), hashes, hash_len)
+
+
+def _model_runs(model: dict[int, int], keys: np.ndarray) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for key in keys.tolist():
+        vid = model.get(key, 0)
+        if not vid:
+            break
+        if runs and runs[-1][0] == vid:
+            runs[-1] = (vid, runs[-1][1] + 1)
+        else:
+            runs.append((vid, 1))
+    return runs
 
 
 def test_block_keys_of_packed_listed_and_8_byte_hashes_agree():
@@ -54,15 +95,19 @@ def test_block_keys_of_packed_listed_and_8_byte_hashes_agree():
     assert listed[0] == int.from_bytes(hashes[0][:8], "little")
     packed[0] = 5  # a copy of its own, not a view of the message's bytes
     assert block_keys(PackedHashes(b"".join(hashes), 32))[0] != 5
+    table = BlockTable(Values())  # a lookup reads its keys from the hashes as block_keys does (the all-zero one too)
+    table.apply_run("s", 1, 1, listed)
+    assert _probe.leading_runs(*table._probe_args(), b"".join(hashes[::-1]), 32) == [(1, len(hashes))]
 
 
 def _check_against_model(table: BlockTable, model: dict[int, int], probes: np.ndarray, whole: bool = True) -> None:
-    """Every probe key's vid (vectorised, and in pieces the scalar probe answers) is the model's; the count too,
-    and (``whole``) every present block."""
+    """Every probe key's vid is the model's, and so are a lookup's leading runs along the probes (8- and 32-byte
+    hashes; present keys first, so that the runs are long); the count too, and (``whole``) every present block."""
     want = np.array([model.get(int(k), 0) for k in probes], np.uint32)
     assert list(table.vids(probes)) == list(want)
-    for start in range(0, len(probes), SCALAR_PROBE):
-        assert list(table.vids(probes[start:start + SCALAR_PROBE])) == list(want[start:start + SCALAR_PROBE])
+    along = np.concatenate([probes[want != 0], probes[want == 0]])
+    assert _leading_runs(table, along) == _leading_runs(table, along, 32) == _model_runs(model, along)
+    assert len(_model_runs(model, along)) > 1 or not along.size  # several values: runs end and begin
     assert len(table) == sum(1 for v in model.values() if v)
     if not whole:
         return
