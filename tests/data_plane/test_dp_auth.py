@@ -3,6 +3,7 @@ signed for the caller's key, this source and the namespace. Forged, expired, oth
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import grpc
@@ -105,3 +106,40 @@ async def test_an_oversized_request_is_refused_by_count_before_its_credentials_a
         assert len(answer.statuses) == limit
         await expect(peer.lookup(ns, [os.urandom(32) for _ in range(limit + 1)], grant=b"x.y"),
                      grpc.StatusCode.INVALID_ARGUMENT, f"{limit + 1} block hashes in one request; the limit is {limit}")
+
+
+async def test_a_peer_keeps_no_more_calls_in_flight_here_than_the_limit(local_node, ns, grant):
+    """A peer holding a valid grant keeps Lookups waiting on a pending block (each up to the longest wait it may
+    ask for). Past ``max_calls_in_flight_per_key`` the next call from its host is refused at once, while the
+    node's own engines are served; once the waits end, the peer is served again."""
+    limit = 4
+    node = await local_node(node_id="src", max_calls_in_flight_per_key=limit, max_pending_wait_ms=30_000)
+    pending, other = os.urandom(32), os.urandom(32)
+    me = NodeIdentity()
+    token = grant(me.public_key, "peer", "src", ns)
+    async with DataPlaneClient(node.address, key=node.core.config.node_key()) as owner, \
+            DataPlaneClient(node.address, peer_proof=lambda g, m: me.proof(g, m, "src")) as peer:
+        await owner.reserve(ns, [pending])  # reserved, not committed: a peer's Lookup waits for it
+        held = [asyncio.create_task(peer.lookup(ns, [pending], pending_wait_ms=30_000, grant=token, timeout=60))
+                for _ in range(limit)]
+        refused = None
+        for _ in range(200):  # until the server has all of them in flight (a call then is refused)
+            try:
+                answer, _ = await peer.lookup(ns, [other], grant=token)
+                assert answer.statuses == [LookupStatus.MISS]
+            except grpc.aio.AioRpcError as exc:
+                refused = exc
+                break
+            await asyncio.sleep(0.02)
+        assert refused is not None, "the peer's calls past the limit were served"
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_calls_in_flight_per_key" in refused.details() and "\n" not in refused.details()
+        assert not any(task.done() for task in held)  # the limit refused the newcomer, not the calls in flight
+        # Positive controls: the node's own key is served meanwhile, and its commit ends the peer's waits.
+        assert (await owner.describe_tier()).block_bytes == node.core.block_bytes
+        await owner.commit(ns, [pending])
+        for task in held:
+            answer, _ = await asyncio.wait_for(task, 10)
+            assert answer.statuses == [LookupStatus.HIT]
+        answer, _ = await peer.lookup(ns, [other], grant=token)
+        assert answer.statuses == [LookupStatus.MISS]
