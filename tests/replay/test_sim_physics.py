@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 
@@ -11,7 +10,7 @@ import pytest
 from control_plane.model import Medium
 from control_plane.routing.config import RoutingSettings
 from control_plane.routing.ledger import PullLedger
-from control_plane.routing.types import KvSource, Policy
+from control_plane.routing.types import KvSource
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.replay.backends import InProcessBackend
 from kvmesh_apps.replay.engine import Seq

@@ -26,7 +26,6 @@ import uuid
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 
 from kvmesh.channels import channel
