@@ -128,14 +128,17 @@ class DataPlaneClient:
     async def pull(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                    timeout_ms: int = 0, source_media: Iterable[Medium] | None = None,
                    first_block_index: int = 0, grant: bytes = b"", route_token: str = "",
+                   lease_ms: int = 0, media: Iterable[Medium] | None = None,
                    timeout: float | None = None) -> PullResult:
-        """``timeout`` (the RPC deadline) defaults to the pull's own bound plus a margin."""
+        """``timeout`` (the RPC deadline) defaults to the pull's own bound plus a margin. ``lease_ms`` > 0: the
+        answer's ``slots`` and ``lease_id`` are :meth:`acquire`'s of ``hashes`` in ``media``, in the same call."""
         if timeout is None:
             timeout = (timeout_ms or 60_000) / 1000 + 5
         r = await self._stub.Pull(pb.PullRequest(
             namespace=ns.to_proto(), block_hashes=hashes, source_node_id=source_node_id,
             source_address=source_address, timeout_ms=timeout_ms, source_media=wire.media_to_pb(source_media),
-            first_block_index=first_block_index, grant=grant, route_token=route_token), timeout=timeout)
+            first_block_index=first_block_index, grant=grant, route_token=route_token, lease_ms=lease_ms,
+            media=wire.media_to_pb(media)), timeout=timeout)
         return wire.pull_result(r)
 
     async def ping(self, timeout: float | None = 10.0) -> None:

@@ -29,7 +29,7 @@ import logging
 import time
 from collections import defaultdict
 from operator import attrgetter, itemgetter
-from typing import Awaitable, Callable, Iterable, Iterator
+from typing import Awaitable, Callable, Collection, Iterable, Iterator
 
 import numpy as np
 
@@ -314,14 +314,16 @@ class DataPlaneCore:
                 self.tier.abort(block)
 
     async def acquire(self, ns: Namespace, hashes: list[bytes], media: frozenset[Medium], lease_ms: int = 0,
-                      holder: str = LOCAL_HOLDER) -> tuple[list[int], str]:
+                      holder: str = LOCAL_HOLDER, checked: Collection[Block] = ()) -> tuple[list[int], str]:
         """Pins the leading committed blocks of the tenant's current epoch (promoting from disk when allowed)
         whose bytes are still the ones stored under their key; their slots and the lease.
 
         The tier is memory peers can WRITE into (an honest source misled, a malicious one, anyone who can
         reach this node's UCX worker), so each block's CRC-32C is checked against the one recorded when it
         was stored before the engine gets its slot: a block that changed is dropped from the tier and ends
-        the run (MISS from there)."""
+        the run (MISS from there). ``checked``: records a pull has just checked and committed (a Pull with a
+        lease ends with this call, the moment its check has passed, as this call's own check would): those
+        are not checked a second time, as long as the tier still holds that very record, not one stored since."""
         hashes = self.check(ns, hashes)
         pinned: list[Block] = []
         epoch = self.epochs.current(ns.tenant)
@@ -333,7 +335,11 @@ class DataPlaneCore:
                     break
                 self.tier.pin(block)
                 pinned.append(block)
-        intact = await self._checker.first_mismatch([b.slot for b in pinned], [b.checksum for b in pinned])
+        fresh = set(map(id, checked))
+        unchecked = [i for i, b in enumerate(pinned) if id(b) not in fresh] if fresh else range(len(pinned))
+        bad = await self._checker.first_mismatch([pinned[i].slot for i in unchecked],
+                                                 [pinned[i].checksum for i in unchecked])
+        intact = unchecked[bad] if bad < len(unchecked) else len(pinned)
         for block in pinned[intact:]:
             self.tier.unpin(block)
         if intact < len(pinned):

@@ -34,7 +34,7 @@ import asyncio
 import enum
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Awaitable, Callable
 
@@ -196,7 +196,7 @@ class Prefetcher:
         return self._as_joined(ns, hashes, PullResult(
             again.statuses, first.pulled + again.pulled, first.already_local, first.bytes_pulled + again.bytes_pulled,
             first.lookup_ms + again.lookup_ms, first.transfer_ms + again.transfer_ms, first.joined + again.joined,
-            again.refused))
+            again.refused, checked=first.checked + again.checked))
 
     def _as_joined(self, ns: Namespace, hashes: list[bytes], result: PullResult) -> PullResult:
         """``result`` with the leading local blocks that a prefetch brought (it landed before this Pull came)
@@ -209,8 +209,8 @@ class Prefetcher:
         moved_here = result.already_local - start
         if not moved_here:
             return result
-        return PullResult(result.statuses, result.pulled + moved_here, start, result.bytes_pulled, result.lookup_ms,
-                          result.transfer_ms, result.joined + moved_here, result.refused)
+        return replace(result, pulled=result.pulled + moved_here, already_local=start,
+                       joined=result.joined + moved_here)
 
     def acquired(self, ns: Namespace, hashes: list[bytes]) -> None:
         """A local engine acquired ``hashes``: prefetched bytes among them are used; the current span (the

@@ -116,10 +116,10 @@ class Pulls:
         claim = asyncio.get_running_loop().create_future()  # one for all the blocks this pull brings
         claims = keys if len(own) == len(keys) else [keys[i] for i in own]
         self.arriving.update(dict.fromkeys(claims, claim))
-        moved, lookup_ms, transfer_ms, refused = 0, 0.0, 0.0, ""
+        fetched, lookup_ms, transfer_ms, refused = (), 0.0, 0.0, ""
         try:
             if own:
-                moved, lookup_ms, transfer_ms, refused = await self._fetch(
+                fetched, lookup_ms, transfer_ms, refused = await self._fetch(
                     ns, hashes, own, source_node_id, source_address, deadline, source_media, first_block_index,
                     grant, route_token)
         finally:
@@ -132,8 +132,8 @@ class Pulls:
         leading = next(compress(count(), map(is_, statuses, repeat(LookupStatus.MISS))), len(statuses))
         joined_in_lead = sum(1 for i in joined if i < leading)
         self.metrics.joined(joined_in_lead)
-        return PullResult(statuses, leading - already_local, already_local, moved * self.block_bytes, lookup_ms,
-                          transfer_ms, joined=joined_in_lead, refused=refused)
+        return PullResult(statuses, leading - already_local, already_local, len(fetched) * self.block_bytes,
+                          lookup_ms, transfer_ms, joined=joined_in_lead, refused=refused, checked=fetched)
 
     def _classify(self, keys: list[BlockKey], held: list[Block | None], epoch: str
                   ) -> tuple[int, list[int], list[int]]:
@@ -185,13 +185,13 @@ class Pulls:
     async def _fetch(self, ns: Namespace, hashes: list[bytes], wanted: list[int], source_node_id: str,
                      source_address: str, deadline: float, source_media: frozenset[Medium],
                      first_block_index: int, grant: bytes, route_token: bytes
-                     ) -> tuple[int, float, float, str]:
-        """Brings ``wanted`` (indexes, chain order) from the source; (blocks moved, lookup ms, transfer ms,
-        why it was refused before any transfer, or "")."""
+                     ) -> tuple[tuple[Block, ...], float, float, str]:
+        """Brings ``wanted`` (indexes, chain order) from the source; (the blocks it checked and committed, lookup
+        ms, transfer ms, why it was refused before any transfer, or "")."""
         refusal = self._node.quarantine.refusal(source_node_id)
         if refusal:
             log.warning("pull from %s: %s; answering MISS", source_address, refusal)
-            return 0, 0.0, 0.0, refusal
+            return (), 0.0, 0.0, refusal
         held = self._node.quarantine.reclaimer.quarantined_from(source_node_id)
         if held:  # a source that failed here already: a pull puts at most what is left of its budget at risk
             wanted = wanted[:self.config.quarantine_budget - held]
@@ -204,7 +204,7 @@ class Pulls:
                     self._tenant_limits[ns.tenant] = limit
                 except PermissionDenied as exc:
                     log.info("pull: %s; answering MISS", exc)
-                    return 0, 0.0, 0.0, str(exc)
+                    return (), 0.0, 0.0, str(exc)
             if self._routes is not None:
                 await self._within(self._routes(route_token, ns.tenant, source_node_id, source_address), deadline,
                                    "checking the route token")
@@ -227,11 +227,11 @@ class Pulls:
                 deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
             log.warning("pull from %s: %s; answering MISS", source_address, exc)
-            return 0, 0.0, 0.0, str(exc) if isinstance(exc, PermissionDenied) else ""
+            return (), 0.0, 0.0, str(exc) if isinstance(exc, PermissionDenied) else ""
         if source_node_id and peer.node_id != source_node_id:
             log.warning("pull: %s is node %s, not %s (stale route); answering MISS",
                         source_address, peer.node_id, source_node_id)
-            return 0, 0.0, 0.0, ""
+            return (), 0.0, 0.0, ""
 
         t0 = time.perf_counter()
         if peer.agent_name:  # the source hands out its metadata: READ one-sided
@@ -241,7 +241,7 @@ class Pulls:
             fetched = await self._fetch_by_write(peer, ns, hashes, wanted, source_media, deadline, grant,
                                                  first_block_index, limit)
         if fetched is None:
-            return 0, (time.perf_counter() - t0) * 1000, 0.0, ""
+            return (), (time.perf_counter() - t0) * 1000, 0.0, ""
         blocks, checksums, lookup_ms, transfer_ms, checks = fetched
         arrived = bool(blocks)
         committed: list[Block] = []
@@ -267,7 +267,7 @@ class Pulls:
             ATTR.SOURCE_NODE: source_node_id, ATTR.OUTCOME: "pulled" if n else "miss"})
         self.metrics.bytes("pulled", n * self.block_bytes)
         self.metrics.pull((lookup_ms + transfer_ms) / 1000, n, len(wanted) - n)
-        return n, lookup_ms, transfer_ms, ""
+        return tuple(committed), lookup_ms, transfer_ms, ""
 
     async def _fetch_by_read(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                              source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,

@@ -6,6 +6,8 @@ needs this node's own key; the peer API needs a pull grant for the namespace.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvmesh.errors import InvalidArgument, PermissionDenied
 from kvmesh.grpc_errors import grpc_errors
 from kvmesh.namespace import Namespace
@@ -93,11 +95,16 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     @grpc_errors
     async def Pull(self, request, context):
         self._auth.require_local("Pull")
+        ns, hashes = Namespace.from_proto(request.namespace), self._hashes(request)
         result = await self._prefetcher.pull(  # the core's pull, joining route-time prefetches (data_plane.prefetch)
-            Namespace.from_proto(request.namespace), self._hashes(request), request.source_node_id,
-            request.source_address, timeout_ms=request.timeout_ms,
+            ns, hashes, request.source_node_id, request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
             grant=wire.grant_token(request.grant), route_token=wire.grant_token(request.route_token.encode()))
+        if request.lease_ms:  # the engine's Acquire, in the same call
+            slots, lease_id = await self._core.acquire(ns, hashes, wire.media_from_pb(request.media),
+                                                       request.lease_ms, checked=result.checked)
+            self._prefetcher.acquired(ns, hashes[:len(slots)])
+            result = replace(result, slots=slots, lease_id=lease_id)
         return wire.pull_response(result)
 
     @grpc_errors

@@ -8,7 +8,7 @@ converts to and from protos at the gRPC edge.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Iterable, NamedTuple
 
@@ -105,6 +105,9 @@ class PullResult:
     transfer_ms: float
     joined: int = 0  # of ``pulled``: blocks another in-flight pull on this node brought (coalesced)
     refused: str = ""  # why the pull was refused before any transfer ("" when it was not)
+    slots: list[int] = field(default_factory=list)  # with a lease: the leading blocks' slots, pinned (as Acquire)
+    lease_id: str = ""
+    checked: tuple = ()  # the tier's records of the blocks this pull checked and committed (not on the wire)
 
 
 def validate_hashes(ns: Namespace, hashes: list[bytes], max_hashes: int) -> list[bytes]:

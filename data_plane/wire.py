@@ -122,6 +122,8 @@ def pull_response(result: PullResult) -> pb.PullResponse:
         transfer_ms=result.transfer_ms,
         blocks_joined=result.joined,
         refused=result.refused,
+        slots=result.slots,
+        lease_id=result.lease_id,
     )
 
 
@@ -135,4 +137,6 @@ def pull_result(msg: pb.PullResponse) -> PullResult:
         transfer_ms=msg.transfer_ms,
         joined=msg.blocks_joined,
         refused=msg.refused,
+        slots=list(msg.slots),
+        lease_id=msg.lease_id,
     )

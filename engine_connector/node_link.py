@@ -120,13 +120,15 @@ class NodeLink:
 
     async def pull_async(self, ns: Namespace, hashes: list[bytes], source_node_id: str, source_address: str, *,
                          timeout_ms: int, source_media: Iterable[Medium], first_block_index: int,
-                         route_token: str = "") -> PullResult:
+                         route_token: str = "", lease_ms: int = 0, media: Iterable[Medium] = ()) -> PullResult:
         """Pull from a peer through the local data plane: the data plane bounds it by ``timeout_ms``,
         the RPC's own deadline adds 2 s for the answer to come back. ``route_token``: Route's signature on
-        the source, as the request carried it (nodes with require_route_token need it)."""
+        the source, as the request carried it (nodes with require_route_token need it). ``lease_ms`` > 0: the
+        pull ends with the Acquire of ``hashes`` in ``media`` (the result's ``slots`` and ``lease_id``)."""
         return await self._dp.pull(ns, hashes, source_node_id, source_address, timeout_ms=timeout_ms,
                                    source_media=source_media, first_block_index=first_block_index,
-                                   route_token=route_token, timeout=timeout_ms / 1000 + 2.0)
+                                   route_token=route_token, lease_ms=lease_ms, media=media,
+                                   timeout=timeout_ms / 1000 + 2.0)
 
     def reserve(self, ns: Namespace, hashes: list[bytes], *, max_offload_tokens: int, first_block_index: int,
                 protected_blocks: int) -> list[int]:

@@ -202,7 +202,7 @@ class SchedulerSide:
     async def _find_in(self, req_id: str, params: TransferParams, hashes: list[bytes], first: int,
                        report: LoadReport) -> _Lookup | None:
         started = time.perf_counter()
-        peer = (0, 0)
+        peer, slots, lease = (0, 0), [], ""
         try:
             source = await self._source(req_id, params, hashes, report)
         except _RPC_ERRORS as exc:
@@ -211,17 +211,19 @@ class SchedulerSide:
             logger.warning("request %s: no source: %s", req_id, report.error)
         if source is not None:
             try:
-                peer = await self._pull(req_id, params, hashes, first, *source, report)
+                peer, slots, lease = await self._pull(req_id, params, hashes, first, *source, report)
             except _RPC_ERRORS as exc:
                 report.outcome, report.error = "pull_failed", _describe(exc)
                 logger.warning("request %s: pull from %s failed: %s; vLLM computes what is missing", req_id,
                                source[0], report.error)
-        try:
-            slots, lease = await self._link.acquire_async(self._ns, hashes, params.local_media, self._config.lease_ms)
-        except _RPC_ERRORS as exc:
-            report.outcome, report.error = "data_plane_error", _describe(exc)
-            logger.warning("request %s: %s; vLLM computes the prefix", req_id, report.error)
-            return None
+        if not lease:  # no pull, or one that pinned nothing: what is here, if anything
+            try:
+                slots, lease = await self._link.acquire_async(self._ns, hashes, params.local_media,
+                                                              self._config.lease_ms)
+            except _RPC_ERRORS as exc:
+                report.outcome, report.error = "data_plane_error", _describe(exc)
+                logger.warning("request %s: %s; vLLM computes the prefix", req_id, report.error)
+                return None
         report.lookup_ms += (time.perf_counter() - started) * 1e3 - report.pull_ms
         if not slots:
             if report.outcome == "none":
@@ -258,17 +260,19 @@ class SchedulerSide:
         return node_id
 
     async def _pull(self, req_id: str, params: TransferParams, hashes: list[bytes], first: int, node_id: str,
-                    address: str, report: LoadReport) -> tuple[int, int]:
-        """Pull from the peer; [start, end) of ``hashes`` it brought."""
+                    address: str, report: LoadReport) -> tuple[tuple[int, int], list[int], str]:
+        """Pull from the peer, then pin the prefix in the same call: [start, end) of ``hashes`` it brought, and
+        the leading blocks' slots and lease (as Acquire's; no lease when nothing was pinned)."""
         if node_id == self._node_id:
-            return 0, 0  # the source is this node: a local hit
+            return (0, 0), [], ""  # the source is this node: a local hit
         started = time.perf_counter()
         route_token = params.source.route_token if params.source is not None else ""
         try:
             result = await self._link.pull_async(self._ns, hashes, node_id, address,
                                                  timeout_ms=self._config.pull_timeout_ms,
                                                  source_media=params.peer_media, first_block_index=first,
-                                                 route_token=route_token)
+                                                 route_token=route_token, lease_ms=self._config.lease_ms,
+                                                 media=params.local_media)
         finally:
             report.pull_ms += (time.perf_counter() - started) * 1e3
             report.source = node_id
@@ -281,7 +285,7 @@ class SchedulerSide:
         report.outcome = "pulled" if result.pulled else "pull_missed"
         logger.info("request %s: pulled %d block(s) from %s (%d already here) in %.1f ms", req_id,
                     result.pulled, node_id, result.already_local, (time.perf_counter() - started) * 1e3)
-        return result.already_local, result.already_local + result.pulled
+        return (result.already_local, result.already_local + result.pulled), result.slots, result.lease_id
 
     @staticmethod
     def _result(task: _Task) -> tuple[_Lookup | None, LoadReport]:

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/data_plane.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"|\n\x1c\x45xchangeAgentMetadataRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x1e\n\x16\x61gent_challenge_answer\x18\x04 \x01(\x0c\"\xaf\x01\n\x1d\x45xchangeAgentMetadataResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14\x61gent_challenge_sent\x18\x05 \x01(\x08\x12\x1e\n\x16\x61gent_challenge_digest\x18\x06 \x01(\x0c\"\xde\x01\n\rLookupRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63onsumer_node_id\x18\x03 \x01(\t\x12\x17\n\x0fpending_wait_ms\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12 \n\x05media\x18\x06 \x03(\x0e\x32\x11.kvmesh.v1.Medium\x12\x15\n\rlanding_addrs\x18\x07 \x03(\x04\x12\x10\n\x08lease_id\x18\x08 \x01(\t\"\x94\x01\n\x0eLookupResponse\x12(\n\x08statuses\x18\x01 \x03(\x0e\x32\x16.kvmesh.v1.BlockStatus\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x07\x12\r\n\x05\x61\x64\x64rs\x18\x06 \x03(\x06J\x04\x08\x02\x10\x03R\tlocations\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"6\n\x0fReleaseResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x08\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\xf8\x01\n\x0bPullRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x16\n\x0esource_node_id\x18\x03 \x01(\t\x12\x16\n\x0esource_address\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\'\n\x0csource_media\x18\x06 \x03(\x0e\x32\x11.kvmesh.v1.Medium\x12\x19\n\x11\x66irst_block_index\x18\x07 \x01(\r\x12\r\n\x05grant\x18\x08 \x01(\x0c\x12\x13\n\x0broute_token\x18\t \x01(\t\"\xd3\x01\n\x0cPullResponse\x12\x15\n\rblocks_pulled\x18\x01 \x01(\r\x12\x1c\n\x14\x62locks_already_local\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_pulled\x18\x03 \x01(\x04\x12(\n\x08statuses\x18\x04 \x03(\x0e\x32\x16.kvmesh.v1.BlockStatus\x12\x11\n\tlookup_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x15\n\rblocks_joined\x18\x07 \x01(\r\x12\x0f\n\x07refused\x18\x08 \x01(\t\"\x15\n\x13\x44\x65scribeTierRequest\"\xa0\x01\n\x14\x44\x65scribeTierResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x0e\n\x06locked\x18\x05 \x01(\x08\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x17\n\x0fpeer_public_key\x18\x07 \x01(\x0c\"\xa0\x01\n\x0eReserveRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12max_offload_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x66irst_block_index\x18\x04 \x01(\r\x12\x18\n\x10protected_blocks\x18\x05 \x01(\r\" \n\x0fReserveResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\"N\n\rCommitRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"M\n\x0c\x41\x62ortRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\x0f\n\rAbortResponse\"\x83\x01\n\x0e\x41\x63quireRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12 \n\x05media\x18\x03 \x03(\x0e\x32\x11.kvmesh.v1.Medium\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"2\n\x0f\x41\x63quireResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"`\n\x0fPrefetchRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06ticket\x18\x03 \x01(\t\"=\n\x10PrefetchResponse\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.kvmesh.v1.PrefetchStatus*v\n\x0b\x42lockStatus\x12\x1c\n\x18\x42LOCK_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10\x42LOCK_STATUS_HIT\x10\x01\x12\x15\n\x11\x42LOCK_STATUS_MISS\x10\x02\x12\x1c\n\x18\x42LOCK_STATUS_HIT_PENDING\x10\x03*\xa9\x01\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17PREFETCH_STATUS_STARTED\x10\x01\x12\x1d\n\x19PREFETCH_STATUS_IN_FLIGHT\x10\x02\x12\x1c\n\x18PREFETCH_STATUS_DISABLED\x10\x03\x12\x1c\n\x18PREFETCH_STATUS_OVER_CAP\x10\x04\x32\xff\x05\n\tDataPlane\x12j\n\x15\x45xchangeAgentMetadata\x12\'.kvmesh.v1.ExchangeAgentMetadataRequest\x1a(.kvmesh.v1.ExchangeAgentMetadataResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse\x12\x37\n\x04Pull\x12\x16.kvmesh.v1.PullRequest\x1a\x17.kvmesh.v1.PullResponse\x12\x43\n\x08Prefetch\x12\x1a.kvmesh.v1.PrefetchRequest\x1a\x1b.kvmesh.v1.PrefetchResponse\x12O\n\x0c\x44\x65scribeTier\x12\x1e.kvmesh.v1.DescribeTierRequest\x1a\x1f.kvmesh.v1.DescribeTierResponse\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvmesh.v1.CommitRequest\x1a\x19.kvmesh.v1.CommitResponse\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12@\n\x07\x41\x63quire\x12\x19.kvmesh.v1.AcquireRequest\x1a\x1a.kvmesh.v1.AcquireResponse\x12\x37\n\x04Ping\x12\x16.kvmesh.v1.PingRequest\x1a\x17.kvmesh.v1.PingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/data_plane.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"|\n\x1c\x45xchangeAgentMetadataRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x1e\n\x16\x61gent_challenge_answer\x18\x04 \x01(\x0c\"\xaf\x01\n\x1d\x45xchangeAgentMetadataResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14\x61gent_challenge_sent\x18\x05 \x01(\x08\x12\x1e\n\x16\x61gent_challenge_digest\x18\x06 \x01(\x0c\"\xde\x01\n\rLookupRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x18\n\x10\x63onsumer_node_id\x18\x03 \x01(\t\x12\x17\n\x0fpending_wait_ms\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12 \n\x05media\x18\x06 \x03(\x0e\x32\x11.kvmesh.v1.Medium\x12\x15\n\rlanding_addrs\x18\x07 \x03(\x04\x12\x10\n\x08lease_id\x18\x08 \x01(\t\"\x94\x01\n\x0eLookupResponse\x12(\n\x08statuses\x18\x01 \x03(\x0e\x32\x16.kvmesh.v1.BlockStatus\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x07\x12\r\n\x05\x61\x64\x64rs\x18\x06 \x03(\x06J\x04\x08\x02\x10\x03R\tlocations\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"6\n\x0fReleaseResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x08\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\xac\x02\n\x0bPullRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x16\n\x0esource_node_id\x18\x03 \x01(\t\x12\x16\n\x0esource_address\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\'\n\x0csource_media\x18\x06 \x03(\x0e\x32\x11.kvmesh.v1.Medium\x12\x19\n\x11\x66irst_block_index\x18\x07 \x01(\r\x12\r\n\x05grant\x18\x08 \x01(\x0c\x12\x13\n\x0broute_token\x18\t \x01(\t\x12\x10\n\x08lease_ms\x18\n \x01(\r\x12 \n\x05media\x18\x0b \x03(\x0e\x32\x11.kvmesh.v1.Medium\"\xf4\x01\n\x0cPullResponse\x12\x15\n\rblocks_pulled\x18\x01 \x01(\r\x12\x1c\n\x14\x62locks_already_local\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_pulled\x18\x03 \x01(\x04\x12(\n\x08statuses\x18\x04 \x03(\x0e\x32\x16.kvmesh.v1.BlockStatus\x12\x11\n\tlookup_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x15\n\rblocks_joined\x18\x07 \x01(\r\x12\x0f\n\x07refused\x18\x08 \x01(\t\x12\r\n\x05slots\x18\t \x03(\x05\x12\x10\n\x08lease_id\x18\n \x01(\t\"\x15\n\x13\x44\x65scribeTierRequest\"\xa0\x01\n\x14\x44\x65scribeTierResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x0e\n\x06locked\x18\x05 \x01(\x08\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x17\n\x0fpeer_public_key\x18\x07 \x01(\x0c\"\xa0\x01\n\x0eReserveRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12max_offload_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x66irst_block_index\x18\x04 \x01(\r\x12\x18\n\x10protected_blocks\x18\x05 \x01(\r\" \n\x0fReserveResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\"N\n\rCommitRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"M\n\x0c\x41\x62ortRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\x0f\n\rAbortResponse\"\x83\x01\n\x0e\x41\x63quireRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12 \n\x05media\x18\x03 \x03(\x0e\x32\x11.kvmesh.v1.Medium\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"2\n\x0f\x41\x63quireResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"`\n\x0fPrefetchRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06ticket\x18\x03 \x01(\t\"=\n\x10PrefetchResponse\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.kvmesh.v1.PrefetchStatus*v\n\x0b\x42lockStatus\x12\x1c\n\x18\x42LOCK_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10\x42LOCK_STATUS_HIT\x10\x01\x12\x15\n\x11\x42LOCK_STATUS_MISS\x10\x02\x12\x1c\n\x18\x42LOCK_STATUS_HIT_PENDING\x10\x03*\xa9\x01\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17PREFETCH_STATUS_STARTED\x10\x01\x12\x1d\n\x19PREFETCH_STATUS_IN_FLIGHT\x10\x02\x12\x1c\n\x18PREFETCH_STATUS_DISABLED\x10\x03\x12\x1c\n\x18PREFETCH_STATUS_OVER_CAP\x10\x04\x32\xff\x05\n\tDataPlane\x12j\n\x15\x45xchangeAgentMetadata\x12\'.kvmesh.v1.ExchangeAgentMetadataRequest\x1a(.kvmesh.v1.ExchangeAgentMetadataResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse\x12\x37\n\x04Pull\x12\x16.kvmesh.v1.PullRequest\x1a\x17.kvmesh.v1.PullResponse\x12\x43\n\x08Prefetch\x12\x1a.kvmesh.v1.PrefetchRequest\x1a\x1b.kvmesh.v1.PrefetchResponse\x12O\n\x0c\x44\x65scribeTier\x12\x1e.kvmesh.v1.DescribeTierRequest\x1a\x1f.kvmesh.v1.DescribeTierResponse\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvmesh.v1.CommitRequest\x1a\x19.kvmesh.v1.CommitResponse\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12@\n\x07\x41\x63quire\x12\x19.kvmesh.v1.AcquireRequest\x1a\x1a.kvmesh.v1.AcquireResponse\x12\x37\n\x04Ping\x12\x16.kvmesh.v1.PingRequest\x1a\x17.kvmesh.v1.PingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.data_plane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BLOCKSTATUS']._serialized_start=2245
-  _globals['_BLOCKSTATUS']._serialized_end=2363
-  _globals['_PREFETCHSTATUS']._serialized_start=2366
-  _globals['_PREFETCHSTATUS']._serialized_end=2535
+  _globals['_BLOCKSTATUS']._serialized_start=2330
+  _globals['_BLOCKSTATUS']._serialized_end=2448
+  _globals['_PREFETCHSTATUS']._serialized_start=2451
+  _globals['_PREFETCHSTATUS']._serialized_end=2620
   _globals['_EXCHANGEAGENTMETADATAREQUEST']._serialized_start=65
   _globals['_EXCHANGEAGENTMETADATAREQUEST']._serialized_end=189
   _globals['_EXCHANGEAGENTMETADATARESPONSE']._serialized_start=192
@@ -49,33 +49,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=781
   _globals['_RELEASERESPONSE']._serialized_end=835
   _globals['_PULLREQUEST']._serialized_start=838
-  _globals['_PULLREQUEST']._serialized_end=1086
-  _globals['_PULLRESPONSE']._serialized_start=1089
-  _globals['_PULLRESPONSE']._serialized_end=1300
-  _globals['_DESCRIBETIERREQUEST']._serialized_start=1302
-  _globals['_DESCRIBETIERREQUEST']._serialized_end=1323
-  _globals['_DESCRIBETIERRESPONSE']._serialized_start=1326
-  _globals['_DESCRIBETIERRESPONSE']._serialized_end=1486
-  _globals['_RESERVEREQUEST']._serialized_start=1489
-  _globals['_RESERVEREQUEST']._serialized_end=1649
-  _globals['_RESERVERESPONSE']._serialized_start=1651
-  _globals['_RESERVERESPONSE']._serialized_end=1683
-  _globals['_COMMITREQUEST']._serialized_start=1685
-  _globals['_COMMITREQUEST']._serialized_end=1763
-  _globals['_COMMITRESPONSE']._serialized_start=1765
-  _globals['_COMMITRESPONSE']._serialized_end=1800
-  _globals['_ABORTREQUEST']._serialized_start=1802
-  _globals['_ABORTREQUEST']._serialized_end=1879
-  _globals['_ABORTRESPONSE']._serialized_start=1881
-  _globals['_ABORTRESPONSE']._serialized_end=1896
-  _globals['_ACQUIREREQUEST']._serialized_start=1899
-  _globals['_ACQUIREREQUEST']._serialized_end=2030
-  _globals['_ACQUIRERESPONSE']._serialized_start=2032
-  _globals['_ACQUIRERESPONSE']._serialized_end=2082
-  _globals['_PREFETCHREQUEST']._serialized_start=2084
-  _globals['_PREFETCHREQUEST']._serialized_end=2180
-  _globals['_PREFETCHRESPONSE']._serialized_start=2182
-  _globals['_PREFETCHRESPONSE']._serialized_end=2243
-  _globals['_DATAPLANE']._serialized_start=2538
-  _globals['_DATAPLANE']._serialized_end=3305
+  _globals['_PULLREQUEST']._serialized_end=1138
+  _globals['_PULLRESPONSE']._serialized_start=1141
+  _globals['_PULLRESPONSE']._serialized_end=1385
+  _globals['_DESCRIBETIERREQUEST']._serialized_start=1387
+  _globals['_DESCRIBETIERREQUEST']._serialized_end=1408
+  _globals['_DESCRIBETIERRESPONSE']._serialized_start=1411
+  _globals['_DESCRIBETIERRESPONSE']._serialized_end=1571
+  _globals['_RESERVEREQUEST']._serialized_start=1574
+  _globals['_RESERVEREQUEST']._serialized_end=1734
+  _globals['_RESERVERESPONSE']._serialized_start=1736
+  _globals['_RESERVERESPONSE']._serialized_end=1768
+  _globals['_COMMITREQUEST']._serialized_start=1770
+  _globals['_COMMITREQUEST']._serialized_end=1848
+  _globals['_COMMITRESPONSE']._serialized_start=1850
+  _globals['_COMMITRESPONSE']._serialized_end=1885
+  _globals['_ABORTREQUEST']._serialized_start=1887
+  _globals['_ABORTREQUEST']._serialized_end=1964
+  _globals['_ABORTRESPONSE']._serialized_start=1966
+  _globals['_ABORTRESPONSE']._serialized_end=1981
+  _globals['_ACQUIREREQUEST']._serialized_start=1984
+  _globals['_ACQUIREREQUEST']._serialized_end=2115
+  _globals['_ACQUIRERESPONSE']._serialized_start=2117
+  _globals['_ACQUIRERESPONSE']._serialized_end=2167
+  _globals['_PREFETCHREQUEST']._serialized_start=2169
+  _globals['_PREFETCHREQUEST']._serialized_end=2265
+  _globals['_PREFETCHRESPONSE']._serialized_start=2267
+  _globals['_PREFETCHRESPONSE']._serialized_end=2328
+  _globals['_DATAPLANE']._serialized_start=2623
+  _globals['_DATAPLANE']._serialized_end=3390
 # @@protoc_insertion_point(module_scope)

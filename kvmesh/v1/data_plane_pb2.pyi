@@ -109,7 +109,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, settled: _Optional[bool] = ..., agent_name: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "source_node_id", "source_address", "timeout_ms", "source_media", "first_block_index", "grant", "route_token")
+    __slots__ = ("namespace", "block_hashes", "source_node_id", "source_address", "timeout_ms", "source_media", "first_block_index", "grant", "route_token", "lease_ms", "media")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class PullRequest(_message.Message):
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     ROUTE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.Namespace
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     source_node_id: str
@@ -128,10 +130,12 @@ class PullRequest(_message.Message):
     first_block_index: int
     grant: bytes
     route_token: str
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., source_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., source_media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., first_block_index: _Optional[int] = ..., grant: _Optional[bytes] = ..., route_token: _Optional[str] = ...) -> None: ...
+    lease_ms: int
+    media: _containers.RepeatedScalarFieldContainer[_common_pb2.Medium]
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., source_node_id: _Optional[str] = ..., source_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., source_media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ..., first_block_index: _Optional[int] = ..., grant: _Optional[bytes] = ..., route_token: _Optional[str] = ..., lease_ms: _Optional[int] = ..., media: _Optional[_Iterable[_Union[_common_pb2.Medium, str]]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("blocks_pulled", "blocks_already_local", "bytes_pulled", "statuses", "lookup_ms", "transfer_ms", "blocks_joined", "refused")
+    __slots__ = ("blocks_pulled", "blocks_already_local", "bytes_pulled", "statuses", "lookup_ms", "transfer_ms", "blocks_joined", "refused", "slots", "lease_id")
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_ALREADY_LOCAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +144,8 @@ class PullResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_JOINED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     blocks_pulled: int
     blocks_already_local: int
     bytes_pulled: int
@@ -148,7 +154,9 @@ class PullResponse(_message.Message):
     transfer_ms: float
     blocks_joined: int
     refused: str
-    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_already_local: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., blocks_joined: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: str
+    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_already_local: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., lookup_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., blocks_joined: _Optional[int] = ..., refused: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class DescribeTierRequest(_message.Message):
     __slots__ = ()

@@ -13,7 +13,10 @@ the worse case). ``transfer_gbps_*`` is the gated send alone (the call in
 which the source WRITEs the blocks its Lookup pinned, from the node's own
 timing). ``acquire_ms_*``: the destination's local ``Acquire`` of all the blocks a
 gated pull brought (what an engine asks before reading them; it checks each
-block's CRC-32C). ``memcpy_gbps`` is a
+block's CRC-32C); ``pull_then_acquire_ms_*`` the gated pull and that Acquire
+(per round, summed), ``pull_pinned_ms_*`` a gated Pull asked to pin the prefix
+itself (``lease_ms``: the engine's path, one call, the pulled blocks checked
+once), in rounds alternating with the others. ``memcpy_gbps`` is a
 single-thread copy of the same bytes in this process, measured between the
 pull rounds. ``raw_nixl_gbps_*`` is the floor the transport sets: the same
 blocks WRITten by NIXL alone between two other processes, no kvmesh code
@@ -143,20 +146,26 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
             grants = {mode: sign(dst.node_id, description.peer_public_key, source.node_id)
                       for mode, source in sources.items()}
             peer_grant = sign("bench-peer", me.public_key, src.node_id)
-            wall: dict[str, list[float]] = {"gated": [], "ungated": []}
+            wall: dict[str, list[float]] = {"gated": [], "ungated": [], "pinned": []}
             transfer: list[float] = []
             acquire: list[float] = []
             memcpy = []
             copier = _Memcpy(n * block_bytes)
+            modes = ("gated", "ungated", "pinned")
             for r in range(rounds + 1):  # round 0 warms up (handshake, registration caches)
-                for mode in (("gated", "ungated") if r % 2 else ("ungated", "gated")):
-                    source = sources[mode]
-                    hashes = await _fill_source(clients[mode], tiers[mode], n, first=r == 0)
+                for mode in modes[r % 3:] + modes[:r % 3]:  # each mode first in turn
+                    by = "ungated" if mode == "ungated" else "gated"  # the pinned pull is a gated one
+                    source = sources[by]
+                    hashes = await _fill_source(clients[by], tiers[by], n, first=r == 0)
                     t0 = time.perf_counter()
-                    result = await dc.pull(NS, hashes, source.node_id, source.address, grant=grants[mode])
+                    result = await dc.pull(NS, hashes, source.node_id, source.address, grant=grants[by],
+                                           lease_ms=60_000 if mode == "pinned" else 0)
                     elapsed = time.perf_counter() - t0
-                    if result.pulled != n:
-                        raise RuntimeError(f"pull {name} ({mode}): only {result.pulled} of {n} blocks arrived")
+                    if result.pulled != n or (mode == "pinned" and len(result.slots) != n):
+                        raise RuntimeError(f"pull {name} ({mode}): only {result.pulled} of {n} blocks arrived, "
+                                           f"{len(result.slots)} pinned")
+                    if result.lease_id:
+                        await dc.release(result.lease_id)
                     if r:
                         wall[mode].append(elapsed)
                         if mode == "gated":
@@ -215,6 +224,8 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
         f"pull_gbps_{name}_ungated": nbytes / ungated / 1e9,
         f"gating_cost_fraction_{name}": gated / ungated - 1,
         f"acquire_ms_{name}": statistics.median(acquire) * 1000,
+        f"pull_then_acquire_ms_{name}": statistics.median(map(sum, zip(wall["gated"], acquire))) * 1000,
+        f"pull_pinned_ms_{name}": statistics.median(wall["pinned"]) * 1000,
     }
     if lookups:
         out["peer_lookup_p50_ms"] = statistics.median(lookups)

@@ -26,7 +26,8 @@ def test_bench_pull_json():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("pull_gbps_2mib", "pull_gbps_64kib", "memcpy_gbps", "ratio_2mib", "peer_lookup_p50_ms",
-                "acquire_ms_2mib", "raw_nixl_gbps_2mib", "raw_nixl_gbps_64kib"):
+                "acquire_ms_2mib", "raw_nixl_gbps_2mib", "raw_nixl_gbps_64kib", "pull_then_acquire_ms_2mib",
+                "pull_pinned_ms_2mib", "pull_then_acquire_ms_64kib", "pull_pinned_ms_64kib"):
         assert result[key] > 0
     assert result["transfer_lanes"] == 2
     assert result["ratio_2mib"] == pytest.approx(result["pull_gbps_2mib"] / result["memcpy_gbps"], rel=1e-2)
