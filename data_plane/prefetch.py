@@ -214,7 +214,7 @@ class Prefetcher:
 
     def acquired(self, ns: Namespace, hashes: list[bytes]) -> None:
         """A local engine acquired ``hashes``: prefetched bytes among them are used; the current span (the
-        engine's Acquire) links to each prefetch that brought them."""
+        engine's Acquire, or its Pull that pinned them) links to each prefetch that brought them."""
         if not self._by_block:
             return
         mine: dict[int, tuple[Prefetch, set[bytes]]] = {}

@@ -200,12 +200,13 @@ def test_the_pull_is_one_trace_from_the_engine_to_the_source(run: Run) -> None:
     spans = [json.loads(line) for path in run.trace_dir.glob("*.jsonl") for line in path.read_text().splitlines()]
     roots = [s for s in spans if s["name"] == "kvmesh.connector.load" and s["attributes"]["kvmesh.tier"] == "peer"]
     assert roots and all(r["service"] == "kvmesh-engine-engine2" for r in roots)
-    every = {("kvmesh-data-plane-dp2", "Pull"), ("kvmesh-data-plane-dp1", "Lookup"), ("kvmesh-data-plane-dp2", "Acquire")}
+    every = {("kvmesh-data-plane-dp2", "Pull"), ("kvmesh-data-plane-dp1", "Lookup")}
     traced = []
     for root in roots:
         servers = {(s["service"], s["name"].rsplit("/", 1)[-1]) for s in spans
                    if s["trace_id"] == root["trace_id"] and s["kind"] == "SERVER"}
         assert every <= servers, servers
+        assert ("kvmesh-data-plane-dp2", "Acquire") not in servers  # the Pull pinned the prefix in the same call
         traced.append(servers)
     # The grant is fetched by the first pull from dp1 and cached by dp2 for the next ones.
     assert any(("kvmesh-control-plane", "IssuePullGrant") in servers for servers in traced)

@@ -63,9 +63,10 @@ def test_the_prefetch_is_one_span_under_the_route_trace_linked_from_the_engines_
     assert prefetch["attributes"]["kvmesh.blocks"] == 8 and prefetch["attributes"]["kvmesh.source_node"] == "dp1"
     # the prefetch's own pull (grant, handshake, lookup on dp1) is in the Route's trace, under the prefetch
     assert any(s["name"].endswith("/IssuePullGrant") or s["name"].endswith("/Lookup") for s in trace.values())
-    # the engine's load is another trace; its Acquire on dp2 links to the prefetch
+    # the engine's load is another trace; the call on dp2 that acquired the blocks (its Pull, which pins the
+    # prefix, or an Acquire) links to the prefetch
     (load,) = [s for s in spans if s["name"] == "kvmesh.connector.load"]
     acquires = [s for s in spans if s["trace_id"] == load["trace_id"] and s["kind"] == "SERVER"
-                and s["name"].endswith("/Acquire")]
+                and s["name"].endswith(("/Acquire", "/Pull"))]
     assert acquires and any({"trace_id": prefetch["trace_id"], "span_id": prefetch["span_id"]} in s["links"]
                             for s in acquires)
