@@ -96,14 +96,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Pull(self, request, context):
         self._auth.require_local("Pull")
         ns, hashes = Namespace.from_proto(request.namespace), self._hashes(request)
+        media = wire.media_from_pb(request.media)  # read before the pull: bad input is refused before any work
         result = await self._prefetcher.pull(  # the core's pull, joining route-time prefetches (data_plane.prefetch)
             ns, hashes, request.source_node_id, request.source_address, timeout_ms=request.timeout_ms,
             source_media=wire.media_from_pb(request.source_media), first_block_index=request.first_block_index,
             grant=wire.grant_token(request.grant), route_token=wire.grant_token(request.route_token.encode()))
         if request.lease_ms:  # the engine's Acquire, in the same call
-            slots, lease_id = await self._core.acquire(ns, hashes, wire.media_from_pb(request.media),
-                                                       request.lease_ms, checked=result.checked)
-            self._prefetcher.acquired(ns, hashes[:len(slots)])
+            slots, lease_id = await self._acquire(ns, hashes, media, request.lease_ms, checked=result.checked)
             result = replace(result, slots=slots, lease_id=lease_id)
         return wire.pull_response(result)
 
@@ -151,9 +150,15 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Acquire(self, request, context):
         self._auth.require_local("Acquire")
         ns, hashes = Namespace.from_proto(request.namespace), self._hashes(request)
-        slots, lease_id = await self._core.acquire(ns, hashes, wire.media_from_pb(request.media), request.lease_ms)
-        self._prefetcher.acquired(ns, hashes[:len(slots)])
+        slots, lease_id = await self._acquire(ns, hashes, wire.media_from_pb(request.media), request.lease_ms)
         return pb.AcquireResponse(slots=slots, lease_id=lease_id)
+
+    async def _acquire(self, ns: Namespace, hashes: list[bytes], media, lease_ms: int,
+                       checked=()) -> tuple[list[int], str]:
+        """The engine's Acquire (its own RPC, or a Pull's last step): the core's, then the prefetches it used."""
+        slots, lease_id = await self._core.acquire(ns, hashes, media, lease_ms, checked=checked)
+        self._prefetcher.acquired(ns, hashes[:len(slots)])
+        return slots, lease_id
 
     @grpc_errors
     async def Ping(self, request, context):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import grpc
 import numpy as np
 import pytest
 
@@ -98,3 +99,14 @@ async def test_a_local_block_changed_in_memory_ends_the_pinned_run(pair, ns):
     assert len(result.slots) == 1  # block 0 only: block 1 changed, so nothing from there is handed out
     assert consumer.core.tier.get(BlockKey(ns.fingerprint, hashes[1])) is None  # dropped from the tier
     await local.release(result.lease_id)
+
+
+async def test_a_pull_naming_an_unknown_tier_is_refused_before_it_pulls(pair, ns):
+    consumer, local, _, hashes, _, token, source_address = pair
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await local.pull(ns, hashes, "src", source_address, grant=token, timeout_ms=60_000, lease_ms=60_000,
+                         media=[99])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "\n" not in refused.value.details()
+    assert all(consumer.core.tier.get(BlockKey(ns.fingerprint, h)) is None for h in hashes[LOCAL:])  # nothing pulled
+    result = await local.pull(ns, hashes, "src", source_address, grant=token, timeout_ms=60_000)
+    assert result.pulled == PULLED  # positive control: the same pull without the bad tier goes through
