@@ -22,12 +22,14 @@ checked piece by piece as its WRITE lands (:class:`LandingChecks`).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 
 import numpy as np
 from crc32c import crc32c
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
 _BITS = np.arange(32, dtype=np.uint32)
+_COPY_CHUNK = 256 * 1024  # copied, then its CRC taken while it is still in cache (measured: 64 KiB-1 MiB alike)
 
 
 def checksum(data) -> int:
@@ -87,16 +89,36 @@ class CrcFolder:
         return int(np.bitwise_xor.reduce(_times(powers, np.asarray(crcs, dtype=np.uint32))))
 
 
-def slot_runs(slots: np.ndarray) -> np.ndarray:
-    """Start indexes of the runs of consecutive slots in ``slots`` (plus ``len(slots)`` at the end)."""
+def slot_runs(slots: np.ndarray, other: np.ndarray | None = None) -> np.ndarray:
+    """Start indexes of the runs of consecutive slots in ``slots`` (and, when given, in ``other`` at the same
+    indexes), plus ``len(slots)`` at the end."""
     n = len(slots)
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1 if n > 1 else np.zeros(0, dtype=np.intp)
-    return np.concatenate([[0], breaks, [n]]).astype(np.intp)
+    if n <= 1:
+        return np.array([0, n], dtype=np.intp)
+    steps = np.diff(slots) != 1
+    if other is not None:
+        steps |= np.diff(other) != 1
+    return np.concatenate([[0], np.flatnonzero(steps) + 1, [n]]).astype(np.intp)
+
+
+def copy_and_checksum(dst: np.ndarray, src: np.ndarray, checksum: bool = True) -> int:
+    """Copies ``src`` into ``dst`` (flat uint8 arrays of one length) a chunk at a time, and returns the CRC-32C of
+    what ``dst`` holds after each chunk's copy (0 when ``checksum`` is off): the check of the copy, never of a
+    source that may change under it."""
+    crc, to, frm, view = 0, dst.ctypes.data, src.ctypes.data, memoryview(dst)
+    for at in range(0, len(src), _COPY_CHUNK):
+        n = min(_COPY_CHUNK, len(src) - at)
+        ctypes.memmove(to + at, frm + at, n)  # a foreign call: the GIL is released
+        if checksum:
+            crc = crc32c(view[at:at + n], crc)
+    return crc
 
 
 class RunChecker:
     """Checks blocks in a region of ``block_bytes`` slots (its ``array``: flat uint8, read at each check, so the
-    region can be unmapped once no check runs) against their CRC-32Cs."""
+    region can be unmapped once no check runs) against their CRC-32Cs; given a ``source`` (the flat array of
+    another region of ``block_bytes`` slots, and each block's slot there), copies them from it first and checks
+    the copies."""
 
     def __init__(self, region, block_bytes: int, threads: int) -> None:
         self._region = region
@@ -104,10 +126,10 @@ class RunChecker:
         self._threads = max(1, threads)
         self._folder = CrcFolder(block_bytes)
 
-    def _parts(self, slots: np.ndarray, threads: int) -> list[tuple[int, int]]:
-        """(first index, end index) pieces of runs of consecutive slots: every run, the longest ones cut so that
-        the work splits over ``threads``."""
-        edges = slot_runs(slots)
+    def _parts(self, slots: np.ndarray, threads: int, source_slots: np.ndarray | None) -> list[tuple[int, int]]:
+        """(first index, end index) pieces of runs of consecutive slots (on both sides, with a source): every run,
+        the longest ones cut so that the work splits over ``threads``."""
+        edges = slot_runs(slots, source_slots)
         cap = max(1, -(-len(slots) // threads))
         parts = []
         for start, end in zip(edges[:-1].tolist(), edges[1:].tolist()):
@@ -115,12 +137,19 @@ class RunChecker:
                 parts.append((i, min(i + cap, end)))
         return parts
 
-    def _first_bad(self, slots: np.ndarray, expected: np.ndarray, parts: list[tuple[int, int]]) -> int:
-        """The index of the first block (of ``parts``) whose bytes do not match; ``len(slots)`` if none."""
+    def _first_bad(self, slots: np.ndarray, expected: np.ndarray | None, parts: list[tuple[int, int]],
+                   source: tuple[np.ndarray, np.ndarray] | None) -> int:
+        """The index of the first block (of ``parts``) whose bytes do not match; ``len(slots)`` if none. Without
+        ``expected``: only copies from the source."""
         bb, region = self._bb, self._region.array
         for start, end in parts:
-            lo = int(slots[start]) * bb
-            if crc32c(region[lo:lo + (end - start) * bb]) == self._folder.fold(expected[start:end]):
+            lo, size = int(slots[start]) * bb, (end - start) * bb
+            if source is not None:
+                at = int(source[1][start]) * bb
+                actual = copy_and_checksum(region[lo:lo + size], source[0][at:at + size], expected is not None)
+            else:
+                actual = crc32c(region[lo:lo + size])
+            if expected is None or actual == self._folder.fold(expected[start:end]):
                 continue
             for i in range(start, end):  # a changed block: which one
                 at = int(slots[i]) * bb
@@ -128,19 +157,24 @@ class RunChecker:
                     return i
         return len(slots)
 
-    async def first_mismatch(self, slots, expected, threads: int = 0) -> int:
+    async def first_mismatch(self, slots, expected, threads: int = 0,
+                             source: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """Index of the first block whose slot's bytes do not have its expected CRC-32C (``len(slots)`` when
         all match); runs of consecutive slots are checked in one native call each, over ``threads`` threads
-        (0: the checker's own count)."""
+        (0: the checker's own count). With ``source`` (an array, each block's slot in it), each block is first
+        copied from there into its slot, and the copy is checked. ``expected`` None: copies, checks nothing."""
         slots = np.asarray(slots, dtype=np.int64)
-        expected = np.asarray(expected, dtype=np.uint32)
+        if expected is not None:
+            expected = np.asarray(expected, dtype=np.uint32)
+        if source is not None:
+            source = (source[0], np.asarray(source[1], dtype=np.int64))
         if len(slots) == 0:
             return 0
         threads = threads or self._threads
-        parts = self._parts(slots, threads)
+        parts = self._parts(slots, threads, None if source is None else source[1])
         step = -(-len(parts) // threads)
         shares = [parts[i:i + step] for i in range(0, len(parts), step)]
-        found = await asyncio.gather(*(asyncio.to_thread(self._first_bad, slots, expected, share)
+        found = await asyncio.gather(*(asyncio.to_thread(self._first_bad, slots, expected, share, source)
                                        for share in shares))
         return min(found)
 
@@ -152,10 +186,14 @@ class LandingChecks:
     (a piece reported before its bytes were all there fails its early check and is simply checked again).
     Every block is checked after its bytes landed; a report only moves the check earlier."""
 
-    def __init__(self, checker: RunChecker, slots: np.ndarray, expected) -> None:
+    def __init__(self, checker: RunChecker, slots: np.ndarray, expected,
+                 source: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """``source``: where the blocks land (an arena's array and each block's slot in it), copied into
+        ``slots`` as they are checked."""
         self._checker = checker
         self._slots = np.asarray(slots, dtype=np.int64)
         self._expected = np.asarray(expected, dtype=np.uint32)
+        self._source = None if source is None else (source[0], np.asarray(source[1], dtype=np.int64))
         self._passed = np.zeros(len(self._slots), dtype=bool)
         self._running: set[asyncio.Task] = set()
 
@@ -169,8 +207,8 @@ class LandingChecks:
         task.add_done_callback(self._running.discard)
 
     async def _check(self, start: int, end: int) -> None:
-        if await self._checker.first_mismatch(self._slots[start:end], self._expected[start:end], threads=1) \
-                == end - start:
+        if await self._checker.first_mismatch(self._slots[start:end], self._expected[start:end], threads=1,
+                                              source=self._part(start, end)) == end - start:
             self._passed[start:end] = True
 
     async def first_mismatch(self, n: int) -> int:
@@ -181,5 +219,10 @@ class LandingChecks:
         todo = np.flatnonzero(~self._passed[:n])
         if len(todo) == 0:
             return n
-        bad = await self._checker.first_mismatch(self._slots[todo], self._expected[todo])
+        bad = await self._checker.first_mismatch(self._slots[todo], self._expected[todo],
+                                                 source=None if self._source is None else
+                                                 (self._source[0], self._source[1][todo]))
         return int(todo[bad]) if bad < len(todo) else n
+
+    def _part(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return None if self._source is None else (self._source[0], self._source[1][start:end])

@@ -66,6 +66,12 @@ class DataPlaneConfig(BaseSettings):
                                    "one-sided (ungated: a peer that once handshook can read every tenant's blocks "
                                    "until restart; trusted single-tenant fleets only). Off: this node WRITEs each "
                                    "block a peer's grant covers into the peer's landing slots")
+    landing_bytes_per_source: ByteSize = Field(
+        ByteSize(0), description="memory each source node this node pulls from WRITEs into (its landing arena, "
+        "apart from the CPU tier; taken only as it is written); a pull brings at most what is free there, the rest "
+        "is recomputed (0: an eighth of capacity_bytes, at least 256 MiB, at most capacity_bytes)")
+    max_landing_sources: int = Field(64, ge=1, description="source nodes this node keeps a landing arena for; a "
+                                     "pull from one more answers MISS until the node restarts")
     verify_pulls: bool = Field(True, description="check each pulled block's CRC-32C before committing it")
     verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
     transfer_lanes: int = Field(1, ge=1, le=16, description="NIXL transfer requests (each on a UCX worker of its "
@@ -149,6 +155,13 @@ class DataPlaneConfig(BaseSettings):
     @property
     def num_slots(self) -> int:
         return int(self.capacity_bytes) // self.block_bytes
+
+    @property
+    def landing_slots(self) -> int:
+        """Blocks of one source's landing arena."""
+        if self.landing_bytes_per_source:
+            return max(1, int(self.landing_bytes_per_source) // self.block_bytes)
+        return min(self.num_slots, max(self.num_slots // 8, (256 * MIB) // self.block_bytes, 1))
 
     @property
     def quarantine_budget(self) -> int:

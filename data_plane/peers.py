@@ -106,7 +106,8 @@ class PeerPool:
         an agent of ``node_id``, the node dialled (a source naming another node's agent would have this node
         relay a challenge that node sent it for someone else's handshake)."""
         try:
-            hs = await client.exchange_agent_metadata(self._node_id, self._transport.metadata(), self._block_bytes,
+            hs = await client.exchange_agent_metadata(self._node_id, self._transport.landing_metadata(node_id),
+                                                      self._block_bytes,
                                                       timeout=max(0.0, deadline - time.monotonic()), grant=grant)
             if hs.challenge_sent and node_of_agent(hs.agent_name) != node_id:
                 raise PermissionDenied(f"peer {address} (node {node_id}) names agent {hs.agent_name!r} as its own: "

@@ -4,17 +4,19 @@ One pull (:meth:`Pulls.run`, started by :meth:`data_plane.core.DataPlaneCore.pul
 finish if its caller goes away): the blocks already here are counted, those another pull on this node is bringing
 are joined (:attr:`Pulls.arriving`: one future per pull, shared by its blocks), and the rest are fetched from the
 source: the tenant's limit, the route token and the grant are checked, the source's Lookup pins its HITs under a
-lease, landing slots are reserved for the leading HITs in one tier call (:meth:`MemoryTier.reserve_run`), the
-bytes arrive (the source WRITEs them into the slots the lease's send names, or, from a ``serve_peer_reads`` source,
-one-sided READs), every run of consecutive landing slots is checked against the source's CRC-32Cs in one native
-call (:class:`~data_plane.checksum.RunChecker`; during a WRITE, each piece as the source reports it landed:
+lease, tier slots are reserved for the leading HITs in one tier call (:meth:`MemoryTier.reserve_run`), the
+bytes arrive (the source WRITEs them into slots of its own landing arena here, :mod:`data_plane.landing`, which the
+lease's send names, and each run is copied into the tier; or, from a ``serve_peer_reads`` source, one-sided READs
+into the tier), every run of consecutive slots is checked against the source's CRC-32Cs in one native call, in the
+tier (:class:`~data_plane.checksum.RunChecker`; during a WRITE, each piece as the source reports it landed:
 :class:`~data_plane.checksum.LandingChecks`) and the leading intact blocks are committed in one tier call. The
 NIXL transfer itself takes one descriptor per run of slots contiguous on both nodes, split over
 ``transfer_lanes`` requests (:mod:`data_plane.transfer`).
 
 Failure policy: a source that is unreachable, refuses, times out or sends a bad block is a MISS for what did not
-arrive; landing slots a failed transfer may still write into are quarantined by the node
-(:mod:`data_plane.quarantine`), never handed back.
+arrive; the tier slots of a transfer that may still be writing are quarantined by the node
+(:mod:`data_plane.quarantine`), never handed back (a WRITE lands in the source's arena, whose slots go back at once:
+a late one there can only fail a later pull's check of its copy).
 
 The pull path shares the node's tier, its writers ledger (who reserved an uncommitted block), its quarantine and
 its background tasks, so it is given the node itself (:class:`~data_plane.core.DataPlaneCore`) and reaches its
@@ -49,6 +51,7 @@ from data_plane.events import EventSink
 from data_plane.eviction import block_info
 from data_plane.peers import Peer
 from data_plane.epochs import GONE
+from data_plane.landing import LandingArena
 from data_plane.tier import Block, BlockState
 from data_plane.transfer import TransferFailed, Transport
 from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, block_keys
@@ -242,14 +245,17 @@ class Pulls:
                                                  first_block_index, limit)
         if fetched is None:
             return (), (time.perf_counter() - t0) * 1000, 0.0, ""
-        blocks, checksums, lookup_ms, transfer_ms, checks = fetched
+        blocks, checksums, lookup_ms, transfer_ms, good = fetched
         arrived = bool(blocks)
         committed: list[Block] = []
         if arrived:
             # bytes of the grant's epoch are kept only under that epoch, still the tenant's current one
             intact = self.epochs.serves(grant_epoch, self.epochs.current(ns.tenant)) and \
                 set(map(EPOCH, blocks)) == {grant_epoch}
-            good = await self._verified(blocks, checksums, checks) if intact else 0
+            if not intact:
+                good = 0
+            elif good is None:  # READ into the tier: checked there
+                good = await self._verified(blocks, checksums)
             if intact and good < len(blocks):
                 log.error("pull from %s: block %s failed verification; it and its successors are dropped",
                           source_address, blocks[good].key.block_hash.hex())
@@ -290,18 +296,18 @@ class Pulls:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
         return (blocks, checksums, lookup_ms, transfer_ms, None) if arrived else ([], [], lookup_ms, transfer_ms,
-                                                                                  None)
+                                                                                  0)
 
     async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                               source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
                               tenant_limit_bytes: int | None
-                              ) -> tuple[list[Block], list[int], float, float, LandingChecks | None] | None:
+                              ) -> tuple[list[Block], list[int], float, float, int] | None:
         """Asks the source which wanted blocks it holds (a plain Lookup, which pins its HITs under a lease:
-        nothing is reserved or evicted here for a source that is down or holds nothing), reserves slots for
-        the leading HITs and has the source WRITE the blocks of that lease into them and end it (the send):
-        the arrived blocks (uncommitted), their checksums and the checks of the pieces that landed during the
-        send; the rest is aborted. A send that failed mid-way quarantines the slots (the source's WRITE may
-        still land)."""
+        nothing is reserved or evicted here for a source that is down or holds nothing), reserves tier slots
+        for the leading HITs, as many as its landing arena has room for, and has the source WRITE the blocks of
+        that lease into the arena and end it (the send), then copies them into the tier (:meth:`_sent`): the
+        arrived blocks (uncommitted), their checksums, and how many leading ones are intact; the rest is
+        aborted. A send that failed mid-way quarantines the tier slots."""
         t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
         lookup_ms = (time.perf_counter() - t0) * 1000
@@ -309,15 +315,34 @@ class Pulls:
             return None
         blocks, _, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes,
                                                       answer)
+        arena = self.transport.landing_arena(peer.node_id)  # made at the handshake, for this source only
+        landing_slots = arena.take(len(blocks)) if arena is not None else np.zeros(0, dtype=np.int64)
+        if len(landing_slots) < len(blocks):  # its arena is taken by other pulls from it: the rest MISS
+            self._forget_writers(blocks[len(landing_slots):])
+            for block in blocks[len(landing_slots):]:
+                self.tier.abort(block)
+            blocks, checksums = blocks[:len(landing_slots)], checksums[:len(landing_slots)]
         if not blocks:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
             return None
+        try:
+            return await self._sent(peer, ns, blocks, checksums, arena, landing_slots, answer, deadline, grant,
+                                    lookup_ms)
+        finally:
+            arena.give_back(landing_slots)  # copied (or dropped) by now; a late WRITE only fails a later check
+
+    async def _sent(self, peer: Peer, ns: Namespace, blocks: list[Block], checksums: list[int],
+                    arena: LandingArena, landing_slots: np.ndarray, answer: LookupAnswer, deadline: float,
+                    grant: bytes, lookup_ms: float) -> tuple[list[Block], list[int], float, float, int] | None:
+        """Has the source WRITE the lease's leading blocks into ``landing_slots`` of its arena, then copies each
+        one into its tier slot and checks the copy: (the blocks, checksums, lookup ms, transfer ms, how many
+        leading blocks are intact); None when the send failed."""
         slots = self._slots(blocks)
-        landing = (slots * self.block_bytes + self.region.base_addr).tolist()
-        # with pieces (transfer_piece_bytes, set fleet-wide) the blocks are checked piece by piece as the source
-        # reports them landed, while the rest moves; without, nothing is watched and all is checked after
-        checks = LandingChecks(self._checker, slots, checksums) \
+        source = (arena.array, landing_slots)
+        # with pieces (transfer_piece_bytes, set fleet-wide) the blocks are copied and checked piece by piece as
+        # the source reports them landed, while the rest moves; without, all are once the send has answered
+        checks = LandingChecks(self._checker, slots, checksums, source) \
             if self.config.verify_pulls and self.config.transfer_piece_bytes else None
         t1 = time.perf_counter()
         outcome = "failed"
@@ -325,7 +350,7 @@ class Pulls:
             with self.transport.landed(peer.incarnation, answer.lease_id.encode(), checks.landed) \
                     if checks is not None else contextlib.nullcontext():
                 sent, block_bytes = await peer.client.send(
-                    ns, answer.lease_id, list(map(BLOCK_HASH, blocks)), landing,
+                    ns, answer.lease_id, list(map(BLOCK_HASH, blocks)), arena.addrs(landing_slots),
                     timeout=max(0.0, deadline - time.monotonic()), grant=grant)
             outcome = "ok" if block_bytes == self.block_bytes else "failed"
         except grpc.aio.AioRpcError as exc:
@@ -353,7 +378,12 @@ class Pulls:
         self._forget_writers(blocks[sent:])
         for block in blocks[sent:]:
             self.tier.abort(block)
-        return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms, checks
+        if checks is not None:
+            good = await checks.first_mismatch(sent)
+        else:
+            good = await self._checker.first_mismatch(slots[:sent], checksums[:sent] if self.config.verify_pulls
+                                                      else None, source=(arena.array, landing_slots[:sent]))
+        return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms, good
 
     @staticmethod
     def _slots(blocks: list[Block]) -> np.ndarray:
@@ -363,13 +393,11 @@ class Pulls:
         """Drops the blocks from the writers ledger (settled: committed, aborted or quarantined)."""
         deque(map(self._writers.pop, map(KEY, blocks), repeat(None)), maxlen=0)
 
-    async def _verified(self, blocks: list[Block], checksums: list[int], checks: LandingChecks | None) -> int:
-        """How many leading pulled blocks have the source's checksum (all, when verify_pulls is off); ``checks``:
-        those begun while the blocks landed."""
+    async def _verified(self, blocks: list[Block], checksums: list[int]) -> int:
+        """How many leading blocks READ into the tier have the source's checksum (all, when verify_pulls is
+        off)."""
         if not self.config.verify_pulls:
             return len(blocks)
-        if checks is not None:
-            return await checks.first_mismatch(len(blocks))
         return await self._checker.first_mismatch(self._slots(blocks), checksums)
 
     async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],

@@ -90,7 +90,7 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
                           lock_memory=config.lock_memory)
     try:
         transport = NixlTransport(config.node_id, region, config.nixl_progress_wait_ms, config.transfer_lanes,
-                                  config.transfer_piece_bytes)
+                                  config.transfer_piece_bytes, config.landing_slots, config.max_landing_sources)
     except BaseException:
         region.close()
         if disk is not None:

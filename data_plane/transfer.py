@@ -6,6 +6,11 @@ Implementor contracts:
     registered until :meth:`Transport.close`. Whether peers get its metadata
     (and so may READ it one-sided) is the caller's choice: by default a source
     hands out none and WRITEs the blocks a grant covers (docs/security.md).
+  * A source this node pulls from is handed :meth:`Transport.landing_metadata`:
+    connection info and that source node's own landing arena only
+    (data_plane.landing), never the region: a peer holding metadata can READ
+    and WRITE whatever it describes. An arena stays registered, and is never
+    given to another node, until the agent is replaced (:meth:`rotate`).
   * ``read`` copies ``length`` bytes from each remote address into each local
     offset (NixlTransport: one descriptor per run of blocks contiguous on both
     sides, the blocks split over its ``lanes`` transfer requests, posted at
@@ -74,6 +79,7 @@ import numpy as np
 
 from kvmesh.errors import InvalidArgument, Unavailable
 
+from data_plane.landing import LandingArena
 from data_plane.metadata_vetting import MetadataVetter
 from data_plane.nixl_metadata import AgentMetadata, agent_name, read_agent_metadata
 from data_plane.shm import SharedRegion
@@ -201,7 +207,17 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def metadata(self) -> bytes:
-        """What a peer needs to read from this node (sent over the gRPC handshake)."""
+        """What a peer needs to read this node's region (a ``serve_peer_reads`` source hands it out): connection
+        info and the region, no landing arena."""
+
+    @abc.abstractmethod
+    def landing_metadata(self, node_id: str) -> bytes:
+        """What source node ``node_id`` is handed in a handshake: this agent's connection info and the landing
+        arena kept for that node, nothing else of this node's memory (the arena is made at the first call)."""
+
+    @abc.abstractmethod
+    def landing_arena(self, node_id: str) -> LandingArena | None:
+        """The arena :meth:`landing_metadata` described to source node ``node_id`` (None before that)."""
 
     @abc.abstractmethod
     def describe_peer(self, metadata: bytes) -> AgentMetadata:
@@ -270,12 +286,16 @@ class NixlTransport(Transport):
     """
 
     def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1,
-                 piece_bytes: int = 0) -> None:
+                 piece_bytes: int = 0, landing_slots: int = 0, max_landing_sources: int = 64) -> None:
         """``lanes``: transfer requests one read or write is split into, posted at once from as many threads,
         each with a UCX worker of its own; ``piece_bytes``: the most bytes of one request of a tagged write, each
         reported landed to the peer by a NIXL notification (0: tagged writes go as untagged ones, one request per
-        lane, and report nothing)."""
+        lane, and report nothing); ``landing_slots``: blocks of one source's landing arena (0: as many as the
+        region holds); ``max_landing_sources``: source nodes given an arena per agent."""
         self._piece_bytes = piece_bytes
+        self._landing_slots = landing_slots or region.num_slots
+        self._max_landing_sources = max_landing_sources
+        self._arenas: dict[str, tuple[LandingArena, object]] = {}  # source node -> its arena, NIXL registration
         # A fresh name per start (and per rotate()): peers holding an old agent's metadata must re-handshake.
         self._node_id = node_id
         self._progress_wait_ms = progress_wait_ms
@@ -325,9 +345,10 @@ class NixlTransport(Transport):
             name = agent_name(self._node_id)
             t0 = time.monotonic()
             agent, reg = await asyncio.to_thread(self._new_agent, name)
-            old = [self._agent, self._reg]
+            old = [self._agent, [self._reg, *(r for _, r in self._arenas.values())]]
             old_threads, self._threads = self._threads, self._new_threads()
             self._agent, self._reg, self.agent_name = agent, reg, name
+            self._arenas.clear()  # old arenas unmap once no pull holds them; sources get new ones at handshake
             self._peers.clear()
             self._retired.clear()
             await asyncio.to_thread(self._destroy, old)
@@ -340,15 +361,16 @@ class NixlTransport(Transport):
 
     @staticmethod
     def _destroy(old: list) -> None:
-        """Deregisters the region from an old agent and drops the last reference to it (its UCX workers,
-        endpoints and sockets close with it)."""
-        agent, reg = old
+        """Deregisters the region and the landing arenas from an old agent and drops the last reference to it
+        (its UCX workers, endpoints and sockets close with it)."""
+        agent, regs = old
         old.clear()
-        try:
-            agent.deregister_memory(reg)
-        except Exception as exc:  # noqa: BLE001 - the agent goes anyway
-            log.warning("deregistering the CPU tier from the old NIXL agent: %s", exc)
-        del agent, reg
+        for reg in regs:
+            try:
+                agent.deregister_memory(reg)
+            except Exception as exc:  # noqa: BLE001 - the agent goes anyway
+                log.warning("deregistering memory from the old NIXL agent: %s", exc)
+        del agent, regs
 
     async def ready(self, timeout_s: float) -> None:
         """The agent is built and so is the metadata vetter's (a peer's handshake needs both)."""
@@ -370,7 +392,27 @@ class NixlTransport(Transport):
         return self._agent
 
     def metadata(self) -> bytes:
-        return self._ready_agent().get_agent_metadata()
+        return self._ready_agent().get_partial_agent_metadata(self._reg, True, ["UCX"])  # the region, no arena
+
+    def landing_metadata(self, node_id: str) -> bytes:
+        agent = self._ready_agent()
+        entry = self._arenas.get(node_id)
+        if entry is None:
+            if len(self._arenas) >= self._max_landing_sources:
+                raise Unavailable(f"this node keeps landing arenas for {len(self._arenas)} source nodes already, "
+                                  f"none for {node_id!r}: raise max_landing_sources")
+            arena = LandingArena(node_id, self._landing_slots, self._region.block_bytes)
+            try:
+                reg = agent.register_memory([(arena.base_addr, arena.size, 0, "")], "DRAM")
+            except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes
+                raise Unavailable(f"registering a landing arena for {node_id!r}: {exc}") from None
+            entry = self._arenas[node_id] = (arena, reg)
+            log.info("landing arena of %d MiB for source %s", arena.size >> 20, node_id)
+        return agent.get_partial_agent_metadata(entry[1], True, ["UCX"])
+
+    def landing_arena(self, node_id: str) -> LandingArena | None:
+        entry = self._arenas.get(node_id)
+        return None if entry is None else entry[0]
 
     def describe_peer(self, metadata: bytes) -> AgentMetadata:
         return read_agent_metadata(metadata)
@@ -574,8 +616,10 @@ class NixlTransport(Transport):
             return
         for peer in list(self._peers):
             self.remove_peer(peer)
-        try:
-            self._agent.deregister_memory(self._reg)
-        except Exception as exc:  # noqa: BLE001 - shutting down
-            log.warning("deregistering the CPU tier: %s", exc)
+        for reg in [self._reg, *(r for _, r in self._arenas.values())]:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as exc:  # noqa: BLE001 - shutting down
+                log.warning("deregistering memory: %s", exc)
+        self._arenas.clear()
         self._agent = None

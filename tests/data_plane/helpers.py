@@ -32,6 +32,12 @@ class WrappedTransport(Transport):
     def metadata(self):
         return self._real.metadata()
 
+    def landing_metadata(self, node_id):
+        return self._real.landing_metadata(node_id)
+
+    def landing_arena(self, node_id):
+        return self._real.landing_arena(node_id)
+
     def describe_peer(self, metadata):
         return self._real.describe_peer(metadata)
 

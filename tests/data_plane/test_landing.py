@@ -105,9 +105,9 @@ class CountingChecker(RunChecker):
         super().__init__(*args)
         self.checked = 0  # blocks checked, in all
 
-    async def first_mismatch(self, slots, expected, threads: int = 0) -> int:
+    async def first_mismatch(self, slots, expected, threads: int = 0, source=None) -> int:
         self.checked += len(slots)
-        return await super().first_mismatch(slots, expected, threads)
+        return await super().first_mismatch(slots, expected, threads, source)
 
 
 def landing(n: int = 24, block_bytes: int = 4096):

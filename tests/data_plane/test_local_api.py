@@ -73,6 +73,23 @@ async def test_write_commit_acquire_roundtrip(node, ns, block_bytes):
     await client.release(lease)  # idempotent
 
 
+async def test_a_committed_block_changed_in_memory_is_never_handed_out(node, ns):
+    """Bytes of a committed block changed in the tier (a modified UCX, a process of the same uid): Acquire checks
+    each block's CRC-32C, so the changed block and its successors are a MISS, now and after; its predecessor is
+    served (positive control)."""
+    _, client, tier = node
+    hashes = make_hashes(3)
+    blocks = await store(client, tier, ns, hashes)
+    slots, lease = await client.acquire(ns, hashes)
+    assert len(slots) == 3, "control: all three are served while intact"
+    await client.release(lease)
+    tier.slot(slots[1])[77] ^= 0x01
+    for _ in range(2):
+        slots, lease = await client.acquire(ns, hashes)
+        assert len(slots) == 1 and np.array_equal(tier.slot(slots[0]), blocks[0])
+        await client.release(lease)
+
+
 async def test_uncommitted_blocks_are_invisible(node, ns):
     _, client, _ = node
     hashes = make_hashes(2)

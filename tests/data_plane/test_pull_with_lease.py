@@ -53,9 +53,9 @@ def spy_on_checks(node, monkeypatch) -> list[int]:
     checker = node.core._checker
     real = checker.first_mismatch
 
-    async def first_mismatch(slots, expected, threads: int = 0):
+    async def first_mismatch(slots, expected, threads: int = 0, source=None):
         checked.append(len(slots))
-        return await real(slots, expected, threads)
+        return await real(slots, expected, threads, source)
 
     monkeypatch.setattr(checker, "first_mismatch", first_mismatch)
     return checked

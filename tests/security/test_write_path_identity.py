@@ -9,8 +9,9 @@ node-b's key:
 
 * hands dp2's metadata to dp1 as its own and has dp1 WRITE B's block over A's committed block on dp2;
 * re-handshakes at dp1 so that dp1 drops dp2's endpoint (dp2's next pull from dp1 would miss);
-* WRITEs into dp2's tier itself, as a source dp2 pulled from may (it holds dp2's metadata): the bytes of A's
-  committed block change under its key, and dp2 must not hand them to A's engine.
+* READs and WRITEs dp2's tier itself with its own NIXL agent, with the metadata dp2 handed it as a source it
+  pulled from: that metadata describes node-b's landing arena on dp2 only (data_plane/landing.py), so NIXL
+  refuses every address of the tier, and the arena holds no byte another source sent.
 
 And a consumer's own handshake, sent in corrupted copies, must not make dp1 refuse its real metadata after.
 Each positive control shows the target was there and reachable first.
@@ -43,6 +44,7 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.publisher import EventPublisher, NodeInfo
 from control_plane.server import serve as serve_control_plane
 from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.nixl_metadata import read_agent_metadata
 from kvmesh_apps.dp_process import DataPlaneProcess
 
 from tests.agent_challenge import UCX_TCP, handshake, nixl_agent_with_buffer
@@ -150,10 +152,15 @@ async def rogue(world):
     await server.stop()
 
 
-def nixl_write(agent, buf: np.ndarray, peer: str, addr: int) -> str:
-    """The attacker's one-sided WRITE of its buffer's first block to ``addr`` of ``peer``: the final state."""
-    handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(buf.ctypes.data, BLOCK, 0)], "DRAM"),
-                                   agent.get_xfer_descs([(addr, BLOCK, 0)], "DRAM"), peer)
+def nixl_xfer(agent, op: str, buf: np.ndarray, peer: str, addr: int, nbytes: int = BLOCK) -> str:
+    """The attacker's one-sided READ or WRITE of ``nbytes`` between its buffer and ``addr`` of ``peer``: the final
+    state, or "refused" when NIXL will not build the transfer (the address is outside what the metadata
+    describes)."""
+    try:
+        handle = agent.initialize_xfer(op, agent.get_xfer_descs([(buf.ctypes.data, nbytes, 0)], "DRAM"),
+                                       agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM"), peer)
+    except Exception:  # noqa: BLE001 - NIXL raises its own classes (NIXL_ERR_NOT_FOUND)
+        return "refused"
     state = agent.transfer(handle)
     for _ in range(100_000):
         if state != "PROC":
@@ -170,13 +177,21 @@ def renamed(metadata: bytes, name: str) -> bytes:
     return b"nixlSerDes|Agent" + struct.pack("<Q", len(name)) + name.encode() + b"|" + rest
 
 
-def tier_base(metadata: bytes) -> int:
-    """The address of the first memory a NIXL agent registered, read off its metadata (a data plane registers
-    its CPU tier, slot 0 first)."""
-    at = metadata.index(b"nixlSDList|") + len(b"nixlSDList|")
-    at += 1 + 8 + 4 + 1  # t: the memory type
-    at += 1 + 8 + 8 + 1  # n: the descriptor count
-    return struct.unpack_from("<Q", metadata, at + 8)[0]
+def tier_address(node: DataPlaneProcess) -> int:
+    """Where the node's CPU tier (slot 0 first) is mapped in its process, as an attacker who guessed it right
+    would know it (read here from /proc/<pid>/maps)."""
+    name = f"kvmesh-dp-{node.node_id}.tier"
+    for line in Path(f"/proc/{node.proc.pid}/maps").read_text().splitlines():
+        if line.endswith(name):
+            return int(line.split("-", 1)[0], 16)
+    raise AssertionError(f"{name} is not mapped in {node.node_id}'s process")
+
+
+def process_bytes(node: DataPlaneProcess, addr: int, nbytes: int) -> bytes:
+    """``nbytes`` at ``addr`` in the node's process (read through /proc/<pid>/mem, as root)."""
+    with open(f"/proc/{node.proc.pid}/mem", "rb") as mem:
+        mem.seek(addr)
+        return mem.read(nbytes)
 
 
 def as_peer(identity: NodeIdentity, node: DataPlaneProcess) -> DataPlaneClient:
@@ -231,7 +246,7 @@ async def test_node_b_cannot_have_dp1_write_over_tenant_as_block_on_dp2(world, r
     slots, seen = await engine_reads(dp2, NS_A, a_hashes)
     assert seen == a_bytes, "control: A's engine on dp2 reads A's committed blocks"
     metadata = await dp2_hands_node_b_its_metadata(dp2, rogue)
-    target = tier_base(metadata) + slots[0] * BLOCK  # A's first block on dp2
+    target = tier_address(dp2) + slots[0] * BLOCK  # A's first block on dp2
 
     me = NodeIdentity()  # the rogue's peer key: the control plane binds node-b's grants to it
     grant = await world.grant("node-b", NS_B, "dp1", me.public_key)
@@ -280,24 +295,41 @@ async def test_a_handshake_replaces_only_the_callers_own_endpoint(world, rogue):
         assert result.pulled == N, "dp2's endpoint at dp1 survived node-b's handshakes"
 
 
-async def test_bytes_written_into_a_committed_slot_from_outside_are_never_served(world, rogue):
-    """node-b is a source dp2 pulled from, so it holds dp2's metadata and can WRITE into dp2's tier with its
-    own NIXL agent, where nothing of dp2 runs: the write lands, but A's engine is never handed those bytes."""
-    dp2 = await world.data_plane("dp2")
+async def test_a_source_dp2_pulled_from_reaches_only_its_own_landing_arena(world, rogue):
+    """node-b is a source dp2 pulled from, so it holds the NIXL metadata dp2 handed it, and runs its own NIXL
+    agent, where nothing of dp2 runs. That metadata used to describe dp2's whole tier: node-b READ tenant A's
+    blocks there (A does not allow node-b) and WROTE over them. It now describes node-b's landing arena on dp2:
+    NIXL refuses A's block both ways, the arena takes node-b's own transfers, and holds nothing of what dp2
+    pulled from dp1."""
+    dp1, dp2 = await world.data_plane("dp1"), await world.data_plane("dp2")
+    from_dp1, dp1_bytes = await store(dp1, NS_A)
     a_hashes, a_bytes = await store(dp2, NS_A)
+    async with DataPlaneClient(dp2.address, key=dp2.api_key) as local:
+        assert (await local.pull(NS_A, from_dp1, "dp1", dp1.address)).pulled == N, "control: dp1 WRITEs to dp2"
     slots, seen = await engine_reads(dp2, NS_A, a_hashes)
     assert seen == a_bytes, "control: A's engine on dp2 reads A's committed blocks"
+    target = tier_address(dp2) + slots[1] * BLOCK
+    assert process_bytes(dp2, target, BLOCK) == a_bytes[1], "control: A's block is at that address in dp2"
     metadata = await dp2_hands_node_b_its_metadata(dp2, rogue)
+    arena, arena_bytes = read_agent_metadata(metadata).regions[0]
+
     evil = os.urandom(BLOCK)
-    with nixl_agent_with_buffer("node-b", BLOCK) as (agent, buf):
-        buf[:] = np.frombuffer(evil, dtype=np.uint8)
+    with nixl_agent_with_buffer("node-b", arena_bytes) as (agent, buf):
         remote = agent.add_remote_agent(metadata)
-        assert nixl_write(agent, buf, remote, tier_base(metadata) + slots[1] * BLOCK) == "DONE"
+        assert nixl_xfer(agent, "READ", buf, remote, target) == "refused"
+        assert not buf.any(), "node-b read nothing of A's block"
+        buf[:BLOCK] = np.frombuffer(evil, dtype=np.uint8)
+        assert nixl_xfer(agent, "WRITE", buf, remote, target) == "refused"
+        assert nixl_xfer(agent, "WRITE", buf, remote, arena) == "DONE", "control: node-b's arena takes its WRITE"
+        buf[:] = 0
+        assert nixl_xfer(agent, "READ", buf, remote, arena, arena_bytes) == "DONE", "control: and its READ"
+        assert bytes(buf[:BLOCK]) == evil, "control: node-b read back what it wrote"
+        seen_by_b = bytes(buf)
         agent.remove_remote_agent(remote)
-    assert await slot_bytes(dp2, slots[1]) == evil, "control: the write reached A's committed block on dp2"
-    slots_after, seen = await engine_reads(dp2, NS_A, a_hashes)
-    assert seen == a_bytes[:1], "the changed block and its successors are a MISS, never B's bytes"
-    assert (await engine_reads(dp2, NS_A, a_hashes))[1] == a_bytes[:1], "the changed block is gone for good"
+    assert not any(block[:4096] in seen_by_b for block in dp1_bytes + a_bytes), \
+        "node-b's arena holds no byte of the blocks dp2 pulled from dp1 or holds"
+    assert process_bytes(dp2, target, BLOCK) == a_bytes[1], "A's block on dp2 is unchanged"
+    assert (await engine_reads(dp2, NS_A, a_hashes))[1] == a_bytes
 
 
 async def test_corrupted_copies_of_a_consumers_metadata_never_block_its_real_one(world, rogue):
@@ -334,7 +366,7 @@ async def test_node_bs_name_around_dp2s_worker_gets_no_write(world, rogue):
     assert seen == a_bytes, "control: A's engine on dp2 reads A's committed blocks"
     metadata = await dp2_hands_node_b_its_metadata(dp2, rogue)
     forged = renamed(metadata, f"node-b-{uuid.uuid4().hex[:8]}")
-    target = tier_base(metadata) + slots[0] * BLOCK
+    target = tier_address(dp2) + slots[0] * BLOCK
 
     me = NodeIdentity()
     grant = await world.grant("node-b", NS_B, "dp1", me.public_key)
@@ -379,7 +411,7 @@ async def test_node_b_cannot_have_dp2_relay_the_challenge_dp1_sent_it(world, rog
             await peer.exchange_agent_metadata("node-b", b"", BLOCK, grant=grant, challenge_answer=b"0" * 32)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await peer.send(NS_B, answer.lease_id, b_hashes[:1], [tier_base(metadata) + slots[0] * BLOCK],
+            await peer.send(NS_B, answer.lease_id, b_hashes[:1], [tier_address(dp2) + slots[0] * BLOCK],
                             grant=grant)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (await engine_reads(dp2, NS_A, a_hashes))[1] == a_bytes
