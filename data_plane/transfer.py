@@ -345,10 +345,13 @@ class NixlTransport(Transport):
             name = agent_name(self._node_id)
             t0 = time.monotonic()
             agent, reg = await asyncio.to_thread(self._new_agent, name)
-            old = [self._agent, [self._reg, *(r for _, r in self._arenas.values())]]
+            # the old arenas go with the old agent, after it (a WRITE its worker still serves must land in mapped
+            # memory); a pull that holds one keeps it mapped until it is done; sources get new ones at handshake
+            old = [self._agent, [self._reg, *(r for _, r in self._arenas.values())],
+                   [a for a, _ in self._arenas.values()]]
             old_threads, self._threads = self._threads, self._new_threads()
             self._agent, self._reg, self.agent_name = agent, reg, name
-            self._arenas.clear()  # old arenas unmap once no pull holds them; sources get new ones at handshake
+            self._arenas.clear()
             self._peers.clear()
             self._retired.clear()
             await asyncio.to_thread(self._destroy, old)
@@ -362,8 +365,8 @@ class NixlTransport(Transport):
     @staticmethod
     def _destroy(old: list) -> None:
         """Deregisters the region and the landing arenas from an old agent and drops the last reference to it
-        (its UCX workers, endpoints and sockets close with it)."""
-        agent, regs = old
+        (its UCX workers, endpoints and sockets close with it), then to its arenas (unmapped after the agent)."""
+        agent, regs, arenas = old
         old.clear()
         for reg in regs:
             try:
@@ -371,6 +374,7 @@ class NixlTransport(Transport):
             except Exception as exc:  # noqa: BLE001 - the agent goes anyway
                 log.warning("deregistering memory from the old NIXL agent: %s", exc)
         del agent, regs
+        del arenas
 
     async def ready(self, timeout_s: float) -> None:
         """The agent is built and so is the metadata vetter's (a peer's handshake needs both)."""
@@ -621,5 +625,5 @@ class NixlTransport(Transport):
                 self._agent.deregister_memory(reg)
             except Exception as exc:  # noqa: BLE001 - shutting down
                 log.warning("deregistering memory: %s", exc)
+        self._agent = None  # before the arenas: memory its worker could still write into stays mapped until then
         self._arenas.clear()
-        self._agent = None

@@ -69,6 +69,13 @@ async def test_each_source_node_gets_an_arena_of_its_own(shm_dir):
         with pytest.raises(Unavailable, match="raise max_landing_sources"):
             transport.landing_metadata("c")
         assert transport.landing_arena("c") is None
+        old = transport.landing_arena("a")
+        old.array[:4] = 7
+        assert await transport.rotate(), "a new agent: every arena goes with the old one"
+        assert transport.landing_arena("a") is None and transport.landing_arena("b") is None
+        transport.landing_metadata("c")  # room again
+        assert transport.landing_arena("c") is not None
+        assert (old.array[:4] == 7).all(), "an arena a pull still holds stays mapped"
     finally:
         transport.close()
         region.close()
