@@ -71,7 +71,8 @@ class DataPlaneConfig(BaseSettings):
         "apart from the CPU tier; taken only as it is written); a pull brings at most what is free there, the rest "
         "is recomputed (0: an eighth of capacity_bytes, at least 256 MiB, at most capacity_bytes)")
     max_landing_sources: int = Field(64, ge=1, description="source nodes this node keeps a landing arena for; a "
-                                     "pull from one more answers MISS until the node restarts")
+                                     "pull from one more answers MISS and has the node replace its NIXL agent once "
+                                     "no pull or send runs (every arena goes with it; peers handshake again)")
     verify_pulls: bool = Field(True, description="check each pulled block's CRC-32C before committing it")
     verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
     transfer_lanes: int = Field(1, ge=1, le=16, description="NIXL transfer requests (each on a UCX worker of its "

@@ -53,7 +53,7 @@ from data_plane.peers import Peer
 from data_plane.epochs import GONE
 from data_plane.landing import LandingArena
 from data_plane.tier import Block, BlockState
-from data_plane.transfer import TransferFailed, Transport
+from data_plane.transfer import LandingArenasFull, TransferFailed, Transport
 from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, block_keys
 from tenancy.grants import read_grant
 
@@ -230,6 +230,8 @@ class Pulls:
                 deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
             log.warning("pull from %s: %s; answering MISS", source_address, exc)
+            if isinstance(exc, LandingArenasFull):  # every arena goes with the agent, once no transfer runs
+                self._node._spawn(self._node.quarantine.renew_transport())
             return (), 0.0, 0.0, str(exc) if isinstance(exc, PermissionDenied) else ""
         if source_node_id and peer.node_id != source_node_id:
             log.warning("pull: %s is node %s, not %s (stale route); answering MISS",

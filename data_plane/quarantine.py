@@ -49,7 +49,8 @@ class Quarantine:
         """Why this node does not pull from that source now ("": it may): its failed transfers hold its whole
         quarantine budget here, or it never proved over a transfer whose slots were reclaimed by force."""
         if self.renewing:
-            return "this node is replacing its NIXL agent (quarantined slots reclaimed by force); retry"
+            return "this node is replacing its NIXL agent (quarantined slots reclaimed by force, or landing arenas "\
+                "renewed); retry"
         if self.reclaimer.owes(source_node_id):
             return (f"node {source_node_id} never proved a failed transfer into this node over (its slots were "
                     "reclaimed by force); it is not pulled from until it does")

@@ -199,6 +199,10 @@ class TransferFailed(Exception):
         self.released = released
 
 
+class LandingArenasFull(Unavailable):
+    """This node keeps as many landing arenas as it may: none for one more source until its agent is replaced."""
+
+
 class Transport(abc.ABC):
     agent_name: str
 
@@ -213,7 +217,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def landing_metadata(self, node_id: str) -> bytes:
         """What source node ``node_id`` is handed in a handshake: this agent's connection info and the landing
-        arena kept for that node, nothing else of this node's memory (the arena is made at the first call)."""
+        arena kept for that node, nothing else of this node's memory (the arena is made at the first call);
+        LandingArenasFull when the agent may keep no arena more (:meth:`rotate` drops them all)."""
 
     @abc.abstractmethod
     def landing_arena(self, node_id: str) -> LandingArena | None:
@@ -403,8 +408,9 @@ class NixlTransport(Transport):
         entry = self._arenas.get(node_id)
         if entry is None:
             if len(self._arenas) >= self._max_landing_sources:
-                raise Unavailable(f"this node keeps landing arenas for {len(self._arenas)} source nodes already, "
-                                  f"none for {node_id!r}: raise max_landing_sources")
+                raise LandingArenasFull(
+                    f"this node keeps landing arenas for {len(self._arenas)} source nodes already, none for "
+                    f"{node_id!r} until its NIXL agent is replaced (raise max_landing_sources to do that less often)")
             arena = LandingArena(node_id, self._landing_slots, self._region.block_bytes)
             try:
                 reg = agent.register_memory([(arena.base_addr, arena.size, 0, "")], "DRAM")

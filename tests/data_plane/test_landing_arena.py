@@ -14,15 +14,13 @@ import os
 import numpy as np
 import pytest
 
-from kvmesh.errors import Unavailable
-
 from data_plane.client import DataPlaneClient, SharedTier
 from data_plane.checksum import RunChecker, checksum, copy_and_checksum
 from data_plane.config import DataPlaneConfig
 from data_plane.landing import LandingArena
 from data_plane.nixl_metadata import read_agent_metadata
 from data_plane.shm import SharedRegion
-from data_plane.transfer import NixlTransport
+from data_plane.transfer import LandingArenasFull, NixlTransport
 from data_plane.types import LookupStatus
 
 from tests.data_plane import test_pull_with_lease as with_lease
@@ -66,7 +64,7 @@ async def test_each_source_node_gets_an_arena_of_its_own(shm_dir):
         assert a != b and len(a) == len(b) == 1
         assert a[0][1] == b[0][1] == 2 * 4096
         assert read_agent_metadata(transport.landing_metadata("a")).regions == a, "the same arena next time"
-        with pytest.raises(Unavailable, match="raise max_landing_sources"):
+        with pytest.raises(LandingArenasFull, match="raise max_landing_sources"):
             transport.landing_metadata("c")
         assert transport.landing_arena("c") is None
         old = transport.landing_arena("a")
@@ -98,6 +96,52 @@ async def test_a_pull_brings_what_fits_in_the_sources_arena(local_node, ns, gran
         assert first.pulled == 2 and first.statuses[2:] == [LookupStatus.MISS] * 2
         second = await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=30_000)
         assert (second.already_local, second.pulled) == (2, 2)
+
+
+async def test_a_node_at_its_arena_cap_replaces_its_agent_and_then_pulls_from_the_new_source(
+        local_node, ns, grant, block_bytes):
+    """max_landing_sources=1: a pull from a second source answers MISS (bounded) and has the node replace its NIXL
+    agent once nothing runs; the next pull from that source brings its blocks, and the first source, handshaking
+    again, gets a new arena too."""
+    sources = [await local_node(node_id=f"src{i}", capacity_bytes=32 * block_bytes) for i in (1, 2)]
+    consumer = await local_node(node_id="dst", capacity_bytes=32 * block_bytes, max_landing_sources=1)
+    transport = consumer.core.transport
+    hashes = {}
+    for source in sources:
+        async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner:
+            tier = SharedTier.open(await owner.describe_tier())
+            hashes[source.core.node_id] = [os.urandom(32) for _ in range(2)]
+            await fill(owner, tier, ns, hashes[source.core.node_id])
+            tier.close()
+    async with DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
+        key = (await local.describe_tier()).peer_public_key
+
+        async def pull(source, **kw):
+            node_id = source.core.node_id
+            return await local.pull(ns, hashes[node_id], node_id, source.address, timeout_ms=30_000,
+                                    grant=grant(key, "dst", node_id, ns), **kw)
+
+        async def renewed(previous: str) -> None:
+            for _ in range(600):  # the agent is replaced in the background once no pull or send runs
+                if transport.landing_arena(previous) is None and not consumer.core.quarantine.renewing:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("the agent was never replaced")
+
+        assert (await pull(sources[0])).pulled == 2, "control: the first source gets the one arena"
+        first_arena = transport.landing_arena("src1")
+        assert (await pull(sources[1])).pulled == 0, "no arena for a second source: MISS"
+        await renewed("src1")
+        assert (await pull(sources[1])).pulled == 2, "the second source, after the agent was replaced"
+        async with DataPlaneClient(sources[0].address, key=sources[0].core.config.node_key()) as owner:
+            tier = SharedTier.open(await owner.describe_tier())
+            hashes["src1"] = [os.urandom(32)]
+            await fill(owner, tier, ns, hashes["src1"])
+            tier.close()
+        assert (await pull(sources[0])).pulled == 0, "src2 holds the one arena now: MISS"
+        await renewed("src2")
+        assert (await pull(sources[0])).pulled == 1
+        assert transport.landing_arena("src1") not in (None, first_arena), "a new arena for src1"
 
 
 def test_the_default_arena_is_an_eighth_of_the_tier_within_256_mib_and_the_tier():
