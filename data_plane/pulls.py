@@ -315,15 +315,14 @@ class Pulls:
         lookup_ms = (time.perf_counter() - t0) * 1000
         if answer is None:
             return None
-        blocks, _, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes,
-                                                      answer)
         arena = self.transport.landing_arena(peer.node_id)  # made at the handshake, for this source only
-        landing_slots = arena.take(len(blocks)) if arena is not None else np.zeros(0, dtype=np.int64)
-        if len(landing_slots) < len(blocks):  # its arena is taken by other pulls from it: the rest MISS
-            self._forget_writers(blocks[len(landing_slots):])
-            for block in blocks[len(landing_slots):]:
-                self.tier.abort(block)
-            blocks, checksums = blocks[:len(landing_slots)], checksums[:len(landing_slots)]
+        # no more tier slots (nor evictions) than its arena has room for: what is taken by other pulls from it MISSes
+        landing_slots = arena.take(len(wanted)) if arena is not None else np.zeros(0, dtype=np.int64)
+        blocks, _, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes,
+                                                      answer, at_most=len(landing_slots))
+        if arena is not None:
+            arena.give_back(landing_slots[len(blocks):])
+            landing_slots = landing_slots[:len(blocks)]
         if not blocks:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
@@ -429,14 +428,17 @@ class Pulls:
         return answer
 
     def _reserve_for_pull(self, ns: Namespace, hashes: list[bytes], wanted: list[int], first_block_index: int,
-                          tenant_limit_bytes: int | None, answer: LookupAnswer | None = None
-                          ) -> tuple[list[Block], list[int], list[int]]:
-        """Local slots for the leading wanted blocks (the leading HITs of ``answer`` when given), as many as
-        fit within the tenant's limit; with ``answer``, also their remote addresses and checksums."""
+                          tenant_limit_bytes: int | None, answer: LookupAnswer | None = None,
+                          at_most: int | None = None) -> tuple[list[Block], list[int], list[int]]:
+        """Local slots for the leading wanted blocks (the leading HITs of ``answer`` when given), at most
+        ``at_most``, as many as fit within the tenant's limit; with ``answer``, also their remote addresses and
+        checksums."""
         n = len(wanted)
         if answer is not None:
             hit = LookupStatus.HIT
             n = next((j for j, status in enumerate(answer.statuses) if status is not hit), n)
+        if at_most is not None:
+            n = min(n, at_most)
         fp, epoch = ns.fingerprint, self.epochs.current(ns.tenant)
         keys = block_keys(fp, map(hashes.__getitem__, wanted[:n]))
         infos = list(map(block_info, map(add, repeat(first_block_index), wanted[:n])))

@@ -98,6 +98,31 @@ async def test_a_pull_brings_what_fits_in_the_sources_arena(local_node, ns, gran
         assert (second.already_local, second.pulled) == (2, 2)
 
 
+async def test_a_pull_evicts_no_more_than_its_arena_can_land(local_node, ns, grant, block_bytes):
+    """A full tier of four of the consumer's own blocks and an arena of two: a pull of four evicts two (the oldest)
+    to land two, never four for blocks it cannot bring; the two newest stay (control: they were there)."""
+    source = await local_node(node_id="src", capacity_bytes=32 * block_bytes)
+    consumer = await local_node(node_id="dst", capacity_bytes=4 * block_bytes,
+                                landing_bytes_per_source=2 * block_bytes)
+    async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
+            DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
+        src_tier, dst_tier = SharedTier.open(await owner.describe_tier()), SharedTier.open(await local.describe_tier())
+        hashes, own = [os.urandom(32) for _ in range(4)], [os.urandom(32) for _ in range(4)]
+        await fill(owner, src_tier, ns, hashes)
+        for h in own:  # one at a time: LRU order own[0] (oldest) .. own[3]
+            await fill(local, dst_tier, ns, [h])
+        src_tier.close()
+        dst_tier.close()
+        slots, lease = await local.acquire(ns, own[2:])
+        assert len(slots) == 2, "control: the consumer holds its own blocks"
+        await local.release(lease)
+        token = grant((await local.describe_tier()).peer_public_key, "dst", "src", ns)
+        assert (await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=30_000)).pulled == 2
+        slots, lease = await local.acquire(ns, own[2:])
+        assert len(slots) == 2, "the pull evicted blocks it had no room to land"
+        await local.release(lease)
+
+
 async def test_a_node_at_its_arena_cap_replaces_its_agent_and_then_pulls_from_the_new_source(
         local_node, ns, grant, block_bytes):
     """max_landing_sources=1: a pull from a second source answers MISS (bounded) and has the node replace its NIXL
