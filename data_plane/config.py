@@ -87,17 +87,10 @@ class DataPlaneConfig(BaseSettings):
         "event wakes it (it wakes at once on one); small values cost idle CPU")
     lease_sweep_ms: int = Field(250, ge=1, description="how often expired leases are released")
     reclaim_retry_ms: int = Field(1_000, ge=1, description="first wait before asking a source whether slots "
-                                  "quarantined after its transfer failed can be reused; doubles per answer "
-                                  "that does not prove it")
+                                  "of its landing arena held after its transfer failed can be reused; doubles "
+                                  "per answer that does not prove it")
     reclaim_max_retry_ms: int = Field(60_000, ge=1, description="longest such wait")
     reclaim_timeout_ms: int = Field(2_000, ge=1, description="bound of one such question")
-    reclaim_force_after_ms: int = Field(
-        120_000, ge=0, description="slots quarantined this long without a proof from their source are reclaimed "
-        "by force: the node replaces its NIXL agent (no write still in flight can land), every peer handshakes "
-        "again, and that source is not pulled from until it proves its transfer over (0: never force)")
-    quarantine_budget_blocks: int = Field(
-        0, ge=0, description="most slots the failed transfers of one source may hold quarantined on this node; "
-        "at that many, the source is not pulled from (0: an eighth of the CPU tier, at least 1)")
     control_plane_address: str = Field("", description="host:port of the control plane (unset: publish nothing)")
     control_plane_timeout_ms: int = Field(
         2_000, ge=1, description="longest wait for one control-plane answer (tenant limits, a pull grant)")
@@ -163,11 +156,6 @@ class DataPlaneConfig(BaseSettings):
         if self.landing_bytes_per_source:
             return max(1, int(self.landing_bytes_per_source) // self.block_bytes)
         return min(self.num_slots, max(self.num_slots // 8, (256 * MIB) // self.block_bytes, 1))
-
-    @property
-    def quarantine_budget(self) -> int:
-        """Slots one source's failed transfers may hold quarantined here."""
-        return self.quarantine_budget_blocks or max(1, self.num_slots // 8)
 
     @property
     def prefetch_cap_bytes(self) -> int:

@@ -5,7 +5,7 @@ the leases that pin blocks for readers (:mod:`.leases`) and the tenants'
 epochs, answers local engines and peers' Lookups, and reports every tier
 change to an :class:`~data_plane.events.EventSink`. Its parts by
 responsibility: pulls from other nodes (:mod:`.pulls`, over :mod:`.peers` and
-:mod:`.transfer`), sends to consumers' agents (:mod:`.sends`), slots a failed
+:mod:`.transfer`), sends to consumers' agents (:mod:`.sends`), landing-arena slots a failed
 transfer may still write into (:mod:`.quarantine`). The gRPC servicer only
 converts.
 
@@ -231,7 +231,7 @@ class DataPlaneCore:
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """``{tier: (used bytes, capacity bytes)}`` of the CPU tier and, when there is one, the disk tier; a slot
-        is used while anything holds it (reserved, written, stored or quarantined). Lengths only: safe to read
+        is used while anything holds it (reserved, written or stored). Lengths only: safe to read
         from the metrics endpoint's thread."""
         cpu_slots = self.region.num_slots
         out = {"cpu": ((cpu_slots - self.tier.free_slots) * self.block_bytes, cpu_slots * self.block_bytes)}
@@ -363,7 +363,7 @@ class DataPlaneCore:
 
     def settle(self, lease_id: str, holder: str | None = None) -> bool:
         """:meth:`release`, then whether no send under ``lease_id`` (``holder``'s, when given) may still WRITE:
-        the consumer's proof that the landing slots it quarantined can be reused. Once released, a send
+        the consumer's proof that the landing slots it held can be reused. Once released, a send
         naming the lease writes nothing, and the answer and the release happen in one step of the loop, as a
         send's taking the lease and recording its WRITE do: whichever comes first, no WRITE lands after a
         True. Another holder's lease is neither released nor reported (True: no write of *its* is out)."""

@@ -11,10 +11,13 @@ was checked, in memory no peer was given. A source can see and change only its o
 bytes it sent itself.
 
 An arena is anonymous memory of this process (pages are taken only when first written), ``slots`` blocks,
-kept for the process's life: stale metadata still reaches memory after NIXL deregistered it, so an arena is
-never handed to another source, nor its memory reused. A late WRITE (of a send that failed) into slots
-already given to a later pull from the same source can only make that pull's check fail: the check reads
-the copy, not the arena.
+kept for the NIXL agent's life: stale metadata still reaches memory after NIXL deregistered it, so an arena is
+never handed to another source, nor its memory reused. Its slots hold the blocks of a pull from that source
+(written by the source, or READ from a ``serve_peer_reads`` one) until they are copied; those of a transfer that
+failed and may still write are held longer (:mod:`data_plane.quarantine`), until the source proves it over, so
+a failing source holds only its own arena's slots, never the tier's. A WRITE the source makes on its own into
+slots given to a later pull of its can only make that pull's check fail: the check reads the copy, not the
+arena.
 
 Threading model: the node's event loop takes and gives back slots; the copies read :attr:`array` in worker
 threads while the pull holds its slots.
@@ -33,6 +36,7 @@ class LandingArena:
     def __init__(self, node_id: str, slots: int, block_bytes: int) -> None:
         self.node_id = node_id
         self.block_bytes = block_bytes
+        self.slots = slots
         self._map = mmap.mmap(-1, slots * block_bytes)  # anonymous, private to this process
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.base_addr = self.array.ctypes.data

@@ -4,7 +4,7 @@ Hit rate by tier (local acquires and peer lookups: CPU hit, disk hit, miss),
 bytes written by the engine, read by peers and pulled from them, pull and
 promotion times, pending waits, and evictions — with evictions of blocks that
 were never read since they were stored ("evicted before reuse"), and blocks
-purged because their tenant was deleted or re-created; slots quarantined
+purged because their tenant was deleted or re-created; landing-arena slots held
 after a transfer that may still write, and those reclaimed once proven safe; and
 how full each tier is (:class:`TierUsageCollector`, read when scraped).
 """
@@ -44,12 +44,14 @@ class DataPlaneMetrics:
         self._unverified = Counter("kvmesh_dp_unknown_epoch_blocks_dropped", "blocks committed while the node did "
                                    "not know their tenant's epoch (the control plane had not answered), dropped once "
                                    "it did (also counted in kvmesh_dp_purged_blocks)", registry=r)
-        self._quarantined = Gauge("kvmesh_dp_quarantined_slots", "CPU-tier slots quarantined now (a transfer "
-                                  "that may still write into them failed)", registry=r)
-        self._quarantines = Counter("kvmesh_dp_quarantine_slots", "CPU-tier slots quarantined, in all",
-                                    registry=r)
-        self._reclaimed = Counter("kvmesh_dp_reclaimed_slots", "quarantined slots freed again once no write "
-                                  "could land in them", registry=r)
+        self._quarantined = Gauge("kvmesh_dp_quarantined_slots", "landing-arena slots held now (a transfer "
+                                  "from their source that may still write into them failed; never CPU-tier "
+                                  "slots)", registry=r)
+        self._quarantines = Counter("kvmesh_dp_quarantine_slots", "landing-arena slots held after a failed "
+                                    "transfer, in all", registry=r)
+        self._reclaimed = Counter("kvmesh_dp_reclaimed_slots", "held landing-arena slots freed again once no "
+                                  "write could land in them (or their arena went with the NIXL agent)",
+                                  registry=r)
         self._read_since_stored: set[BlockKey] = set()
         self._children: dict[tuple, object] = {}  # (metric, labels) -> child: labels() costs ~5 us a call
 
@@ -140,7 +142,7 @@ class TierUsageCollector:
 
     def collect(self):
         used = GaugeMetricFamily("kvmesh_dp_tier_used_bytes", "bytes of a tier's slots in use (reserved, written, "
-                                 "stored or quarantined)", labels=["node", "tier"])
+                                 "or stored)", labels=["node", "tier"])
         capacity = GaugeMetricFamily("kvmesh_dp_tier_capacity_bytes", "bytes a tier holds in all",
                                      labels=["node", "tier"])
         for tier, (n_used, n_capacity) in self._usage().items():

@@ -4,19 +4,19 @@ One pull (:meth:`Pulls.run`, started by :meth:`data_plane.core.DataPlaneCore.pul
 finish if its caller goes away): the blocks already here are counted, those another pull on this node is bringing
 are joined (:attr:`Pulls.arriving`: one future per pull, shared by its blocks), and the rest are fetched from the
 source: the tenant's limit, the route token and the grant are checked, the source's Lookup pins its HITs under a
-lease, tier slots are reserved for the leading HITs in one tier call (:meth:`MemoryTier.reserve_run`), the
-bytes arrive (the source WRITEs them into slots of its own landing arena here, :mod:`data_plane.landing`, which the
-lease's send names, and each run is copied into the tier; or, from a ``serve_peer_reads`` source, one-sided READs
-into the tier), every run of consecutive slots is checked against the source's CRC-32Cs in one native call, in the
-tier (:class:`~data_plane.checksum.RunChecker`; during a WRITE, each piece as the source reports it landed:
-:class:`~data_plane.checksum.LandingChecks`) and the leading intact blocks are committed in one tier call. The
-NIXL transfer itself takes one descriptor per run of slots contiguous on both nodes, split over
+lease, slots of the source's own landing arena here (:mod:`data_plane.landing`) and tier slots are taken for the
+leading HITs (the tier's in one call, :meth:`MemoryTier.reserve_run`), the bytes land in the arena (the source
+WRITEs them there, the lease's send names the slots; or, from a ``serve_peer_reads`` source, this node READs them
+there one-sided), and each run is copied into its tier slots and the copy checked against the source's CRC-32Cs
+in one native call (:class:`~data_plane.checksum.RunChecker`; during a WRITE, each piece as the source reports
+it landed: :class:`~data_plane.checksum.LandingChecks`), then the leading intact blocks are committed in one
+tier call. The NIXL transfer itself takes one descriptor per run of slots contiguous on both nodes, split over
 ``transfer_lanes`` requests (:mod:`data_plane.transfer`).
 
 Failure policy: a source that is unreachable, refuses, times out or sends a bad block is a MISS for what did not
-arrive; the tier slots of a transfer that may still be writing are quarantined by the node
-(:mod:`data_plane.quarantine`), never handed back (a WRITE lands in the source's arena, whose slots go back at once:
-a late one there can only fail a later pull's check of its copy).
+arrive. No transfer reaches the tier, so the tier slots of a failed one are freed at once; its arena slots, when
+the transfer may still be writing into them, are held by the node (:mod:`data_plane.quarantine`) until the
+source proves it over: a failing source costs only its own arena.
 
 The pull path shares the node's tier, its writers ledger (who reserved an uncommitted block), its quarantine and
 its background tasks, so it is given the node itself (:class:`~data_plane.core.DataPlaneCore`) and reaches its
@@ -191,13 +191,10 @@ class Pulls:
                      ) -> tuple[tuple[Block, ...], float, float, str]:
         """Brings ``wanted`` (indexes, chain order) from the source; (the blocks it checked and committed, lookup
         ms, transfer ms, why it was refused before any transfer, or "")."""
-        refusal = self._node.quarantine.refusal(source_node_id)
+        refusal = self._node.quarantine.refusal()
         if refusal:
             log.warning("pull from %s: %s; answering MISS", source_address, refusal)
             return (), 0.0, 0.0, refusal
-        held = self._node.quarantine.reclaimer.quarantined_from(source_node_id)
-        if held:  # a source that failed here already: a pull puts at most what is left of its budget at risk
-            wanted = wanted[:self.config.quarantine_budget - held]
         try:
             limit = None
             if self._limits is not None:
@@ -237,14 +234,19 @@ class Pulls:
             log.warning("pull: %s is node %s, not %s (stale route); answering MISS",
                         source_address, peer.node_id, source_node_id)
             return (), 0.0, 0.0, ""
+        arena = self.transport.landing_arena(peer.node_id)  # made at the handshake, for this source only
+        if arena is None or not arena.free_slots:
+            refusal = self._arena_refusal(peer.node_id, arena)
+            log.warning("pull from %s: %s; answering MISS", source_address, refusal)
+            return (), 0.0, 0.0, refusal
 
         t0 = time.perf_counter()
         if peer.agent_name:  # the source hands out its metadata: READ one-sided
             fetched = await self._fetch_by_read(peer, ns, hashes, wanted, source_media, deadline, grant,
-                                                first_block_index, limit)
+                                                first_block_index, limit, arena)
         else:  # the source WRITEs what the grant covers into the slots reserved here
             fetched = await self._fetch_by_write(peer, ns, hashes, wanted, source_media, deadline, grant,
-                                                 first_block_index, limit)
+                                                 first_block_index, limit, arena)
         if fetched is None:
             return (), (time.perf_counter() - t0) * 1000, 0.0, ""
         blocks, checksums, lookup_ms, transfer_ms, good = fetched
@@ -256,8 +258,6 @@ class Pulls:
                 set(map(EPOCH, blocks)) == {grant_epoch}
             if not intact:
                 good = 0
-            elif good is None:  # READ into the tier: checked there
-                good = await self._verified(blocks, checksums)
             if intact and good < len(blocks):
                 log.error("pull from %s: block %s failed verification; it and its successors are dropped",
                           source_address, blocks[good].key.block_hash.hex())
@@ -277,11 +277,47 @@ class Pulls:
         self.metrics.pull((lookup_ms + transfer_ms) / 1000, n, len(wanted) - n)
         return tuple(committed), lookup_ms, transfer_ms, ""
 
+    def _arena_refusal(self, source_node_id: str, arena: LandingArena | None) -> str:
+        """Why nothing can land from that source now (its arena has no free slot)."""
+        if arena is None:
+            return f"no landing arena for node {source_node_id} (this node's NIXL agent was just replaced); retry"
+        held = self._node.quarantine.reclaimer.held_from(source_node_id)
+        if held:
+            return (f"node {source_node_id}'s failed transfers hold {held} of the {arena.slots} slots of its "
+                    "landing arena here until it proves them over" + (", pulls from it in flight the rest" if
+                                                                     held < arena.slots else "") +
+                    "; it is not pulled from until some are free")
+        return f"pulls from node {source_node_id} in flight fill its landing arena here ({arena.slots} slots)"
+
+    def _take_landing(self, ns: Namespace, hashes: list[bytes], wanted: list[int], first_block_index: int,
+                      tenant_limit_bytes: int | None, answer: LookupAnswer, arena: LandingArena
+                      ) -> tuple[list[Block], np.ndarray, list[int], list[int]]:
+        """Tier slots for the leading HITs of ``answer``, no more than its source's arena has free slots for (nor
+        evictions): (the blocks, their arena slots, their remote addresses, their checksums)."""
+        landing = arena.take(len(wanted))
+        blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index,
+                                                                 tenant_limit_bytes, answer, at_most=len(landing))
+        arena.give_back(landing[len(blocks):])
+        return blocks, landing[:len(blocks)], remote_addrs, checksums
+
+    def _settle_landing(self, arena: LandingArena, landing: np.ndarray, blocks: list[Block], may_still_write: bool,
+                        peer: Peer, ns: Namespace, lease_id: str, grant: bytes) -> None:
+        """After a failed transfer: its tier blocks are aborted (no transfer reaches the tier) and its arena slots
+        go back, or, when the transfer may still write into them, are held until that is proven over."""
+        self._forget_writers(blocks)
+        for block in blocks:
+            self.tier.abort(block)
+        if may_still_write:
+            self._node.quarantine.add(arena, landing, peer, ns, lease_id, grant)
+        else:
+            arena.give_back(landing)
+
     async def _fetch_by_read(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                              source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
-                             tenant_limit_bytes: int | None
-                             ) -> tuple[list[Block], list[int], float, float, None] | None:
-        """Lookup on the source, then one-sided READs: the arrived blocks (uncommitted) and their checksums."""
+                             tenant_limit_bytes: int | None, arena: LandingArena
+                             ) -> tuple[list[Block], list[int], float, float, int] | None:
+        """Lookup on the source, then one-sided READs into its arena here, each run copied into the tier and the
+        copy checked: the arrived blocks (uncommitted), their checksums, and how many leading ones are intact."""
         t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
         lookup_ms = (time.perf_counter() - t0) * 1000
@@ -289,56 +325,54 @@ class Pulls:
             return None
         transfer_ms = 0.0
         try:
-            blocks, remote_addrs, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index,
-                                                                     tenant_limit_bytes, answer)
+            blocks, landing, remote_addrs, checksums = self._take_landing(ns, hashes, wanted, first_block_index,
+                                                                          tenant_limit_bytes, answer, arena)
+            if not blocks:
+                return None
             t1 = time.perf_counter()
-            arrived = await self._transfer(peer, blocks, remote_addrs, deadline, grant)
+            arrived = await self._transfer(peer, blocks, arena, landing, remote_addrs, deadline, grant)
             transfer_ms = (time.perf_counter() - t1) * 1000
         finally:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
-        return (blocks, checksums, lookup_ms, transfer_ms, None) if arrived else ([], [], lookup_ms, transfer_ms,
-                                                                                  0)
+        if not arrived:
+            return [], [], lookup_ms, transfer_ms, 0
+        try:
+            good = await self._checker.first_mismatch(self._slots(blocks), checksums if self.config.verify_pulls
+                                                      else None, source=(arena.array, landing))
+        finally:
+            arena.give_back(landing)  # copied by now
+        return blocks, checksums, lookup_ms, transfer_ms, good
 
     async def _fetch_by_write(self, peer: Peer, ns: Namespace, hashes: list[bytes], wanted: list[int],
                               source_media: frozenset[Medium], deadline: float, grant: bytes, first_block_index: int,
-                              tenant_limit_bytes: int | None
+                              tenant_limit_bytes: int | None, arena: LandingArena
                               ) -> tuple[list[Block], list[int], float, float, int] | None:
         """Asks the source which wanted blocks it holds (a plain Lookup, which pins its HITs under a lease:
         nothing is reserved or evicted here for a source that is down or holds nothing), reserves tier slots
         for the leading HITs, as many as its landing arena has room for, and has the source WRITE the blocks of
         that lease into the arena and end it (the send), then copies them into the tier (:meth:`_sent`): the
         arrived blocks (uncommitted), their checksums, and how many leading ones are intact; the rest is
-        aborted. A send that failed mid-way quarantines the tier slots."""
+        aborted."""
         t0 = time.perf_counter()
         answer = await self._remote_lookup(peer, ns, [hashes[i] for i in wanted], source_media, deadline, grant)
         lookup_ms = (time.perf_counter() - t0) * 1000
         if answer is None:
             return None
-        arena = self.transport.landing_arena(peer.node_id)  # made at the handshake, for this source only
-        # no more tier slots (nor evictions) than its arena has room for: what is taken by other pulls from it MISSes
-        landing_slots = arena.take(len(wanted)) if arena is not None else np.zeros(0, dtype=np.int64)
-        blocks, _, checksums = self._reserve_for_pull(ns, hashes, wanted, first_block_index, tenant_limit_bytes,
-                                                      answer, at_most=len(landing_slots))
-        if arena is not None:
-            arena.give_back(landing_slots[len(blocks):])
-            landing_slots = landing_slots[:len(blocks)]
+        blocks, landing, _, checksums = self._take_landing(ns, hashes, wanted, first_block_index,
+                                                           tenant_limit_bytes, answer, arena)
         if not blocks:
             if answer.lease_id:
                 self._node._spawn(self._release_remote(peer, answer.lease_id, grant))
             return None
-        try:
-            return await self._sent(peer, ns, blocks, checksums, arena, landing_slots, answer, deadline, grant,
-                                    lookup_ms)
-        finally:
-            arena.give_back(landing_slots)  # copied (or dropped) by now; a late WRITE only fails a later check
+        return await self._sent(peer, ns, blocks, checksums, arena, landing, answer, deadline, grant, lookup_ms)
 
     async def _sent(self, peer: Peer, ns: Namespace, blocks: list[Block], checksums: list[int],
                     arena: LandingArena, landing_slots: np.ndarray, answer: LookupAnswer, deadline: float,
                     grant: bytes, lookup_ms: float) -> tuple[list[Block], list[int], float, float, int] | None:
         """Has the source WRITE the lease's leading blocks into ``landing_slots`` of its arena, then copies each
         one into its tier slot and checks the copy: (the blocks, checksums, lookup ms, transfer ms, how many
-        leading blocks are intact); None when the send failed."""
+        leading blocks are intact); None when the send failed (its arena slots held if it may still write)."""
         slots = self._slots(blocks)
         source = (arena.array, landing_slots)
         # with pieces (transfer_piece_bytes, set fleet-wide) the blocks are copied and checked piece by piece as
@@ -360,30 +394,29 @@ class Pulls:
                         exc.code().name, exc.details())
             if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                 await self._peers.forget(peer)
-            outcome = "failed" if clean else "quarantine"
+            outcome = "failed" if clean else "may still write"
         except InvalidArgument as exc:
             log.warning("pull: %s sent %s; answering MISS", peer.address, exc)
             await self._peers.forget(peer)
-            outcome = "quarantine"
+            outcome = "may still write"
         transfer_ms = (time.perf_counter() - t1) * 1000
         if outcome != "ok":
-            self._forget_writers(blocks)
-            if outcome == "quarantine":
-                self._node.quarantine.add(blocks, peer, ns, answer.lease_id, grant)
-            else:
-                for block in blocks:
-                    self.tier.abort(block)
+            self._settle_landing(arena, landing_slots, blocks, outcome == "may still write", peer, ns,
+                                 answer.lease_id, grant)
             return None
-        if sent < len(blocks):  # the Lookup had pinned them: the WRITE failed (the source closed its endpoint)
-            await self._peers.forget(peer)  # or the lease expired first
-        self._forget_writers(blocks[sent:])
-        for block in blocks[sent:]:
-            self.tier.abort(block)
-        if checks is not None:
-            good = await checks.first_mismatch(sent)
-        else:
-            good = await self._checker.first_mismatch(slots[:sent], checksums[:sent] if self.config.verify_pulls
-                                                      else None, source=(arena.array, landing_slots[:sent]))
+        try:
+            if sent < len(blocks):  # the Lookup had pinned them: the WRITE failed (the source closed its endpoint)
+                await self._peers.forget(peer)  # or the lease expired first
+            self._forget_writers(blocks[sent:])
+            for block in blocks[sent:]:
+                self.tier.abort(block)
+            if checks is not None:
+                good = await checks.first_mismatch(sent)
+            else:
+                good = await self._checker.first_mismatch(slots[:sent], checksums[:sent] if self.config.verify_pulls
+                                                          else None, source=(arena.array, landing_slots[:sent]))
+        finally:
+            arena.give_back(landing_slots)  # copied by now; a late WRITE only fails a later check
         return blocks[:sent], checksums[:sent], lookup_ms, transfer_ms, good
 
     @staticmethod
@@ -393,13 +426,6 @@ class Pulls:
     def _forget_writers(self, blocks: list[Block]) -> None:
         """Drops the blocks from the writers ledger (settled: committed, aborted or quarantined)."""
         deque(map(self._writers.pop, map(KEY, blocks), repeat(None)), maxlen=0)
-
-    async def _verified(self, blocks: list[Block], checksums: list[int]) -> int:
-        """How many leading blocks READ into the tier have the source's checksum (all, when verify_pulls is
-        off)."""
-        if not self.config.verify_pulls:
-            return len(blocks)
-        return await self._checker.first_mismatch(self._slots(blocks), checksums)
 
     async def _remote_lookup(self, peer: Peer, ns: Namespace, hashes: list[bytes], media: frozenset[Medium],
                              deadline: float, grant: bytes) -> LookupAnswer | None:
@@ -459,10 +485,10 @@ class Pulls:
             return blocks, [], []
         return blocks, answer.addrs[:len(blocks)], answer.checksums[:len(blocks)]
 
-    async def _transfer(self, peer: Peer, blocks: list[Block], remote_addrs: list[int], deadline: float,
-                        grant: bytes) -> bool:
-        if not blocks:
-            return False
+    async def _transfer(self, peer: Peer, blocks: list[Block], arena: LandingArena, landing: np.ndarray,
+                        remote_addrs: list[int], deadline: float, grant: bytes) -> bool:
+        """READs the blocks into ``landing`` slots of the source's arena; False (every block settled, MISS) when
+        that failed."""
         ns = blocks[0].namespace
         attributes = {ATTR.TENANT: ns.tenant, ATTR.NAMESPACE: ns.fingerprint, ATTR.BLOCKS: len(blocks),
                       ATTR.BYTES: len(blocks) * self.block_bytes, ATTR.TIER: "cpu", ATTR.SOURCE_NODE: peer.node_id,
@@ -470,20 +496,16 @@ class Pulls:
         with tracing.tracer("kvmesh.data_plane").start_as_current_span(
                 "kvmesh.nixl.read", kind=SpanKind.CLIENT, attributes=attributes) as span:
             try:
-                await self.transport.read(peer.agent_name, self._slots(blocks) * self.block_bytes,
-                                          remote_addrs, self.block_bytes, max(0.0, deadline - time.monotonic()))
+                await self.transport.read(peer.agent_name, arena.addrs(landing), remote_addrs, self.block_bytes,
+                                          max(0.0, deadline - time.monotonic()))
                 span.set_attribute(ATTR.OUTCOME, "ok")
                 return True
             except TransferFailed as exc:
                 span.set_attribute(ATTR.OUTCOME, "quarantined" if exc.may_still_write else "failed")
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
-                self._forget_writers(blocks)
-                if exc.may_still_write:  # the consumer's own READ: only the source's exit proves it over
-                    self._node.quarantine.add(blocks, peer, blocks[0].namespace, "", grant)
-                else:
-                    for block in blocks:
-                        self.tier.abort(block)
+                # this node's own READ: only the source's exit proves it over
+                self._settle_landing(arena, landing, blocks, exc.may_still_write, peer, ns, "", grant)
                 await self._peers.forget(peer)
                 return False
 

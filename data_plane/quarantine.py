@@ -1,11 +1,14 @@
-"""A node's quarantine: landing slots a failed transfer may still write into.
+"""A node's quarantine: landing slots a failed transfer may still write into, and replacing the NIXL agent.
 
 A pull whose transfer failed in a way that may still land (timed out, could not be cancelled) hands its landing
-slots here (:meth:`Quarantine.add`) instead of back to the tier; the :class:`~data_plane.reclaim.Reclaimer` frees
-them once the source proves no WRITE of that lease can land (its Release answers settled, or a new process answers
-at its address), or, past ``reclaim_force_after_ms``, by replacing this node's NIXL agent once no pull or send is in
-flight (:meth:`Quarantine.renew_transport`). A source whose failed transfers hold its whole budget here, or that
-never proved one over, is not pulled from (:meth:`Quarantine.refusal`).
+slots here (:meth:`Quarantine.add`) instead of back to the source's arena. They are slots of that source's landing
+arena (:mod:`data_plane.landing`), never of the CPU tier: the pull's tier slots are freed at once, since no
+transfer can reach the tier. The :class:`~data_plane.reclaim.Reclaimer` gives them back to the arena once the
+source proves no WRITE of that lease can land (its Release answers settled, or a new process answers at its
+address); a source that never proves it keeps fewer slots of its own arena, and nothing else.
+
+:meth:`Quarantine.renew_transport` replaces the node's NIXL agent once no pull or send is in flight (when the node
+keeps as many landing arenas as it may: every arena, and every record here, goes with the old agent).
 
 Given the node itself (:class:`~data_plane.core.DataPlaneCore`): renewing the agent waits for its pulls and sends.
 Threading model: the node's event loop only.
@@ -19,13 +22,14 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 
 from kvmesh.errors import PermissionDenied, Unavailable
 from kvmesh.namespace import Namespace
 
+from data_plane.landing import LandingArena
 from data_plane.peers import Peer
 from data_plane.reclaim import Quarantine as Record, Reclaimer, Verdict
-from data_plane.tier import Block
 
 if TYPE_CHECKING:
     from data_plane.core import DataPlaneCore
@@ -37,28 +41,22 @@ class Quarantine:
     def __init__(self, node: "DataPlaneCore") -> None:
         self._node = node
         self.config = node.config
-        self.tier, self.metrics = node.tier, node.metrics
+        self.metrics = node.metrics
         self._peers, self._grants = node._peers, node._grants
         self.renewing = False  # the NIXL agent is being replaced: no pull or send starts
         config = node.config
         self.reclaimer = Reclaimer(self._ask_settled, self._reclaim, config.reclaim_retry_ms / 1000,
-                                   config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000,
-                                   force=self.renew_transport, force_after_s=config.reclaim_force_after_ms / 1000)
+                                   config.reclaim_max_retry_ms / 1000, config.reclaim_timeout_ms / 1000)
 
-    def refusal(self, source_node_id: str) -> str:
-        """Why this node does not pull from that source now ("": it may): its failed transfers hold its whole
-        quarantine budget here, or it never proved over a transfer whose slots were reclaimed by force."""
-        if self.renewing:
-            return "this node is replacing its NIXL agent (quarantined slots reclaimed by force, or landing arenas "\
-                "renewed); retry"
-        if self.reclaimer.owes(source_node_id):
-            return (f"node {source_node_id} never proved a failed transfer into this node over (its slots were "
-                    "reclaimed by force); it is not pulled from until it does")
-        held, budget = self.reclaimer.quarantined_from(source_node_id), self.config.quarantine_budget
-        if held >= budget:
-            return (f"node {source_node_id}'s failed transfers hold {held} quarantined slots here (its budget: "
-                    f"{budget}); it is not pulled from until it proves them over")
-        return ""
+    @property
+    def held(self) -> int:
+        """Landing-arena slots held now after failed transfers (of every source)."""
+        return self.reclaimer.held
+
+    def refusal(self) -> str:
+        """Why this node pulls from no source now ("": it may)."""
+        return "this node is replacing its NIXL agent (its landing arenas are renewed); retry" if self.renewing \
+            else ""
 
     async def renew_transport(self) -> bool:
         """The reclaimer's path that does not depend on any source: once no pull or send of this node is in
@@ -78,20 +76,24 @@ class Quarantine:
                 return False
             sends.agents.forget_all()  # their agents (and the challenged ones) were loaded into the old one
             await self._peers.close()  # this node's metadata changed: every source gets the new one
+            if dropped := self.reclaimer.drop_all():  # their arenas went with the old agent
+                self.metrics.reclaimed(dropped, 0)
             return True
         finally:
             self.renewing = False
 
-    def add(self, blocks: list[Block], peer: Peer, ns: Namespace, lease_id: str, grant: bytes) -> None:
-        """Quarantines the landing slots of a transfer that may still write; the reclaimer frees them once
-        that is proven over (data_plane.reclaim)."""
-        slots = [self.tier.quarantine(block) for block in blocks]
-        self.metrics.quarantined(len(slots), self.tier.quarantined)
-        self.reclaimer.add(Record(slots, ns, peer.node_id, peer.address, peer.incarnation, lease_id, grant))
+    def add(self, arena: LandingArena, slots: np.ndarray, peer: Peer, ns: Namespace, lease_id: str,
+            grant: bytes) -> None:
+        """Holds the landing slots (of the source's ``arena``) of a transfer that may still write; the reclaimer
+        gives them back to the arena once that is proven over (data_plane.reclaim)."""
+        log.warning("%d landing slots of %s's arena held: its transfer failed and may still write into them",
+                    len(slots), peer.node_id)
+        self.reclaimer.add(Record(arena, slots, ns, peer.node_id, peer.address, peer.incarnation, lease_id, grant))
+        self.metrics.quarantined(len(slots), self.reclaimer.held)
 
-    def _reclaim(self, slots: list[int]) -> None:
-        self.tier.reclaim(slots)
-        self.metrics.reclaimed(len(slots), self.tier.quarantined)
+    def _reclaim(self, record: Record) -> None:
+        record.arena.give_back(record.slots)
+        self.metrics.reclaimed(len(record.slots), self.reclaimer.held)
 
     async def _ask_settled(self, record: Record, timeout_s: float) -> Verdict:
         """Asks the source's address whether a write into ``record``'s slots can still land (its Release

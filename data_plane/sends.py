@@ -4,8 +4,8 @@ A consumer hands this node its NIXL agent over (:meth:`Sends.exchange_metadata`,
 answer to a nonce sent to that agent), its Lookup pins the blocks under a lease (:meth:`DataPlaneCore.lookup`), and
 :meth:`Sends.send` WRITEs exactly those blocks to landing slots of that agent's registered memory, then ends the
 lease. Only these blocks leave: the consumer holds no rkey of this node. Before the server gives up its port,
-:meth:`Sends.drain` refuses new sends and waits for the WRITEs in flight (the proof consumers' quarantines rest on:
-data_plane.reclaim).
+:meth:`Sends.drain` refuses new sends and waits for the WRITEs in flight (the proof consumers' held landing slots
+rest on: data_plane.reclaim).
 
 The send path shares the node's tier, leases and transport and its quarantine's "replacing the NIXL agent" state,
 so it is given the node itself (:class:`~data_plane.core.DataPlaneCore`). Threading model: the node's event loop

@@ -11,12 +11,9 @@ Lifecycle of a block (one slot), legal transitions only::
 * WRITTEN: the bytes are in place and checksummed, not yet visible.
 * COMMITTED: visible to lookups. Evictable while unpinned; a block pinned by a
   reader (a peer's lease, the local engine's acquire) is never evicted.
-* Quarantined: a slot that a transfer that could not be cancelled may still
-  write into; it is not reused until :meth:`MemoryTier.reclaim` hands it back,
-  once it is proven that nothing can land in it any more (data_plane.reclaim).
-  Until then it still counts against the tenant that pulled into it
-  (:meth:`MemoryTier.tenant_slots`): a tenant's failed pulls never take more
-  of the tier than its limit.
+* No transfer writes into a tier slot: a pull's bytes land in its source's landing
+  arena and are copied in (data_plane.landing), so a failed pull's slots are aborted
+  at once, whatever its transfer may still do.
 * Purged: a committed block of a tenant epoch that ended (:meth:`MemoryTier.purge`), or
   one whose bytes changed after it was stored (:meth:`MemoryTier.discard`), leaves the
   index at once; its slot is free again once no reader pins it.
@@ -88,9 +85,6 @@ class MemoryTier:
         self._free = list(range(region.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._per_tenant: collections.Counter[str] = collections.Counter()  # slots held, by tenant
         self._purged_pinned: set[Block] = set()  # purged while pinned: out of the index, slot freed at unpin
-        self._quarantined: dict[int, str] = {}  # quarantined slot -> the tenant it counts against
-        self.quarantined = 0  # slots quarantined now
-        self.reclaimed = 0  # slots handed back by reclaim(), in all
 
     # ---- queries ----
 
@@ -112,7 +106,7 @@ class MemoryTier:
         return len(self._blocks)
 
     def tenant_slots(self, tenant: str) -> int:
-        """Slots the tenant's blocks occupy (any state), and its quarantined slots."""
+        """Slots the tenant's blocks occupy (any state)."""
         return self._per_tenant[tenant]
 
     def tenants(self) -> set[str]:
@@ -197,25 +191,6 @@ class MemoryTier:
             raise FailedPrecondition(f"block {block.key.block_hash.hex()} is committed; it cannot be aborted")
         self._drop(block)
         self._free.append(block.slot)
-
-    def quarantine(self, block: Block) -> int:
-        """Drops an uncommitted block whose slot may still be written by a transfer; its slot (returned) is
-        not reused until :meth:`reclaim`, and counts against the block's tenant until then."""
-        self._drop(block)
-        self._per_tenant[block.namespace.tenant] += 1
-        self._quarantined[block.slot] = block.namespace.tenant
-        self.quarantined += 1
-        log.error("slot %d quarantined after a transfer that could not be cancelled", block.slot)
-        return block.slot
-
-    def reclaim(self, slots: list[int]) -> None:
-        """Frees quarantined slots: the caller has proven no transfer can still write into them."""
-        for slot in slots:
-            self._per_tenant[self._quarantined.pop(slot)] -= 1
-        self._free.extend(slots)
-        self.quarantined -= len(slots)
-        self.reclaimed += len(slots)
-        log.info("%d quarantined slots reclaimed (no transfer can still write into them)", len(slots))
 
     def _drop(self, block: Block) -> None:
         if self._blocks.get(block.key) is block:

@@ -12,13 +12,14 @@ Implementor contracts:
     and WRITE whatever it describes. An arena stays registered, and is never
     given to another node, until the agent is replaced (:meth:`rotate`).
   * ``read`` copies ``length`` bytes from each remote address into each local
-    offset (NixlTransport: one descriptor per run of blocks contiguous on both
+    address, which lies in a landing arena (never the region: a READ that
+    may still land must not reach memory anything else uses) (NixlTransport: one descriptor per run of blocks contiguous on both
     sides, the blocks split over its ``lanes`` transfer requests, posted at
     once), and returns only when all of them have arrived (every lane ended). Otherwise it raises :class:`TransferFailed`; its
     ``may_still_write`` is True when the request timed out (over TCP, bytes
     already in the socket land when the path drains, cancelled or not) or
     could not be cancelled, and then the caller must not reuse the
-    destination slots until that is proven over (data_plane.reclaim); its
+    destination arena slots until that is proven over (data_plane.reclaim); its
     ``released`` says whether NIXL released the request (False: this
     process may still move its bytes until it exits).
   * ``write`` is the mirror image: the local offsets are the source, the
@@ -255,9 +256,9 @@ class Transport(abc.ABC):
         finishes first."""
 
     @abc.abstractmethod
-    async def read(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+    async def read(self, peer: str, local_addrs: list[int], remote_addrs: list[int], length: int,
                    timeout_s: float) -> None:
-        """READs ``length`` bytes at each remote address into the local region at each offset."""
+        """READs ``length`` bytes at each remote address into each local address (of a landing arena)."""
 
     @abc.abstractmethod
     async def write(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
@@ -417,7 +418,7 @@ class NixlTransport(Transport):
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes
                 raise Unavailable(f"registering a landing arena for {node_id!r}: {exc}") from None
             entry = self._arenas[node_id] = (arena, reg)
-            log.info("landing arena of %d MiB for source %s", arena.size >> 20, node_id)
+            log.info("landing arena of %d blocks (%.1f MiB) for source %s", arena.slots, arena.size / 2**20, node_id)
         return agent.get_partial_agent_metadata(entry[1], True, ["UCX"])
 
     def landing_arena(self, node_id: str) -> LandingArena | None:
@@ -520,21 +521,22 @@ class NixlTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - forgetting a dead peer must not fail
             log.warning("removing NIXL peer %s: %s", agent_name, exc)
 
-    async def read(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+    async def read(self, peer: str, local_addrs: list[int], remote_addrs: list[int], length: int,
                    timeout_s: float) -> None:
-        await self._xfer("READ", peer, local_offsets, remote_addrs, length, timeout_s)
+        await self._xfer("READ", peer, np.asarray(local_addrs, dtype=np.uint64), remote_addrs, length, timeout_s)
 
     async def write(self, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
                     timeout_s: float, tag: bytes = b"") -> None:
-        await self._xfer("WRITE", peer, local_offsets, remote_addrs, length, timeout_s, tag)
+        local = np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr)
+        await self._xfer("WRITE", peer, local, remote_addrs, length, timeout_s, tag)
 
-    async def _xfer(self, op: str, peer: str, local_offsets: list[int], remote_addrs: list[int], length: int,
+    async def _xfer(self, op: str, peer: str, local_addrs: np.ndarray, remote_addrs: list[int], length: int,
                     timeout_s: float, tag: bytes = b"") -> None:
         if peer not in self._peers or self._rotating:
             raise TransferFailed(f"unknown peer agent {peer!r}" if peer not in self._peers else
                                  "the NIXL agent is being replaced")
-        lanes = lane_pieces(np.asarray(local_offsets, dtype=np.uint64) + np.uint64(self._region.base_addr),
-                            np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes, tag, self._piece_bytes)
+        lanes = lane_pieces(local_addrs, np.asarray(remote_addrs, dtype=np.uint64), length, self._lanes, tag,
+                            self._piece_bytes)
         deadline = time.monotonic() + timeout_s
         self._busy[peer] = self._busy.get(peer, 0) + 1
         try:

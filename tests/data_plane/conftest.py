@@ -75,8 +75,7 @@ def config(shm_dir, tmp_path, grant_public_key):
     def build(**overrides) -> DataPlaneConfig:
         fields = dict(node_id=f"n-{uuid.uuid4().hex[:6]}", listen="127.0.0.1:0", shm_dir=shm_dir,
                       block_bytes=BLOCK_BYTES, capacity_bytes=16 * BLOCK_BYTES, lock_memory=False,
-                      lease_sweep_ms=20, api_key=api_keys.new_key()[1], grant_public_key=grant_public_key,
-                      quarantine_budget_blocks=8)  # tests quarantine up to 4 blocks of one source (default: 2)
+                      lease_sweep_ms=20, api_key=api_keys.new_key()[1], grant_public_key=grant_public_key)
         fields.update(overrides)
         return DataPlaneConfig(**fields)
 

@@ -56,8 +56,8 @@ class WrappedTransport(Transport):
     def remove_peer(self, agent_name):
         self._real.remove_peer(agent_name)
 
-    async def read(self, peer, local_offsets, remote_addrs, length, timeout_s):
-        await self._real.read(peer, local_offsets, remote_addrs, length, timeout_s)
+    async def read(self, peer, local_addrs, remote_addrs, length, timeout_s):
+        await self._real.read(peer, local_addrs, remote_addrs, length, timeout_s)
 
     async def write(self, peer, local_offsets, remote_addrs, length, timeout_s, tag=b""):
         await self._real.write(peer, local_offsets, remote_addrs, length, timeout_s, tag)

@@ -39,7 +39,7 @@ def between_the_calls(monkeypatch, consumer, act) -> list[int]:
 
 async def test_a_lease_that_expired_before_the_send_is_a_clean_miss(local_node, ns, grant, monkeypatch):
     """The source's lease (capped at 1 ms here) ends before the send names it: the source writes nothing and
-    answers MISS, and the consumer frees its landing slots (none quarantined: nothing can still land).
+    answers MISS, and the consumer frees its landing slots (none held: nothing can still land).
     Control: the same pull, with the same pause between the calls, from a source whose lease outlives it."""
     short = await local_node(node_id="short", lease_ms=1, max_lease_ms=1, lease_sweep_ms=600_000)  # no sweep
     usual = await local_node(node_id="usual")
@@ -56,7 +56,7 @@ async def test_a_lease_that_expired_before_the_send_is_a_clean_miss(local_node, 
             assert result.pulled == expect_pulled
             if not expect_pulled:
                 assert result.statuses == [LookupStatus.MISS] * N
-                assert consumer.core.tier.free_slots == free and consumer.core.tier.quarantined == 0
+                assert consumer.core.tier.free_slots == free and consumer.core.quarantine.held == 0
                 source.core.expire_leases()  # the sweep ends the expired lease: nothing stays pinned
                 assert [b.pins for b in source.core.tier.committed()] == [0] * N
 
@@ -64,9 +64,9 @@ async def test_a_lease_that_expired_before_the_send_is_a_clean_miss(local_node, 
 async def test_a_source_frozen_between_the_calls_is_a_bounded_miss_that_evicts_nothing(
         local_node, dp_process, ns, grant, monkeypatch):
     """The source answers the Lookup, then freezes (SIGSTOP: sockets open, nothing answers) before the send:
-    the pull answers MISS within its deadline, and no block the consumer held is evicted (its landing slots
-    came from free ones; they are quarantined, as the frozen source's WRITE could still land). Control: the
-    same source, not frozen, is pulled from first."""
+    the pull answers MISS within its deadline, and no block the consumer held is evicted (its tier slots came
+    from free ones and are free again; the slots of the source's landing arena are held, as the frozen source's
+    WRITE could still land there). Control: the same source, not frozen, is pulled from first."""
     source = dp_process("src")
     consumer = await local_node(node_id="consumer", capacity_bytes=16 * 64 * 1024,
                                 reclaim_retry_ms=600_000)  # reclaiming is test_reclaim.py's
@@ -90,4 +90,4 @@ async def test_a_source_frozen_between_the_calls_is_a_bounded_miss_that_evicts_n
         slots, lease = await local.acquire(ns, own + control)
         assert len(slots) == len(own) + N, "nothing the consumer held was evicted"
         await local.release(lease)
-        assert consumer.core.tier.quarantined == N and consumer.core.tier.free_slots == free - N
+        assert consumer.core.quarantine.held == N and consumer.core.tier.free_slots == free

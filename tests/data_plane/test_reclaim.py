@@ -1,6 +1,7 @@
-"""Quarantined landing slots come back once no write can land in them, and not before. Nodes are real (gRPC,
-NIXL over UCX; sources are processes where they freeze or die); the consumer runs in this process so the test
-can freeze the source at the exact moment between its Lookup and its send."""
+"""Held landing slots come back once no write can land in them, and not before; meanwhile they cost only the
+source's own landing arena on the consumer, never its tier. Nodes are real (gRPC, NIXL over UCX; sources are
+processes where they freeze or die); the consumer runs in this process so the test can freeze the source at the
+exact moment between its Lookup and its send."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from kvmesh.grpc_server import server_options
@@ -26,6 +28,7 @@ from tenancy.peer_proof import NodeIdentity
 pytestmark = pytest.mark.nixl
 
 N = 4
+BLOCK_BYTES = 64 * 1024  # the conftest nodes' slot size
 FAST_RECLAIM = dict(reclaim_retry_ms=100, reclaim_max_retry_ms=400, reclaim_timeout_ms=500)
 
 
@@ -67,8 +70,8 @@ def metric(node, name: str) -> float:
 
 
 async def quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, grant) -> int:
-    """Pulls N blocks from ``source`` (a process), frozen between the calls: the consumer quarantines N slots.
-    Returns the consumer's free slots before the pull."""
+    """Pulls N blocks from ``source`` (a process), frozen between the calls: the consumer holds N slots of the
+    source's landing arena and none of its tier. Returns the consumer's free tier slots before the pull."""
     async with DataPlaneClient(source.address, key=source.api_key) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
         control, hashes = await commit_blocks(owner, ns, 1), await commit_blocks(owner, ns, N)
@@ -80,7 +83,9 @@ async def quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, g
         result = await local.pull(ns, hashes, source.node_id, source.address, grant=token, timeout_ms=1_500)
         monkeypatch.undo()
     assert result.pulled == 0 and result.statuses == [LookupStatus.MISS] * N
-    assert consumer.core.tier.quarantined == N and consumer.core.tier.free_slots == free - N
+    assert consumer.core.quarantine.held == N and consumer.core.tier.free_slots == free
+    arena = consumer.core.transport.landing_arena(source.node_id)
+    assert arena.free_slots == arena.slots - N
     assert metric(consumer, "kvmesh_dp_quarantined_slots") == N
     return free
 
@@ -88,27 +93,25 @@ async def quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, g
 async def test_slots_quarantined_behind_a_frozen_source_come_back_once_it_resumes(
         local_node, dp_process, ns, grant, monkeypatch):
     """The source freezes (SIGSTOP) between the Lookup and the send: the send times out and the consumer
-    quarantines its landing slots. Negative control: while the source stays frozen, round after round of
-    asking proves nothing and the slots stay quarantined. After SIGCONT the source's WRITE completes or is
-    abandoned, it answers "settled" for the lease, and every slot is free again (and handed out again)."""
+    holds its landing slots. Negative control: while the source stays frozen, round after round of asking
+    proves nothing and the slots stay held. After SIGCONT the source's WRITE completes or is abandoned, it
+    answers "settled" for the lease, and every slot of its arena is free again (and handed out again)."""
     source = dp_process("src")
     consumer = await local_node(node_id="consumer", **FAST_RECLAIM)
     try:
         free = await quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, grant)
         await asyncio.sleep(2.5)  # about a dozen asks at 100-400 ms, each unanswered
-        assert consumer.core.tier.quarantined == N, "a frozen source proves nothing"
+        assert consumer.core.quarantine.held == N, "a frozen source proves nothing"
         assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == 0
     finally:
         os.kill(source.proc.pid, signal.SIGCONT)
-    assert await until(lambda: consumer.core.tier.quarantined == 0, 30.0), "the resumed source settled the lease"
+    assert await until(lambda: consumer.core.quarantine.held == 0, 30.0), "the resumed source settled the lease"
     assert consumer.core.tier.free_slots == free
     assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == N
     assert metric(consumer, "kvmesh_dp_quarantined_slots") == 0
     assert metric(consumer, "kvmesh_dp_quarantine_slots_total") == N
-    async with DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
-        many = [os.urandom(32) for _ in range(consumer.core.region.num_slots)]
-        assert -1 not in await local.reserve(ns, many), "every slot is handed out again"
-        await local.abort(ns, many)
+    arena = consumer.core.transport.landing_arena(source.node_id)
+    assert len(arena.take(arena.slots)) == arena.slots, "every slot of its arena is handed out again"
 
 
 async def test_slots_come_back_when_a_restarted_source_answers_at_the_same_address(
@@ -116,19 +119,19 @@ async def test_slots_come_back_when_a_restarted_source_answers_at_the_same_addre
     """The frozen source is killed and another process of the same node starts at the same address: its NIXL
     agent (its incarnation) differs from the one that took the lease, so the process that could write is gone
     (a live one would still hold the port) and the slots come back. Negative control: while the old process is
-    frozen (not yet killed), they stay quarantined."""
+    frozen (not yet killed), they stay held."""
     source = dp_process("src")
     consumer = await local_node(node_id="consumer", **FAST_RECLAIM)
     free = await quarantine_behind_a_frozen_source(monkeypatch, consumer, source, ns, grant)
     await asyncio.sleep(1.5)
-    assert consumer.core.tier.quarantined == N, "a frozen source proves nothing"
+    assert consumer.core.quarantine.held == N, "a frozen source proves nothing"
     # the premise of that proof: no other process can bind the address while the frozen one lives
     with pytest.raises(RuntimeError, match="Address already in use"):
         dp_process("src-twin", listen=source.address)
     source.kill()
     restarted = dp_process("src", listen=source.address)
     assert restarted.address == source.address
-    assert await until(lambda: consumer.core.tier.quarantined == 0, 30.0), "a new incarnation answered"
+    assert await until(lambda: consumer.core.quarantine.held == 0, 30.0), "a new incarnation answered"
     assert consumer.core.tier.free_slots == free
     assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == N
 
@@ -148,9 +151,8 @@ class HeldWrites(WrappedTransport):
 async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, grant, monkeypatch):
     """The attacker (a consumer with a valid grant of its own for the same namespace and source, holding the
     victim's lease id) asks the source to settle it while the victim's WRITE is still held: the victim's slots
-    stay quarantined and the source still answers the victim "not settled". Positive control: once the held
-    WRITE runs (landing in the quarantined slots, as it may), the victim's own ask proves it and the slots come
-    back."""
+    stay held and the source still answers the victim "not settled". Positive control: once the held WRITE
+    runs (landing in the held slots, as it may), the victim's own ask proves it and the slots come back."""
     source = await local_node(node_id="src")
     consumer = await local_node(node_id="consumer", **FAST_RECLAIM)
     held = HeldWrites(source.core.transport)
@@ -170,21 +172,21 @@ async def test_another_consumer_cannot_settle_the_victims_lease(local_node, ns, 
                             peer_proof=lambda g, method: attacker.proof(g, method, "src")) as mallory:
         free = consumer.core.tier.free_slots
         result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=8_000)  # the first handshake vets metadata (seconds when loaded)
-        assert result.pulled == 0 and consumer.core.tier.quarantined == N and len(leases) == 1
+        assert result.pulled == 0 and consumer.core.quarantine.held == N and len(leases) == 1
         attacker_grant = grant(attacker.public_key, "mallory", "src", ns)
         for _ in range(3):
             await mallory.release(leases[0], grant=attacker_grant)
         await asyncio.sleep(1.5)  # the victim asks several times meanwhile
-        assert consumer.core.tier.quarantined == N, "the attacker's release settled nothing"
+        assert consumer.core.quarantine.held == N, "the attacker's release settled nothing"
+        assert consumer.core.tier.free_slots == free, "no tier slot is held"
         held.go.set()  # the WRITE runs now
-        assert await until(lambda: consumer.core.tier.quarantined == 0, 20.0), "the victim's own ask proved it"
-        assert consumer.core.tier.free_slots == free
+        assert await until(lambda: consumer.core.quarantine.held == 0, 20.0), "the victim's own ask proved it"
 
 
-async def test_the_reclaimer_backs_off_and_stops_when_nothing_is_quarantined(ns):
+async def test_the_reclaimer_backs_off_and_stops_when_nothing_is_held(ns):
     """The reclaimer's own loop, with a scripted source (the real ones above drive it through gRPC): it asks
     again only after a delay that doubles up to its cap, an ask that hangs or breaks proves nothing, the slots
-    are freed on the first proof, and once nothing is quarantined no task runs (an idle node costs nothing)."""
+    are freed on the first proof, and once nothing is held no task runs (an idle node costs nothing)."""
     answers = [Verdict.PENDING, "hang", "break", Verdict.PENDING, Verdict.SETTLED]
     asked_at: list[float] = []
     freed: list[list[int]] = []
@@ -198,10 +200,11 @@ async def test_the_reclaimer_backs_off_and_stops_when_nothing_is_quarantined(ns)
             raise RuntimeError("the ask broke")
         return answer
 
-    reclaimer = Reclaimer(ask, freed.append, retry_s=0.05, max_retry_s=0.2, timeout_s=0.1)
+    reclaimer = Reclaimer(ask, lambda record: freed.append(record.slots.tolist()), retry_s=0.05, max_retry_s=0.2,
+                          timeout_s=0.1)
     assert not reclaimer.active
     added = time.monotonic()
-    reclaimer.add(Quarantine([3, 5], ns, "src", "127.0.0.1:1", "src-agent", "lease", b"grant"))
+    reclaimer.add(Quarantine(None, np.array([3, 5]), ns, "src", "127.0.0.1:1", "src-agent", "lease", b"grant"))
     assert reclaimer.active and reclaimer.records == 1
     assert await until(lambda: freed, 10.0)
     assert freed == [[3, 5]] and len(asked_at) == len(answers)
@@ -210,6 +213,29 @@ async def test_the_reclaimer_backs_off_and_stops_when_nothing_is_quarantined(ns)
     assert all(w >= e - 0.01 for w, e in zip(waits, expected)), waits
     await asyncio.sleep(0)
     assert not reclaimer.active and reclaimer.records == 0
+    await reclaimer.close()
+
+
+async def test_each_record_is_freed_on_its_own_proof(ns):
+    """Two sources' records at once (each record is itself, whatever its slots): the one whose source settles is
+    freed, the other stays held and asked; :meth:`Reclaimer.drop_all` (the agent replaced) forgets it."""
+    freed: list[list[int]] = []
+    answers = {"honest": Verdict.SETTLED, "frozen": Verdict.PENDING}
+
+    async def ask(record: Quarantine, timeout_s: float) -> Verdict:
+        return answers[record.source_node_id]
+
+    reclaimer = Reclaimer(ask, lambda record: freed.append(record.slots.tolist()), retry_s=0.02, max_retry_s=0.05,
+                          timeout_s=0.1)
+    reclaimer.add(Quarantine(None, np.array([1, 2]), ns, "frozen", "127.0.0.1:1", "f-agent", "lease-f", b"g"))
+    reclaimer.add(Quarantine(None, np.array([1, 2]), ns, "honest", "127.0.0.1:2", "h-agent", "lease-h", b"g"))
+    assert await until(lambda: freed, 5.0)
+    await asyncio.sleep(0.2)
+    assert freed == [[1, 2]] and reclaimer.held_from("frozen") == 2 and reclaimer.held_from("honest") == 0
+    assert reclaimer.active, "the frozen source is still asked"
+    assert reclaimer.drop_all() == 2 and reclaimer.held == 0
+    await asyncio.sleep(0.2)
+    assert not reclaimer.active and freed == [[1, 2]]
     await reclaimer.close()
 
 
@@ -240,7 +266,7 @@ async def test_a_stopping_source_keeps_its_port_until_its_writes_in_flight_end(c
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
         result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=8_000)  # the first handshake vets metadata (seconds when loaded)
-    assert result.pulled == 0 and consumer.core.tier.quarantined == N  # the WRITE is still held
+    assert result.pulled == 0 and consumer.core.quarantine.held == N  # the WRITE is still held
     stopping = asyncio.create_task(source.stop())
     await asyncio.sleep(1.0)
     assert not stopping.done() and not binds(port, server_options()), "the port is kept while the WRITE runs"
@@ -267,7 +293,7 @@ class TimedOutWrites(WrappedTransport):
 
 async def test_a_timed_out_write_is_never_reported_settled_even_when_nixl_released_it(local_node, ns, grant):
     """Releasing a timed-out request does not call back bytes UCX already handed to a TCP socket: the source
-    keeps the send in its ledger, so the consumer's landing slots stay quarantined (reused, they could be
+    keeps the send in its ledger, so the consumer's landing slots stay held (reused, they could be
     overwritten when the cut path heals). Control: a source whose WRITE is merely held answers settled once it
     ran (test_another_consumer_cannot_settle_the_victims_lease)."""
     source = await local_node(node_id="src")
@@ -276,45 +302,56 @@ async def test_a_timed_out_write_is_never_reported_settled_even_when_nixl_releas
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
         result = await pull_fresh_blocks(owner, local, consumer, source.address, ns, grant, timeout_ms=8_000)  # the first handshake vets metadata (seconds when loaded); the WRITE fails at once
-        assert result.pulled == 0 and consumer.core.tier.quarantined == N
+        assert result.pulled == 0 and consumer.core.quarantine.held == N
         await asyncio.sleep(1.5)  # the consumer asks several times meanwhile (FAST_RECLAIM)
         assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == 0
-        assert consumer.core.tier.quarantined == N, "a timed-out WRITE was reported settled"
+        assert consumer.core.quarantine.held == N, "a timed-out WRITE was reported settled"
 
 
-async def test_a_source_that_never_settles_loses_its_slots_by_force_and_owes_until_it_proves(ns):
-    """The reclaimer's forced path, with scripted sources: a record not proven within force_after_s is reclaimed
-    by the force callable (slots freed without the source), and its source then owes a proof; asked again, it is
-    forgiven once it answers SETTLED. A force that cannot be done now is tried again, and frees nothing before.
-    A READ's record (no lease) owes nothing. Control: a source that settles in time is never forced."""
-    liar, honest, reader = "liar", "honest", "reader"
-    answers = {liar: Verdict.PENDING, honest: Verdict.SETTLED, reader: Verdict.PENDING}
-    freed: list[list[int]] = []
-    forces: list[bool] = [False, True]  # the first force cannot be done (say, a pull is in flight)
+async def test_a_source_that_never_settles_costs_only_its_own_landing_arena(local_node, ns, grant):
+    """A source whose WRITEs time out (never reported settled: its slots are held for good) and whose arena on
+    the consumer holds N blocks: after one failed pull its whole arena is held, so the next pull from it is
+    refused before any Lookup, in one line. Nothing else pays: the consumer's tier lost no slot, nothing counts
+    against the tenant, the consumer keeps its NIXL agent (no peer re-handshakes), and a pull from another
+    source (the positive control) brings its blocks. Replacing the agent (what a node at max_landing_sources
+    does) drops the held slots with their arena, and the source, fixed, is pulled from again."""
+    source, other = await local_node(node_id="src"), await local_node(node_id="other")
+    consumer = await local_node(node_id="consumer", landing_bytes_per_source=N * BLOCK_BYTES, **FAST_RECLAIM)
+    real = source.core.transport
+    source.core.transport = TimedOutWrites(real)
+    async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
+            DataPlaneClient(other.address, key=other.core.config.node_key()) as other_owner, \
+            DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
+        key = (await local.describe_tier()).peer_public_key
+        await consumer.core.transport.ready(60.0)
+        agent = consumer.core.transport.agent_name
+        free = consumer.core.tier.free_slots
+        lookups = []
+        real_lookup = source.core.lookup
 
-    async def ask(record: Quarantine, timeout_s: float) -> Verdict:
-        return answers[record.source_node_id]
+        def counting_lookup(*args, **kwargs):
+            lookups.append(1)
+            return real_lookup(*args, **kwargs)
 
-    async def force() -> bool:
-        return forces.pop(0)
-
-    reclaimer = Reclaimer(ask, freed.append, retry_s=0.05, max_retry_s=0.1, timeout_s=0.1, force=force,
-                          force_after_s=0.5)
-    reclaimer.add(Quarantine([1], ns, honest, "127.0.0.1:1", "h-agent", "lease-h", b"g"))
-    assert await until(lambda: freed == [[1]], 5.0) and not reclaimer.owes(honest)  # control: settled in time
-    reclaimer.add(Quarantine([2, 3], ns, liar, "127.0.0.1:2", "l-agent", "lease-l", b"g"))
-    reclaimer.add(Quarantine([4], ns, reader, "127.0.0.1:3", "r-agent", "", b"g"))
-    assert reclaimer.quarantined_from(liar) == 2
-    await asyncio.sleep(0.4)
-    assert freed == [[1]], "nothing is forced before force_after_s"
-    assert await until(lambda: len(freed) == 2, 5.0)
-    assert sorted(freed[1]) == [2, 3, 4] and forces == [] and reclaimer.forced == 1
-    assert reclaimer.records == 0 and reclaimer.quarantined_from(liar) == 0
-    assert reclaimer.owes(liar) and not reclaimer.owes(reader)
-    await asyncio.sleep(0.3)
-    assert reclaimer.owes(liar), "a source that never proves stays owing"
-    answers[liar] = Verdict.SETTLED
-    assert await until(lambda: not reclaimer.owes(liar), 5.0)
-    await asyncio.sleep(0)
-    assert not reclaimer.active
-    await reclaimer.close()
+        source.core.lookup = counting_lookup
+        hashes = await commit_blocks(owner, ns, N)
+        token = grant(key, "consumer", "src", ns)
+        assert (await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=8_000)).pulled == 0
+        assert consumer.core.quarantine.held == N and len(lookups) == 1
+        result = await local.pull(ns, hashes, "src", source.address, grant=token)
+        assert result.pulled == 0 and f"failed transfers hold {N} of the {N} slots of its landing arena" in \
+            result.refused, result.refused
+        assert len(lookups) == 1, "refused before any Lookup"
+        assert consumer.core.tier.free_slots == free and consumer.core.tier.tenant_slots(ns.tenant) == 0
+        theirs = await commit_blocks(other_owner, ns, N)  # the positive control
+        pulled = await local.pull(ns, theirs, "other", other.address, grant=grant(key, "consumer", "other", ns))
+        assert pulled.pulled == N
+        await asyncio.sleep(1.5)  # the consumer asks the source again and again meanwhile (FAST_RECLAIM)
+        assert consumer.core.quarantine.held == N and consumer.core.transport.agent_name == agent, \
+            "the consumer replaced its agent for a source's failures"
+        # the agent replaced for another reason: the held slots go with their arena
+        assert await consumer.core.quarantine.renew_transport()
+        assert consumer.core.quarantine.held == 0 and metric(consumer, "kvmesh_dp_quarantined_slots") == 0
+        source.core.transport = real
+        again = await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=8_000)
+        assert again.pulled == N

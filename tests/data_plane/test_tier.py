@@ -82,12 +82,6 @@ def test_uncommitted_blocks_are_not_evictable(tier, ns):
     assert tier.reserve(ns, key(9), BlockInfo()) is None
 
 
-def test_quarantined_slot_is_never_reused(tier, ns):
-    block = tier.reserve(ns, key(1), BlockInfo())
-    tier.quarantine(block)
-    assert tier.get(key(1)) is None and tier.free_slots == 3 and tier.quarantined == 1
-
-
 async def test_wait_settled_sees_commit_and_times_out(tier, ns):
     block = tier.reserve(ns, key(1), BlockInfo())
     assert await tier.wait_settled(block, 0.02) is False

@@ -7,7 +7,7 @@ It plays a registered node (its key is the test's to register) that consumers pu
 * every send (a Lookup with landing addresses) fails with UNAVAILABLE, as a WRITE that may still land would;
 * every Release answers ``settled=false`` under the same agent name: it never proves anything over. And before
   answering, it WRITEs a marker block (every byte 0xEE) into the landing addresses of that lease, with the
-  consumer's metadata from the handshake: the late write a quarantine exists for.
+  consumer's metadata from the handshake: the late write held landing slots exist for.
 
 It prints ``rogue listening on <address>``; every late write is a JSON line in the log file: the time, the lease
 and the outcome (``DONE``, or what NIXL raised).
