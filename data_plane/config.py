@@ -73,6 +73,11 @@ class DataPlaneConfig(BaseSettings):
     max_landing_sources: int = Field(64, ge=1, description="source nodes this node keeps a landing arena for; a "
                                      "pull from one more answers MISS and has the node replace its NIXL agent once "
                                      "no pull or send runs (every arena goes with it; peers handshake again)")
+    landing_renewals_per_source: int = Field(
+        4, ge=0, description="times one source's landing arena is replaced by a fresh one when its failed transfers "
+        "hold half of it or more (transfers that may still write, e.g. timed out on a cut path), per NIXL agent; "
+        "the old arena's pages go back to the OS; then the source is pulled from again only once it proves them "
+        "over")
     verify_pulls: bool = Field(True, description="check each pulled block's CRC-32C before committing it")
     verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
     transfer_lanes: int = Field(1, ge=1, le=16, description="NIXL transfer requests (each on a UCX worker of its "

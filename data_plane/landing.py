@@ -56,6 +56,10 @@ class LandingArena:
     def give_back(self, slots: np.ndarray) -> None:
         self._free[np.asarray(slots, dtype=np.int64)] = True
 
+    def release_pages(self) -> None:
+        """Gives the arena's pages back to the OS (it stays mapped: a late write faults a zeroed page in)."""
+        self._map.madvise(mmap.MADV_REMOVE)  # the mapping is shared anonymous memory: DONTNEED would keep them
+
     def addrs(self, slots: np.ndarray) -> list[int]:
         """The address of each slot (where the source WRITEs)."""
         return (np.asarray(slots, dtype=np.uint64) * np.uint64(self.block_bytes)

@@ -50,7 +50,7 @@ class DataPlaneMetrics:
         self._quarantines = Counter("kvmesh_dp_quarantine_slots", "landing-arena slots held after a failed "
                                     "transfer, in all", registry=r)
         self._reclaimed = Counter("kvmesh_dp_reclaimed_slots", "held landing-arena slots freed again once no "
-                                  "write could land in them (or their arena went with the NIXL agent)",
+                                  "write could land in them (or their arena was renewed, or went with the NIXL agent)",
                                   registry=r)
         self._read_since_stored: set[BlockKey] = set()
         self._children: dict[tuple, object] = {}  # (metric, labels) -> child: labels() costs ~5 us a call

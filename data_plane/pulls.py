@@ -225,6 +225,11 @@ class Pulls:
             peer = self._peers.cached(source_address) or await self._within(
                 self._peers.get(source_address, source_node_id, deadline - time.monotonic(), grant),
                 deadline, "the handshake")
+            if self._node.quarantine.renew_arena(peer.node_id):  # its failures held half its arena or more
+                await self._peers.forget(peer)  # the source is handed the fresh arena at a new handshake
+                peer = await self._within(
+                    self._peers.get(source_address, source_node_id, deadline - time.monotonic(), grant),
+                    deadline, "the handshake")
         except (Unavailable, PermissionDenied) as exc:  # no grant or no source: the engine recomputes
             log.warning("pull from %s: %s; answering MISS", source_address, exc)
             if isinstance(exc, LandingArenasFull):  # every arena goes with the agent, once no transfer runs
@@ -281,12 +286,14 @@ class Pulls:
         """Why nothing can land from that source now (its arena has no free slot)."""
         if arena is None:
             return f"no landing arena for node {source_node_id} (this node's NIXL agent was just replaced); retry"
-        held = self._node.quarantine.reclaimer.held_from(source_node_id)
+        held = self._node.quarantine.reclaimer.held_in(arena)
+        if 2 * held >= arena.slots:
+            return (f"node {source_node_id}'s failed transfers hold {held} of the {arena.slots} slots of its "
+                    "landing arena here until it proves them over, and its arena was renewed as often as "
+                    "landing_renewals_per_source allows; it is not pulled from until some are free")
         if held:
             return (f"node {source_node_id}'s failed transfers hold {held} of the {arena.slots} slots of its "
-                    "landing arena here until it proves them over" + (", pulls from it in flight the rest" if
-                                                                     held < arena.slots else "") +
-                    "; it is not pulled from until some are free")
+                    "landing arena here, pulls from it in flight the rest")
         return f"pulls from node {source_node_id} in flight fill its landing arena here ({arena.slots} slots)"
 
     def _take_landing(self, ns: Namespace, hashes: list[bytes], wanted: list[int], first_block_index: int,

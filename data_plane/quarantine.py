@@ -85,11 +85,25 @@ class Quarantine:
     def add(self, arena: LandingArena, slots: np.ndarray, peer: Peer, ns: Namespace, lease_id: str,
             grant: bytes) -> None:
         """Holds the landing slots (of the source's ``arena``) of a transfer that may still write; the reclaimer
-        gives them back to the arena once that is proven over (data_plane.reclaim)."""
+        gives them back to the arena once that is proven over (data_plane.reclaim). Nothing is held in an arena
+        already retired (:meth:`renew_arena`): it is never used again."""
+        if self._node.transport.landing_arena(peer.node_id) is not arena:
+            return
         log.warning("%d landing slots of %s's arena held: its transfer failed and may still write into them",
                     len(slots), peer.node_id)
         self.reclaimer.add(Record(arena, slots, ns, peer.node_id, peer.address, peer.incarnation, lease_id, grant))
         self.metrics.quarantined(len(slots), self.reclaimer.held)
+
+    def renew_arena(self, node_id: str) -> bool:
+        """When the failed transfers of source ``node_id`` hold half its landing arena or more, retires that arena
+        (the source gets a fresh one at its next handshake) and forgets what was held in it; False when they hold
+        less, or the arena was renewed as often as ``landing_renewals_per_source`` allows."""
+        arena = self._node.transport.landing_arena(node_id)
+        if arena is None or 2 * self.reclaimer.held_in(arena) < arena.slots or \
+                not self._node.transport.renew_landing_arena(node_id):
+            return False
+        self.metrics.reclaimed(self.reclaimer.drop_arena(arena), self.reclaimer.held)
+        return True
 
     def _reclaim(self, record: Record) -> None:
         record.arena.give_back(record.slots)

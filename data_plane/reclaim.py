@@ -18,12 +18,13 @@ docs/data_plane.md, "Reclaiming held landing slots"):
 * Anything else (no answer, refused, a write still outstanding, one NIXL could not cancel) keeps the slots
   held; a READ's slots (this node's own request) are settled only by GONE.
 
-A source that never proves anything keeps its slots held for good, which costs it alone: its arena has that many
-slots fewer, and a pull from it MISSes once none is free. Nothing here depends on a source's cooperation to
-keep another source's, or any tenant's, memory usable. A new NIXL agent (:meth:`Reclaimer.drop_all`, after the
-node replaced its agent) takes every arena with the old one, and every record goes with them.
-
-Per source, :meth:`Reclaimer.held_from` is what its failed transfers hold now.
+A source that never proves anything keeps its slots held, which costs it alone: its arena has that many slots
+fewer. Once they are half its arena or more, the node retires that arena for a fresh one (at most
+``landing_renewals_per_source`` times per NIXL agent: an honest source whose WRITEs timed out on a cut path, which
+only its restart proves over, is pulled from again), and its records go with it (:meth:`Reclaimer.drop_arena`);
+then a pull from it MISSes once no slot is free. Nothing here depends on a source's cooperation to keep another
+source's, or any tenant's, memory usable. A new NIXL agent (:meth:`Reclaimer.drop_all`, after the node replaced
+its agent) takes every arena with the old one, and every record goes with them.
 
 Threading model: event-loop thread only. One task runs while anything is held and none otherwise (an idle node
 costs nothing); each record is asked again after a delay that doubles up to a cap, and one ask is bounded by
@@ -116,6 +117,16 @@ class Reclaimer:
     def held_from(self, source_node_id: str) -> int:
         """Landing slots held now after transfers from that source."""
         return sum(len(r.slots) for r in self._records if r.source_node_id == source_node_id)
+
+    def held_in(self, arena: "LandingArena") -> int:
+        """Slots of that arena held now."""
+        return sum(len(r.slots) for r in self._records if r.arena is arena)
+
+    def drop_arena(self, arena: "LandingArena") -> int:
+        """Forgets the records of that arena (it was retired: never used again): the slots dropped."""
+        dropped = self.held_in(arena)
+        self._records = [r for r in self._records if r.arena is not arena]
+        return dropped
 
     def drop_all(self) -> int:
         """Forgets every record (their arenas went with the NIXL agent just replaced): the slots dropped."""

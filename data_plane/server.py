@@ -90,7 +90,8 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
                           lock_memory=config.lock_memory)
     try:
         transport = NixlTransport(config.node_id, region, config.nixl_progress_wait_ms, config.transfer_lanes,
-                                  config.transfer_piece_bytes, config.landing_slots, config.max_landing_sources)
+                                  config.transfer_piece_bytes, config.landing_slots, config.max_landing_sources,
+                                  config.landing_renewals_per_source)
     except BaseException:
         region.close()
         if disk is not None:

@@ -23,7 +23,8 @@ from data_plane.core import DataPlaneCore
 from data_plane.prefetch import Prefetcher
 from data_plane.types import validate_hashes
 
-# A send's WRITE must end (or be cancelled) before the caller's deadline: the caller holds its landing slots on a timeout.
+# A send's WRITE must end (or be cancelled) before the caller's deadline: the caller holds its landing slots
+# on a timeout.
 SEND_MARGIN_S = 0.25
 
 

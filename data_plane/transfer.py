@@ -13,9 +13,11 @@ Implementor contracts:
     given to another node, until the agent is replaced (:meth:`rotate`).
   * ``read`` copies ``length`` bytes from each remote address into each local
     address, which lies in a landing arena (never the region: a READ that
-    may still land must not reach memory anything else uses) (NixlTransport: one descriptor per run of blocks contiguous on both
-    sides, the blocks split over its ``lanes`` transfer requests, posted at
-    once), and returns only when all of them have arrived (every lane ended). Otherwise it raises :class:`TransferFailed`; its
+    may still land must not reach memory anything else uses). NixlTransport:
+    one descriptor per run of blocks contiguous on both sides, the blocks
+    split over its ``lanes`` transfer requests, posted at once. It returns
+    only when all of them have arrived (every lane ended). Otherwise it
+    raises :class:`TransferFailed`; its
     ``may_still_write`` is True when the request timed out (over TCP, bytes
     already in the socket land when the path drains, cancelled or not) or
     could not be cancelled, and then the caller must not reuse the
@@ -68,6 +70,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -226,6 +229,13 @@ class Transport(abc.ABC):
         """The arena :meth:`landing_metadata` described to source node ``node_id`` (None before that)."""
 
     @abc.abstractmethod
+    def renew_landing_arena(self, node_id: str) -> bool:
+        """Retires source node ``node_id``'s arena (kept registered and mapped, so a write still in flight lands
+        there, its pages given back to the OS, never used again while the agent lives): its next
+        :meth:`landing_metadata` makes a fresh one. False when that node's arena was renewed as often as this
+        agent allows (or it has none)."""
+
+    @abc.abstractmethod
     def describe_peer(self, metadata: bytes) -> AgentMetadata:
         """What a peer's metadata says (agent name, registered memory), read without loading it;
         InvalidArgument when it is not exactly what an agent of this transport hands out."""
@@ -292,16 +302,21 @@ class NixlTransport(Transport):
     """
 
     def __init__(self, node_id: str, region: SharedRegion, progress_wait_ms: int = 100, lanes: int = 1,
-                 piece_bytes: int = 0, landing_slots: int = 0, max_landing_sources: int = 64) -> None:
+                 piece_bytes: int = 0, landing_slots: int = 0, max_landing_sources: int = 64,
+                 landing_renewals: int = 4) -> None:
         """``lanes``: transfer requests one read or write is split into, posted at once from as many threads,
         each with a UCX worker of its own; ``piece_bytes``: the most bytes of one request of a tagged write, each
         reported landed to the peer by a NIXL notification (0: tagged writes go as untagged ones, one request per
         lane, and report nothing); ``landing_slots``: blocks of one source's landing arena (0: as many as the
-        region holds); ``max_landing_sources``: source nodes given an arena per agent."""
+        region holds); ``max_landing_sources``: source nodes given an arena per agent; ``landing_renewals``: times
+        one source's arena may be renewed per agent."""
         self._piece_bytes = piece_bytes
         self._landing_slots = landing_slots or region.num_slots
         self._max_landing_sources = max_landing_sources
         self._arenas: dict[str, tuple[LandingArena, object]] = {}  # source node -> its arena, NIXL registration
+        self._landing_renewals = landing_renewals
+        self._renewed: list[tuple[LandingArena, object]] = []  # retired arenas: registered and mapped until rotate()
+        self._renewals: collections.Counter[str] = collections.Counter()  # source node -> its arenas retired
         # A fresh name per start (and per rotate()): peers holding an old agent's metadata must re-handshake.
         self._node_id = node_id
         self._progress_wait_ms = progress_wait_ms
@@ -353,11 +368,13 @@ class NixlTransport(Transport):
             agent, reg = await asyncio.to_thread(self._new_agent, name)
             # the old arenas go with the old agent, after it (a WRITE its worker still serves must land in mapped
             # memory); a pull that holds one keeps it mapped until it is done; sources get new ones at handshake
-            old = [self._agent, [self._reg, *(r for _, r in self._arenas.values())],
-                   [a for a, _ in self._arenas.values()]]
+            arenas = [*self._arenas.values(), *self._renewed]
+            old = [self._agent, [self._reg, *(r for _, r in arenas)], [a for a, _ in arenas]]
             old_threads, self._threads = self._threads, self._new_threads()
             self._agent, self._reg, self.agent_name = agent, reg, name
             self._arenas.clear()
+            self._renewed.clear()
+            self._renewals.clear()
             self._peers.clear()
             self._retired.clear()
             await asyncio.to_thread(self._destroy, old)
@@ -424,6 +441,17 @@ class NixlTransport(Transport):
     def landing_arena(self, node_id: str) -> LandingArena | None:
         entry = self._arenas.get(node_id)
         return None if entry is None else entry[0]
+
+    def renew_landing_arena(self, node_id: str) -> bool:
+        if node_id not in self._arenas or self._renewals[node_id] >= self._landing_renewals:
+            return False
+        entry = self._arenas.pop(node_id)
+        self._renewed.append(entry)
+        self._renewals[node_id] += 1
+        entry[0].release_pages()
+        log.warning("landing arena of source %s renewed (%d of %d times this agent allows): the old one stays "
+                    "registered, its pages given back", node_id, self._renewals[node_id], self._landing_renewals)
+        return True
 
     def describe_peer(self, metadata: bytes) -> AgentMetadata:
         return read_agent_metadata(metadata)
@@ -628,10 +656,11 @@ class NixlTransport(Transport):
             return
         for peer in list(self._peers):
             self.remove_peer(peer)
-        for reg in [self._reg, *(r for _, r in self._arenas.values())]:
+        for reg in [self._reg, *(r for _, r in [*self._arenas.values(), *self._renewed])]:
             try:
                 self._agent.deregister_memory(reg)
             except Exception as exc:  # noqa: BLE001 - shutting down
                 log.warning("deregistering memory: %s", exc)
         self._agent = None  # before the arenas: memory its worker could still write into stays mapped until then
         self._arenas.clear()
+        self._renewed.clear()

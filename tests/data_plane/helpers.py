@@ -38,6 +38,9 @@ class WrappedTransport(Transport):
     def landing_arena(self, node_id):
         return self._real.landing_arena(node_id)
 
+    def renew_landing_arena(self, node_id):
+        return self._real.renew_landing_arena(node_id)
+
     def describe_peer(self, metadata):
         return self._real.describe_peer(metadata)
 

@@ -177,6 +177,33 @@ def test_the_default_arena_is_an_eighth_of_the_tier_within_256_mib_and_the_tier(
     assert DataPlaneConfig(block_bytes=4096, capacity_bytes=mib, landing_bytes_per_source=8192).landing_slots == 2
 
 
+async def test_a_renewed_arena_is_a_fresh_one_and_the_old_one_gives_its_pages_back(shm_dir):
+    """A source's arena renewed: the next handshake describes another region, the old arena stays mapped (a late
+    write lands in memory of this process) with its pages given back (it reads as zeros), and a source is renewed
+    at most ``landing_renewals`` times per agent (a rotate starts the count again). Renewals do not count
+    against ``max_landing_sources`` (control: another source still gets an arena)."""
+    region = SharedRegion(shm_dir / "renew.tier", 4096, 8, owner=True)
+    transport = NixlTransport("renew-node", region, landing_slots=2, max_landing_sources=2, landing_renewals=1)
+    try:
+        await transport.ready(120.0)
+        first = read_agent_metadata(transport.landing_metadata("a")).regions
+        old = transport.landing_arena("a")
+        old.array[:] = 7
+        assert not transport.renew_landing_arena("b"), "no arena to renew"
+        assert transport.renew_landing_arena("a")
+        assert transport.landing_arena("a") is None and (old.array == 0).all(), "its pages went back"
+        assert read_agent_metadata(transport.landing_metadata("a")).regions != first
+        assert transport.landing_arena("a") is not old
+        assert not transport.renew_landing_arena("a"), "renewed once per agent at most"
+        transport.landing_metadata("b")  # control: the retired arena takes no source's place
+        assert await transport.rotate()
+        transport.landing_metadata("a")
+        assert transport.renew_landing_arena("a"), "a new agent, a new count"
+    finally:
+        transport.close()
+        region.close()
+
+
 def test_arena_slots_come_lowest_first_and_go_back():
     arena = LandingArena("src", 6, 4096)
     assert arena.take(4).tolist() == [0, 1, 2, 3]

@@ -309,16 +309,19 @@ async def test_a_timed_out_write_is_never_reported_settled_even_when_nixl_releas
 
 
 async def test_a_source_that_never_settles_costs_only_its_own_landing_arena(local_node, ns, grant):
-    """A source whose WRITEs time out (never reported settled: its slots are held for good) and whose arena on
-    the consumer holds N blocks: after one failed pull its whole arena is held, so the next pull from it is
-    refused before any Lookup, in one line. Nothing else pays: the consumer's tier lost no slot, nothing counts
-    against the tenant, the consumer keeps its NIXL agent (no peer re-handshakes), and a pull from another
+    """A source whose WRITEs time out (never reported settled: only its restart would prove them over) and whose
+    arena on the consumer holds N blocks, renewable once (``landing_renewals_per_source=1``). After one failed pull
+    its arena is held; the source recovers (a healed path) and the next pull renews the arena and brings the
+    blocks, without the source restarting. Failing again, its new arena is held and the next pull is refused
+    before any Lookup, in one line naming the setting. Nothing else pays: the consumer's tier lost no slot, nothing
+    counts against the tenant, the consumer keeps its NIXL agent (no peer re-handshakes), and a pull from another
     source (the positive control) brings its blocks. Replacing the agent (what a node at max_landing_sources
     does) drops the held slots with their arena, and the source, fixed, is pulled from again."""
     source, other = await local_node(node_id="src"), await local_node(node_id="other")
-    consumer = await local_node(node_id="consumer", landing_bytes_per_source=N * BLOCK_BYTES, **FAST_RECLAIM)
+    consumer = await local_node(node_id="consumer", landing_bytes_per_source=N * BLOCK_BYTES,
+                                landing_renewals_per_source=1, **FAST_RECLAIM)
     real = source.core.transport
-    source.core.transport = TimedOutWrites(real)
+    failing = TimedOutWrites(real)
     async with DataPlaneClient(source.address, key=source.core.config.node_key()) as owner, \
             DataPlaneClient(other.address, key=other.core.config.node_key()) as other_owner, \
             DataPlaneClient(consumer.address, key=consumer.core.config.node_key()) as local:
@@ -334,15 +337,31 @@ async def test_a_source_that_never_settles_costs_only_its_own_landing_arena(loca
             return real_lookup(*args, **kwargs)
 
         source.core.lookup = counting_lookup
-        hashes = await commit_blocks(owner, ns, N)
         token = grant(key, "consumer", "src", ns)
-        assert (await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=8_000)).pulled == 0
-        assert consumer.core.quarantine.held == N and len(lookups) == 1
-        result = await local.pull(ns, hashes, "src", source.address, grant=token)
-        assert result.pulled == 0 and f"failed transfers hold {N} of the {N} slots of its landing arena" in \
-            result.refused, result.refused
-        assert len(lookups) == 1, "refused before any Lookup"
-        assert consumer.core.tier.free_slots == free and consumer.core.tier.tenant_slots(ns.tenant) == 0
+
+        async def pull(hashes):
+            return await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=8_000)
+
+        source.core.transport = failing
+        hashes = await commit_blocks(owner, ns, N)
+        assert (await pull(hashes)).pulled == 0
+        first = consumer.core.transport.landing_arena("src")
+        assert consumer.core.quarantine.held == N and first.free_slots == 0
+        source.core.transport = real  # the path healed; the timed-out WRITE is still never reported settled
+        assert (await pull(hashes)).pulled == N, "renewed, the source is pulled from again without a restart"
+        assert consumer.core.transport.landing_arena("src") is not first and consumer.core.quarantine.held == 0
+        assert metric(consumer, "kvmesh_dp_reclaimed_slots_total") == N  # the retired arena's records dropped
+
+        source.core.transport = failing
+        again = await commit_blocks(owner, ns, N)
+        assert (await pull(again)).pulled == 0 and consumer.core.quarantine.held == N
+        asked = len(lookups)
+        result = await pull(again)
+        assert result.pulled == 0 and "landing_renewals_per_source" in result.refused and \
+            f"hold {N} of the {N} slots" in result.refused, result.refused
+        assert len(lookups) == asked, "refused before any Lookup"
+        assert consumer.core.tier.free_slots == free - N and consumer.core.tier.tenant_slots(ns.tenant) == N, \
+            "only the N blocks pulled are in the tier"
         theirs = await commit_blocks(other_owner, ns, N)  # the positive control
         pulled = await local.pull(ns, theirs, "other", other.address, grant=grant(key, "consumer", "other", ns))
         assert pulled.pulled == N
@@ -353,5 +372,4 @@ async def test_a_source_that_never_settles_costs_only_its_own_landing_arena(loca
         assert await consumer.core.quarantine.renew_transport()
         assert consumer.core.quarantine.held == 0 and metric(consumer, "kvmesh_dp_quarantined_slots") == 0
         source.core.transport = real
-        again = await local.pull(ns, hashes, "src", source.address, grant=token, timeout_ms=8_000)
-        assert again.pulled == N
+        assert (await pull(again)).pulled == N

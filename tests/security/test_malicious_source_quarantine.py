@@ -10,7 +10,8 @@ Before the first fix each such pull quarantined fresh tier slots outside B's cou
 tier, evicted tenant A's blocks, and the slots never came back. Before the second, the quarantined slots were
 tier slots counted against B's quota (the rogue held part of B's quota on dp2) and, unproven after
 ``reclaim_force_after_ms``, made dp2 replace its NIXL agent (every peer of dp2 handshook again). Now what the
-rogue's failures hold is slots of its own landing arena on dp2, and nothing else.
+rogue's failures hold is slots of its own landing arena on dp2, and nothing else: dp2 renews that arena
+``landing_renewals_per_source`` times (4; the retired ones' pages go back to the OS), then refuses the rogue.
 
 Real Redis and control plane (in this process), a real data-plane process dp2, the rogue process; UCX on tcp.
 """
@@ -51,6 +52,7 @@ BLOCK = 64 * 1024
 SLOTS = 32
 B_QUOTA_BLOCKS = 8
 ARENA_BLOCKS = 6  # the landing arena dp2 keeps for each source
+RENEWALS = 4  # landing_renewals_per_source's default
 A = Namespace("tenant-a", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
 B = Namespace("tenant-b", "tiny-llama", "rev1", CacheConfig(block_size=32)).validate()
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -163,6 +165,9 @@ async def test_a_malicious_source_holds_only_its_own_landing_arena(world):
             refused.append(result.refused)
         held = metric(metrics_port, "kvmesh_dp_quarantined_slots")
         assert held == ARENA_BLOCKS, f"{held} landing slots held"  # its whole arena, and no more
+        renewals = [line for line in dp2.output if "landing arena of source node-b renewed" in line]
+        assert len(renewals) == RENEWALS and f"({RENEWALS} of {RENEWALS} times" in renewals[-1], renewals
+        dropped = metric(metrics_port, "kvmesh_dp_reclaimed_slots_total")  # held in the retired arenas
         assert "node-b" in refused[-1] and "landing arena" in refused[-1], refused[-1]  # refused before any Lookup
         # the attack was real: the rogue's late writes landed (DONE), in the landing arena dp2 keeps for node-b,
         # never in the tier
@@ -191,7 +196,7 @@ async def test_a_malicious_source_holds_only_its_own_landing_arena(world):
             await asyncio.sleep(0.2)
         assert all(w["outcome"] == "DONE" for w in rogue.late_writes() if w["t"] > later), rogue.late_writes()
         assert metric(metrics_port, "kvmesh_dp_quarantined_slots") == ARENA_BLOCKS
-        assert metric(metrics_port, "kvmesh_dp_reclaimed_slots_total") == 0
+        assert metric(metrics_port, "kvmesh_dp_reclaimed_slots_total") == dropped, "nothing was proven over"
         assert not marked_slots(tier), "a late write reached dp2's tier"
         assert await a_holds(local, tier, fill[-8:], 0x42)
         result = await local.pull(B, [os.urandom(32)], "node-b", rogue.address, timeout_ms=5_000)
