@@ -37,7 +37,7 @@ class LandingArena:
         self.node_id = node_id
         self.block_bytes = block_bytes
         self.slots = slots
-        self._map = mmap.mmap(-1, slots * block_bytes)  # anonymous, private to this process
+        self._map = mmap.mmap(-1, slots * block_bytes)  # anonymous (MAP_SHARED, but never shared with a child)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.base_addr = self.array.ctypes.data
         self.size = slots * block_bytes

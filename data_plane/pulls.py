@@ -311,9 +311,7 @@ class Pulls:
                         peer: Peer, ns: Namespace, lease_id: str, grant: bytes) -> None:
         """After a failed transfer: its tier blocks are aborted (no transfer reaches the tier) and its arena slots
         go back, or, when the transfer may still write into them, are held until that is proven over."""
-        self._forget_writers(blocks)
-        for block in blocks:
-            self.tier.abort(block)
+        self._abort(blocks)
         if may_still_write:
             self._node.quarantine.add(arena, landing, peer, ns, lease_id, grant)
         else:
@@ -414,9 +412,7 @@ class Pulls:
         try:
             if sent < len(blocks):  # the Lookup had pinned them: the WRITE failed (the source closed its endpoint)
                 await self._peers.forget(peer)  # or the lease expired first
-            self._forget_writers(blocks[sent:])
-            for block in blocks[sent:]:
-                self.tier.abort(block)
+            self._abort(blocks[sent:])
             if checks is not None:
                 good = await checks.first_mismatch(sent)
             else:
@@ -429,6 +425,12 @@ class Pulls:
     @staticmethod
     def _slots(blocks: list[Block]) -> np.ndarray:
         return np.fromiter(map(SLOT, blocks), dtype=np.int64, count=len(blocks))
+
+    def _abort(self, blocks: list[Block]) -> None:
+        """Frees the tier slots of blocks a pull reserved and will not commit."""
+        self._forget_writers(blocks)
+        for block in blocks:
+            self.tier.abort(block)
 
     def _forget_writers(self, blocks: list[Block]) -> None:
         """Drops the blocks from the writers ledger (settled: committed, aborted or quarantined)."""

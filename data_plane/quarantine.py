@@ -55,7 +55,7 @@ class Quarantine:
 
     def refusal(self) -> str:
         """Why this node pulls from no source now ("": it may)."""
-        return "this node is replacing its NIXL agent (its landing arenas are renewed); retry" if self.renewing \
+        return "this node is replacing its NIXL agent (every landing arena goes with it); retry" if self.renewing \
             else ""
 
     async def renew_transport(self) -> bool:

@@ -114,10 +114,6 @@ class Reclaimer:
         """Landing slots held now, of every source."""
         return sum(len(r.slots) for r in self._records)
 
-    def held_from(self, source_node_id: str) -> int:
-        """Landing slots held now after transfers from that source."""
-        return sum(len(r.slots) for r in self._records if r.source_node_id == source_node_id)
-
     def held_in(self, arena: "LandingArena") -> int:
         """Slots of that arena held now."""
         return sum(len(r.slots) for r in self._records if r.arena is arena)

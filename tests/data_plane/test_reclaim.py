@@ -227,11 +227,12 @@ async def test_each_record_is_freed_on_its_own_proof(ns):
 
     reclaimer = Reclaimer(ask, lambda record: freed.append(record.slots.tolist()), retry_s=0.02, max_retry_s=0.05,
                           timeout_s=0.1)
-    reclaimer.add(Quarantine(None, np.array([1, 2]), ns, "frozen", "127.0.0.1:1", "f-agent", "lease-f", b"g"))
-    reclaimer.add(Quarantine(None, np.array([1, 2]), ns, "honest", "127.0.0.1:2", "h-agent", "lease-h", b"g"))
+    frozen_arena, honest_arena = object(), object()  # the arenas only need to be told apart here
+    reclaimer.add(Quarantine(frozen_arena, np.array([1, 2]), ns, "frozen", "127.0.0.1:1", "f-agent", "lease-f", b"g"))
+    reclaimer.add(Quarantine(honest_arena, np.array([1, 2]), ns, "honest", "127.0.0.1:2", "h-agent", "lease-h", b"g"))
     assert await until(lambda: freed, 5.0)
     await asyncio.sleep(0.2)
-    assert freed == [[1, 2]] and reclaimer.held_from("frozen") == 2 and reclaimer.held_from("honest") == 0
+    assert freed == [[1, 2]] and reclaimer.held_in(frozen_arena) == 2 and reclaimer.held_in(honest_arena) == 0
     assert reclaimer.active, "the frozen source is still asked"
     assert reclaimer.drop_all() == 2 and reclaimer.held == 0
     await asyncio.sleep(0.2)
