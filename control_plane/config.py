@@ -56,7 +56,15 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
                                   "may carry")
     max_calls_in_flight_per_key: int = Field(256, ge=1, description="calls (a stream: until it ends) one API key "
                                              "may have in flight here; past it a call answers RESOURCE_EXHAUSTED "
-                                             "(each may hold a 64 MiB message while served)")
+                                             "before its request is read")
+    max_request_bytes: int = Field(16 * 2**20, ge=2**20, le=64 * 2**20, description="largest request message "
+                                   "accepted (gRPC refuses a larger one as it arrives, RESOURCE_EXHAUSTED); the "
+                                   "default holds a lookup of max_lookup_tokens token ids and an event batch of "
+                                   "max_batch_blocks blocks with 32 token ids each")
+    max_request_bytes_in_flight_per_key: int = Field(256 * 2**20, ge=2**20, description="bytes of requests one "
+                                                     "API key may have being served here at once (a stream: its "
+                                                     "current message); past it a call answers RESOURCE_EXHAUSTED "
+                                                     "before its request is decoded")
     read_replica: bool = Field(True, description="answer lookups from an in-memory replica of the block map, "
                                "fed by Redis change streams (false: every lookup runs the Redis script)")
     gc_interval_s: float = Field(5.0, gt=0, description="how often expired leases are reaped and fenced entries swept")

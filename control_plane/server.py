@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from kvmesh.grpc_server import InFlightLimit, RunningServer, ServiceBinding, check_can_bind, server_tls, \
+from kvmesh.grpc_server import RunningServer, ServiceBinding, check_can_bind, server_tls, \
     start_server, wait_for_signal
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
+from kvmesh.request_gate import InFlightLimit
 from kvmesh.redis_client import redacted
 from kvmesh.command_line import run_command
 from kvmesh.settings_cli import service_main
@@ -118,7 +119,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     if redis_map.replica is not None:
         registry.register(ReplicaCollector(redis_map.replica))
     interceptors = [RpcMetricsInterceptor(registry, "control-plane"), auth]
-    in_flight = InFlightLimit(config.max_calls_in_flight_per_key, call_owner, "max_calls_in_flight_per_key")
+    in_flight = InFlightLimit(config.max_calls_in_flight_per_key, call_owner,
+                              config.max_request_bytes_in_flight_per_key, config.max_request_bytes)
     server = await start_server(config.listen, services, interceptors=interceptors, tls=tls, in_flight=in_flight)
     core.start_background()
     try:  # serve from a warm cache only once revocations flow (until then every call reads Redis)

@@ -112,6 +112,13 @@ class DataPlaneConfig(BaseSettings):
                                              "or one peer host, may have in flight here; past it a call answers "
                                              "RESOURCE_EXHAUSTED (every engine of the node calls with the node's "
                                              "key, one task per request)")
+    max_request_bytes: int = Field(2**20, ge=2**20, le=64 * 2**20, description="largest request message "
+                                   "accepted (gRPC refuses a larger one as it arrives, RESOURCE_EXHAUSTED); the "
+                                   "largest the protocol needs is a request of max_hashes_per_request hashes")
+    max_request_bytes_in_flight_per_key: int = Field(64 * 2**20, ge=2**20, description="bytes of requests the "
+                                                     "node's own key, or one peer host, may have being served here "
+                                                     "at once; past it a call answers RESOURCE_EXHAUSTED before "
+                                                     "its request is decoded")
     metrics_listen: MetricsListen = Field("", description=METRICS_LISTEN_HELP)
     tls_cert_file: str | None = Field(None, description="this node's certificate (PEM): serve TLS, and present it "
                                       "to peers and the control plane that require mutual TLS")

@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2
 
 from kvmesh import tracing
 from kvmesh.errors import Unavailable
-from kvmesh.grpc_server import InFlightLimit, RunningServer, ServiceBinding, check_can_bind, server_tls, \
+from kvmesh.request_gate import InFlightLimit
+from kvmesh.grpc_server import RunningServer, ServiceBinding, check_can_bind, server_tls, \
     start_server, wait_for_signal
 from kvmesh.metrics import MetricsEndpoint, RpcMetricsInterceptor
 from kvmesh.command_line import run_command
@@ -139,7 +140,8 @@ async def _serve(config: DataPlaneConfig, metrics: DataPlaneMetrics, endpoint: M
                                  "kvmesh.v1.DataPlane")
         interceptors = [RpcMetricsInterceptor(metrics.registry, "data-plane"),
                         AuthInterceptor(auth.authenticate, peer=auth.peer_principal)]
-        in_flight = InFlightLimit(config.max_calls_in_flight_per_key, auth.call_owner, "max_calls_in_flight_per_key")
+        in_flight = InFlightLimit(config.max_calls_in_flight_per_key, auth.call_owner,
+                                  config.max_request_bytes_in_flight_per_key, config.max_request_bytes)
         server = await start_server(config.listen, [binding], interceptors=interceptors, tls=tls, in_flight=in_flight)
     except BaseException:
         await core.close()

@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh import errors, tracing
+from kvmesh.request_gate import InFlightLimit, RequestGate
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -89,164 +90,6 @@ def rewrap_handler(handler: grpc.RpcMethodHandler, wrap, request_deserializer=No
     return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kwargs)
 
 
-@dataclass(frozen=True, slots=True)
-class _Undecodable:
-    """What the request deserializer hands on when a payload is not a valid message of the RPC's type."""
-
-    message: str
-
-
-def _tolerant(deserializer):
-    """``deserializer``, answering :class:`_Undecodable` instead of raising (gRPC would answer UNKNOWN)."""
-    if deserializer is None:
-        return None
-    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
-    type_name = descriptor.full_name if descriptor is not None else "the request type"
-
-    def decode(raw: bytes):
-        try:
-            return deserializer(raw)
-        except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's malformed payload
-            return _Undecodable(f"request is not a valid {type_name} ({exc.__class__.__name__}: "
-                                f"{str(exc).split(': ')[-1] or 'malformed'})")
-
-    return decode
-
-
-class DecodeGuard(grpc.aio.ServerInterceptor):
-    """Undecodable protobuf payloads answer INVALID_ARGUMENT naming the expected type (unary and streaming
-    requests alike), instead of gRPC's UNKNOWN with an exception class name and a logged traceback.
-
-    It is the innermost interceptor, so the handler it wraps is the registered one: the wrapped handler is
-    built once per method and reused (nothing in it depends on the call)."""
-
-    def __init__(self) -> None:
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None or not details.method.startswith("/kvmesh."):
-            return handler  # health and reflection are grpc's own (and reflection iterates requests synchronously)
-        found = self._wrapped.get(details.method)
-        if found is not None and found[0] is handler:
-            return found[1]
-        if handler.request_streaming:
-            wrap = _check_each_request
-        else:
-            wrap = _check_stream_response if handler.response_streaming else _check_unary
-        wrapped = rewrap_handler(handler, lambda behavior, _: wrap(behavior),
-                                 request_deserializer=_tolerant(handler.request_deserializer))
-        self._wrapped[details.method] = (handler, wrapped)
-        return wrapped
-
-
-def _check_unary(behavior):
-    async def unary(request, context):
-        if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return await behavior(request, context)
-
-    return unary
-
-
-def _check_stream_response(behavior):
-    async def stream(request, context):
-        if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        async for item in behavior(request, context):
-            yield item
-
-    return stream
-
-
-def _check_each_request(behavior):
-    async def checked(requests, context):
-        async for request in requests:
-            if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            yield request
-
-    def call(requests, context):
-        return behavior(checked(requests, context), context)
-
-    return call
-
-
-CallOwner = Callable[[grpc.aio.ServicerContext], "str | None"]
-
-
-class InFlightLimit(grpc.aio.ServerInterceptor):
-    """At most ``limit`` calls of one caller served at once (a streaming call counts until it ends); the next
-    answers RESOURCE_EXHAUSTED at once. Without it one key holder could keep any number of large requests in
-    flight (a 64 MiB message costs ~150 MiB while it is served) and crowd out every other caller.
-
-    ``owner(context)``: who the call counts against (its authenticated key), None for calls nobody is charged
-    for. It is read when the handler starts, so this interceptor comes after the one that authenticates (whose
-    handler wrapper sets the caller). Health and reflection are not limited. Threading: one event loop."""
-
-    def __init__(self, limit: int, owner: CallOwner, setting: str) -> None:
-        """``setting``: the configuration field that sets ``limit`` (named in the refusal)."""
-        self._limit = limit
-        self._owner = owner
-        self._setting = setting
-        self._in_flight: dict[str, int] = {}
-        # Nothing of a wrapped handler depends on the call (the owner is read when it runs): built once per method.
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith("/kvmesh."):
-            return handler
-        found = self._wrapped.get(details.method)
-        if found is not None and found[0] is handler:
-            return found[1]
-        wrapped = rewrap_handler(handler, self._limited)
-        self._wrapped[details.method] = (handler, wrapped)
-        return wrapped
-
-    async def _enter(self, context) -> str | None:
-        owner = self._owner(context)
-        if owner is None:
-            return None
-        count = self._in_flight.get(owner, 0)
-        if count >= self._limit:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the calling key already has {count} calls in flight here, the most one key may "
-                                f"have ({self._setting}); retry once some have ended")
-        self._in_flight[owner] = count + 1
-        return owner
-
-    def _leave(self, owner: str | None) -> None:
-        if owner is None:
-            return
-        left = self._in_flight[owner] - 1
-        if left:
-            self._in_flight[owner] = left
-        else:
-            del self._in_flight[owner]
-
-    def _limited(self, behavior, streaming: bool):
-        if streaming:
-            async def stream(request, context):
-                owner = await self._enter(context)
-                try:
-                    async for item in behavior(request, context):
-                        yield item
-                finally:
-                    self._leave(owner)
-
-            return stream
-
-        async def unary(request, context):
-            owner = await self._enter(context)
-            try:
-                return await behavior(request, context)
-            finally:
-                self._leave(owner)
-
-        return unary
-
-
 async def wait_for_signal() -> None:
     """Returns on SIGINT or SIGTERM (a service's main loop)."""
     stop = asyncio.Event()
@@ -280,7 +123,7 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def server_options() -> list[tuple[str, int]]:
+def server_options(max_request_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Every server: message limits, it accepts the clients' keepalive pings (the default would answer
     pings more often than every 5 minutes with GOAWAY "too_many_pings"), and it binds its port exclusively
     (no SO_REUSEPORT, which gRPC sets by default): a second process cannot bind a port a live one holds, so
@@ -289,7 +132,8 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.so_reuseport", 0),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.http2.bdp_probe", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
@@ -330,14 +174,15 @@ async def start_server(
     """Start an aio server on ``address`` ("host:port", port 0 picks a free one).
 
     Tracing (kvmesh.tracing, from env) wraps every other interceptor, so a denied call is traced too;
-    health probes and reflection are not traced. ``in_flight`` comes after ``interceptors`` (it charges the
-    caller the authenticating one among them established). The :class:`DecodeGuard` is innermost: a request
-    that is not a valid message reaches no servicer and answers INVALID_ARGUMENT.
+    health probes and reflection are not traced. The :class:`RequestGate` is innermost: it applies ``in_flight``
+    (charging the caller the authenticating interceptor among ``interceptors`` established), reads each request
+    only then, and a request that is not a valid message reaches no servicer and answers INVALID_ARGUMENT. A
+    request larger than ``in_flight.max_request_bytes`` is refused by gRPC as it arrives (RESOURCE_EXHAUSTED).
     """
     traced = tracing.server_interceptors(services[0].full_name if services else "kvmesh")
-    limited = [in_flight] if in_flight is not None else []
-    server = grpc.aio.server(interceptors=[*traced, *interceptors, *limited, DecodeGuard()],
-                             options=server_options())
+    max_request_bytes = in_flight.max_request_bytes if in_flight is not None else MAX_MESSAGE_BYTES
+    server = grpc.aio.server(interceptors=[*traced, *interceptors, RequestGate(in_flight, max_request_bytes)],
+                             options=server_options(max_request_bytes))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

@@ -24,6 +24,7 @@ import grpc
 
 from kvmesh.errors import PermissionDenied, Unauthenticated
 from kvmesh.grpc_server import rewrap_handler
+from kvmesh.request_gate import client_streaming
 from tenancy import api_keys
 from tenancy.model import AuditEntry, Principal, Role
 
@@ -179,7 +180,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             log.warning("could not check credentials", exc_info=True)
             return rewrap_handler(handler, _denial(grpc.StatusCode.UNAVAILABLE, "credential store unavailable"))
         recheck = None
-        if handler.stream_unary or handler.stream_stream:
+        if client_streaming(details.method):
             recheck = functools.partial(self._rechecked, bearer(details.invocation_metadata))
         return rewrap_handler(handler, _with_principal(principal, recheck))
 

@@ -430,9 +430,50 @@ class Judge:
         grew_mib = (peak[0] - before) / 1024
         codes = sorted({r[0] for r in results})
         self.row(area, "4 concurrent LookupPrefix of 15M token ids (60 MiB each), dp1 key",
-                 "INVALID_ARGUMENT; control plane grows < 1 GiB (the messages themselves; before: ~700 MB more each)",
+                 "RESOURCE_EXHAUSTED (over max_request_bytes, refused as it arrives); control plane grows < 1 GiB "
+                 "(before token ids were counted first: ~700 MB more each)",
                  f"{codes} in {took:.1f}s, RSS +{grew_mib:.0f} MiB, Ping {ping[0]}",
-                 codes == ["INVALID_ARGUMENT"] and grew_mib < 1024 and ping[0] == OK)
+                 codes == ["RESOURCE_EXHAUSTED"] and grew_mib < 1024 and ping[0] == OK)
+
+    async def probe_request_memory(self) -> None:
+        """Many concurrent requests just under the control plane's message limit (13 MiB lookups of 3.9M token
+        ids, refused for their content once read): before kvmesh.request_gate each was read, and decoded, as it
+        came (measured: 256 of them grew the control plane by 8.5 GiB); now a call is read only with room in its
+        key's share, so the control plane grows by about that share, however many calls come."""
+        area = "request memory, dp1 key"
+        cp_pid = pid_listening_on(int(self.cp.rsplit(":", 1)[1]))
+        before = rss_kib(cp_pid)
+        peak = [before]
+        stop = asyncio.Event()
+
+        async def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], rss_kib(cp_pid))
+                await asyncio.sleep(0.02)
+
+        request = cp_pb.LookupPrefixRequest(namespace=self.demo_ns.to_proto())
+        request.token_ids.extend((np.arange(3_900_000, dtype=np.uint32) + 70_000).tolist())
+        payload = request.SerializeToString()
+        del request
+        sampler = asyncio.ensure_future(sample())
+        start = time.monotonic()
+        async with self.attacker_cp() as ch:
+            call = ch.unary_unary("/kvmesh.v1.ControlPlane/LookupPrefix")  # bytes in: one payload for every call
+            results = await asyncio.gather(*(outcome(call(payload, timeout=120)) for _ in range(128)))
+        took = time.monotonic() - start
+        async with channel(self.cp, self.victim_key, self.tls["admin"]) as ch:
+            served = await outcome(cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
+                namespace=self.victim_ns.to_proto(), block_hashes=self.victim_hashes), timeout=10))
+        stop.set()
+        await sampler
+        grew_mib = (peak[0] - before) / 1024
+        codes = sorted({r[0] for r in results})
+        self.row(area, f"128 concurrent LookupPrefix of {len(payload) / 2**20:.0f} MiB (3.9M token ids)",
+                 "INVALID_ARGUMENT or RESOURCE_EXHAUSTED; control plane grows < 1.5 GiB (before: ~4 GiB); "
+                 "another tenant served",
+                 f"{codes} in {took:.1f}s, RSS +{grew_mib:.0f} MiB, victim lookup {served[0]}",
+                 set(codes) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"} and "INVALID_ARGUMENT" in codes
+                 and grew_mib < 1536 and served[0] == OK)
 
     async def probe_churn(self) -> None:
         """Many distinct names a key holder may use: namespaces, tenants, engines, clears, a watch never read."""
@@ -726,6 +767,7 @@ class Judge:
         await self.probe_metrics_slowloris()
         await self.probe_many_streams()
         await self.probe_half_open()
+        await self.probe_request_memory()
         await self.probe_churn()
         await self.probe_figures_share()
         if heavy:
