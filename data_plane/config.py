@@ -115,10 +115,10 @@ class DataPlaneConfig(BaseSettings):
     max_request_bytes: int = Field(2**20, ge=2**20, le=64 * 2**20, description="largest request message "
                                    "accepted (gRPC refuses a larger one as it arrives, RESOURCE_EXHAUSTED); the "
                                    "largest the protocol needs is a request of max_hashes_per_request hashes")
-    max_request_bytes_in_flight_per_key: int = Field(64 * 2**20, ge=2**20, description="bytes of requests the "
-                                                     "node's own key, or one peer host, may have being served here "
-                                                     "at once; past it a call answers RESOURCE_EXHAUSTED before "
-                                                     "its request is decoded")
+    max_request_bytes_in_flight_per_key: int = Field(2**30, ge=2**20, description="bytes of requests the node's "
+                                                     "own key, or one peer host, may have being read or served here "
+                                                     "(each call sets aside max_request_bytes while its request is "
+                                                     "read); past it a call waits, then answers RESOURCE_EXHAUSTED")
     metrics_listen: MetricsListen = Field("", description=METRICS_LISTEN_HELP)
     tls_cert_file: str | None = Field(None, description="this node's certificate (PEM): serve TLS, and present it "
                                       "to peers and the control plane that require mutual TLS")

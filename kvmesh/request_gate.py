@@ -112,7 +112,12 @@ class InFlightLimit:
                                 f"the calling key already has {count} calls in flight here, the most one key "
                                 f"may have ({self._calls_setting}); retry once some have ended")
         if stream and not self._fits(owner):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(owner, "now"))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the calling key's requests being read or served here hold "
+                                f"{_mib(self._held.get(owner, 0))} of the {_mib(self._request_bytes)} one key may "
+                                f"hold ({self._bytes_setting}), and a request stream holds "
+                                f"{_mib(self.max_request_bytes)} (max_request_bytes) while open: close one of the "
+                                f"key's streams, give each client its own key, or raise {self._bytes_setting}")
         self._in_flight[owner] = count + 1
         if stream:
             self._charge(call, self.max_request_bytes)
@@ -140,7 +145,7 @@ class InFlightLimit:
                 granted.cancel()  # dropped from the queue by the next wake
         if not call.held:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                self._no_room(owner, f"for {wait_s:g} s"))
+                                self._no_room(owner, wait_s))
 
     def shrink(self, call: _Call, size: int) -> None:
         """``call``'s message arrived: it keeps only its size."""
@@ -163,11 +168,11 @@ class InFlightLimit:
         held = self._held.get(owner, 0)
         return not held or held + self.max_request_bytes <= self._request_bytes
 
-    def _no_room(self, owner: str, how_long: str) -> str:
+    def _no_room(self, owner: str, wait_s: float) -> str:
         return (f"the calling key's requests being read or served here hold {_mib(self._held.get(owner, 0))} of "
                 f"the {_mib(self._request_bytes)} one key may hold ({self._bytes_setting}), each call setting "
                 f"aside {_mib(self.max_request_bytes)} (max_request_bytes) while its request is read, and no room "
-                f"was free {how_long}; retry once some calls have ended")
+                f"was free for {wait_s:g} s; retry once some calls have ended")
 
     def _charge(self, call: _Call, size: int) -> None:
         self._held[call.owner] = self._held.get(call.owner, 0) + size
@@ -223,16 +228,15 @@ class RequestGate(grpc.aio.ServerInterceptor):
         if found is not None and found[0] is handler:
             return found[1]
         decode = _tolerant(handler.request_deserializer)
-        if handler.request_streaming:
-            behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
-            serve = self._many_to_stream if handler.response_streaming else self._many_to_unary
+        many = handler.request_streaming
+        if handler.response_streaming:
+            behavior = handler.stream_stream if many else handler.unary_stream
+            wrapped = grpc.stream_stream_rpc_method_handler(
+                self._stream_response(behavior, decode, many), response_serializer=handler.response_serializer)
         else:
-            behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
-            serve = self._one_to_stream if handler.response_streaming else self._one_to_unary
-        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming \
-            else grpc.stream_unary_rpc_method_handler
-        wrapped = make(serve(behavior, decode), request_deserializer=None,
-                       response_serializer=handler.response_serializer)
+            behavior = handler.stream_unary if many else handler.unary_unary
+            wrapped = grpc.stream_unary_rpc_method_handler(
+                self._unary_response(behavior, decode, many), response_serializer=handler.response_serializer)
         self._wrapped[details.method] = (handler, wrapped)
         return wrapped
 
@@ -254,38 +258,15 @@ class RequestGate(grpc.aio.ServerInterceptor):
         async for raw in requests:
             yield await _decoded(decode(raw), context)
 
-    def _one_to_unary(self, behavior, decode):
+    async def _request(self, many: bool, requests, call: _Call, decode, context):
+        """What the registered handler takes: the request (read now), or the stream of them (read on demand)."""
+        return self._each(requests, decode, context) if many else await self._read_one(requests, call, decode, context)
+
+    def _unary_response(self, behavior, decode, many: bool):
         async def unary(requests, context):
-            call = await self._limit.enter(context, stream=False)
+            call = await self._limit.enter(context, stream=many)
             try:
-                return await behavior(await self._read_one(requests, call, decode, context), context)
-            except BaseException as exc:
-                _drop_locals(exc)
-                raise
-            finally:
-                self._limit.leave(call)
-
-        return unary
-
-    def _one_to_stream(self, behavior, decode):
-        async def stream(requests, context):
-            call = await self._limit.enter(context, stream=False)
-            try:
-                async for item in behavior(await self._read_one(requests, call, decode, context), context):
-                    yield item
-            except BaseException as exc:
-                _drop_locals(exc)
-                raise
-            finally:
-                self._limit.leave(call)
-
-        return stream
-
-    def _many_to_unary(self, behavior, decode):
-        async def unary(requests, context):
-            call = await self._limit.enter(context, stream=True)
-            try:
-                return await behavior(self._each(requests, decode, context), context)
+                return await behavior(await self._request(many, requests, call, decode, context), context)
             except BaseException as exc:
                 _drop_locals(exc)
                 raise
@@ -295,11 +276,11 @@ class RequestGate(grpc.aio.ServerInterceptor):
 
         return unary
 
-    def _many_to_stream(self, behavior, decode):
+    def _stream_response(self, behavior, decode, many: bool):
         async def stream(requests, context):
-            call = await self._limit.enter(context, stream=True)
+            call = await self._limit.enter(context, stream=many)
             try:
-                async for item in behavior(self._each(requests, decode, context), context):
+                async for item in behavior(await self._request(many, requests, call, decode, context), context):
                     yield item
             except BaseException as exc:
                 _drop_locals(exc)

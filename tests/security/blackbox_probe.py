@@ -81,6 +81,33 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+class PeakRss:
+    """The largest growth of a process's resident memory while the block runs (sampled every 20 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.before = self.peak = rss_kib(pid)
+        self._stop = asyncio.Event()
+        self._sampler: asyncio.Future | None = None
+
+    @property
+    def grew_mib(self) -> float:
+        return (self.peak - self.before) / 1024
+
+    async def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_kib(self.pid))
+            await asyncio.sleep(0.02)
+
+    async def __aenter__(self) -> "PeakRss":
+        self._sampler = asyncio.ensure_future(self._sample())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stop.set()
+        await self._sampler
+
+
 def threads(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Threads:"):
@@ -406,28 +433,16 @@ class Judge:
     async def probe_huge_requests(self) -> None:
         area = "huge requests"
         cp_pid = pid_listening_on(int(self.cp.rsplit(":", 1)[1]))
-        before = rss_kib(cp_pid)
-        peak = [before]
-        stop = asyncio.Event()
-
-        async def sample():
-            while not stop.is_set():
-                peak[0] = max(peak[0], rss_kib(cp_pid))
-                await asyncio.sleep(0.02)
-
-        sampler = asyncio.ensure_future(sample())
-        tokens = np.arange(15_000_000, dtype=np.uint32) + 70_000  # ~60 MiB packed: under the 64 MiB message limit
+        tokens = np.arange(15_000_000, dtype=np.uint32) + 70_000  # ~60 MiB packed: under gRPC's 64 MiB, over ours
         request = cp_pb.LookupPrefixRequest(namespace=self.demo_ns.to_proto())
         request.token_ids.extend(tokens.tolist())
         start = time.monotonic()
-        async with self.attacker_cp() as ch:
+        async with PeakRss(cp_pid) as rss, self.attacker_cp() as ch:
             cp = cp_grpc.ControlPlaneStub(ch)
             results = await asyncio.gather(*(outcome(cp.LookupPrefix(request, timeout=120)) for _ in range(4)))
             took = time.monotonic() - start
             ping = await outcome(cp.Ping(common_pb2.PingRequest(), timeout=10))
-        stop.set()
-        await sampler
-        grew_mib = (peak[0] - before) / 1024
+        grew_mib = rss.grew_mib
         codes = sorted({r[0] for r in results})
         self.row(area, "4 concurrent LookupPrefix of 15M token ids (60 MiB each), dp1 key",
                  "RESOURCE_EXHAUSTED (over max_request_bytes, refused as it arrives); control plane grows < 1 GiB "
@@ -442,31 +457,20 @@ class Judge:
         key's share, so the control plane grows by about that share, however many calls come."""
         area = "request memory, dp1 key"
         cp_pid = pid_listening_on(int(self.cp.rsplit(":", 1)[1]))
-        before = rss_kib(cp_pid)
-        peak = [before]
-        stop = asyncio.Event()
-
-        async def sample():
-            while not stop.is_set():
-                peak[0] = max(peak[0], rss_kib(cp_pid))
-                await asyncio.sleep(0.02)
-
         request = cp_pb.LookupPrefixRequest(namespace=self.demo_ns.to_proto())
         request.token_ids.extend((np.arange(3_900_000, dtype=np.uint32) + 70_000).tolist())
         payload = request.SerializeToString()
         del request
-        sampler = asyncio.ensure_future(sample())
         start = time.monotonic()
-        async with self.attacker_cp() as ch:
-            call = ch.unary_unary("/kvmesh.v1.ControlPlane/LookupPrefix")  # bytes in: one payload for every call
-            results = await asyncio.gather(*(outcome(call(payload, timeout=120)) for _ in range(128)))
-        took = time.monotonic() - start
-        async with channel(self.cp, self.victim_key, self.tls["admin"]) as ch:
-            served = await outcome(cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
-                namespace=self.victim_ns.to_proto(), block_hashes=self.victim_hashes), timeout=10))
-        stop.set()
-        await sampler
-        grew_mib = (peak[0] - before) / 1024
+        async with PeakRss(cp_pid) as rss:
+            async with self.attacker_cp() as ch:
+                call = ch.unary_unary("/kvmesh.v1.ControlPlane/LookupPrefix")  # bytes in: one payload, every call
+                results = await asyncio.gather(*(outcome(call(payload, timeout=120)) for _ in range(128)))
+            took = time.monotonic() - start
+            async with channel(self.cp, self.victim_key, self.tls["admin"]) as ch:
+                served = await outcome(cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
+                    namespace=self.victim_ns.to_proto(), block_hashes=self.victim_hashes), timeout=10))
+        grew_mib = rss.grew_mib
         codes = sorted({r[0] for r in results})
         self.row(area, f"128 concurrent LookupPrefix of {len(payload) / 2**20:.0f} MiB (3.9M token ids)",
                  "INVALID_ARGUMENT or RESOURCE_EXHAUSTED; control plane grows < 1.5 GiB (before: ~4 GiB); "

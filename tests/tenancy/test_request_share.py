@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from kvmesh import request_gate
+from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import control_plane_pb2 as pb
 
@@ -109,3 +110,41 @@ async def test_a_call_waiting_for_room_is_served_in_turn_and_no_room_leaks(fleet
         await stream.write(lookup("a"))
         await stream.read()
         stream.cancel()
+
+
+async def test_a_sender_that_stalls_before_its_message_holds_its_room_for_a_bounded_time(fleet, monkeypatch,
+                                                                                          caplog):
+    """A caller opens a unary call and sends nothing (what a sender stalled mid-message looks like to the
+    handler): the call is answered DEADLINE_EXCEEDED once REQUEST_READ_S has passed, and its room is free again.
+    A call that ends without any message answers INVALID_ARGUMENT."""
+    monkeypatch.setattr(request_gate, "REQUEST_READ_S", 0.5)
+    await fleet.tenant("a")
+    _, a_key = await fleet.key("scheduler", tenant_id="a")
+    async with channel(fleet.address, a_key) as ch:
+        # The unary method called as a request stream: the client decides when (and whether) a message goes.
+        as_stream = ch.stream_unary("/kvmesh.v1.ControlPlane/LookupPrefix",
+                                    request_serializer=pb.LookupPrefixRequest.SerializeToString,
+                                    response_deserializer=pb.LookupPrefixResponse.FromString)
+        stalled = as_stream()
+        with pytest.raises(grpc.aio.AioRpcError) as timed_out:
+            await asyncio.wait_for(stalled, 10)
+        assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "did not arrive within 0.5 s" in timed_out.value.details()
+        empty = as_stream()
+        await empty.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as no_message:
+            await empty
+        assert no_message.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert no_message.value.details() == "the call carried no request message"
+        # Control: the same call with its message is served, and so are two streams (the key's whole share).
+        sent = as_stream()
+        await sent.write(lookup("a"))
+        await sent.done_writing()
+        assert (await sent).holders is not None
+    a = fleet.cp(a_key)
+    streams = [a.LookupPrefixStream() for _ in range(2)]
+    for stream in streams:
+        await stream.write(lookup("a"))
+        await stream.read()
+        stream.cancel()
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text[-2000:]
