@@ -88,15 +88,11 @@ class InFlightLimit:
     So one caller's requests take at most ``request_bytes`` of raw messages (plus what decoding them costs)
     however many calls it makes, and refused calls are never read. Threading: one event loop."""
 
-    def __init__(self, calls: int, owner: CallOwner, request_bytes: int, max_request_bytes: int, *,
-                 calls_setting: str = "max_calls_in_flight_per_key",
-                 bytes_setting: str = "max_request_bytes_in_flight_per_key") -> None:
+    def __init__(self, calls: int, owner: CallOwner, request_bytes: int, max_request_bytes: int) -> None:
         self.max_request_bytes = max_request_bytes
         self._calls = calls
         self._request_bytes = request_bytes
         self._owner = owner
-        self._calls_setting = calls_setting
-        self._bytes_setting = bytes_setting
         self._in_flight: dict[str, int] = {}
         self._held: dict[str, int] = {}
         self._waiting: dict[str, collections.deque[tuple[asyncio.Future, _Call]]] = {}
@@ -110,14 +106,14 @@ class InFlightLimit:
         if count >= self._calls:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the calling key already has {count} calls in flight here, the most one key "
-                                f"may have ({self._calls_setting}); retry once some have ended")
+                                f"may have (max_calls_in_flight_per_key); retry once some have ended")
         if stream and not self._fits(owner):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the calling key's requests being read or served here hold "
                                 f"{_mib(self._held.get(owner, 0))} of the {_mib(self._request_bytes)} one key may "
-                                f"hold ({self._bytes_setting}), and a request stream holds "
+                                f"hold (max_request_bytes_in_flight_per_key), and a request stream holds "
                                 f"{_mib(self.max_request_bytes)} (max_request_bytes) while open: close one of the "
-                                f"key's streams, give each client its own key, or raise {self._bytes_setting}")
+                                f"key's streams, give each client its own key, or raise max_request_bytes_in_flight_per_key")
         self._in_flight[owner] = count + 1
         if stream:
             self._charge(call, self.max_request_bytes)
@@ -170,7 +166,7 @@ class InFlightLimit:
 
     def _no_room(self, owner: str, wait_s: float) -> str:
         return (f"the calling key's requests being read or served here hold {_mib(self._held.get(owner, 0))} of "
-                f"the {_mib(self._request_bytes)} one key may hold ({self._bytes_setting}), each call setting "
+                f"the {_mib(self._request_bytes)} one key may hold (max_request_bytes_in_flight_per_key), each call setting "
                 f"aside {_mib(self.max_request_bytes)} (max_request_bytes) while its request is read, and no room "
                 f"was free for {wait_s:g} s; retry once some calls have ended")
 
