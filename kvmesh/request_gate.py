@@ -113,7 +113,8 @@ class InFlightLimit:
                                 f"{_mib(self._held.get(owner, 0))} of the {_mib(self._request_bytes)} one key may "
                                 f"hold (max_request_bytes_in_flight_per_key), and a request stream holds "
                                 f"{_mib(self.max_request_bytes)} (max_request_bytes) while open: close one of the "
-                                f"key's streams, give each client its own key, or raise max_request_bytes_in_flight_per_key")
+                                "key's streams, give each client its own key, or raise "
+                                "max_request_bytes_in_flight_per_key")
         self._in_flight[owner] = count + 1
         if stream:
             self._charge(call, self.max_request_bytes)
@@ -166,8 +167,8 @@ class InFlightLimit:
 
     def _no_room(self, owner: str, wait_s: float) -> str:
         return (f"the calling key's requests being read or served here hold {_mib(self._held.get(owner, 0))} of "
-                f"the {_mib(self._request_bytes)} one key may hold (max_request_bytes_in_flight_per_key), each call setting "
-                f"aside {_mib(self.max_request_bytes)} (max_request_bytes) while its request is read, and no room "
+                f"the {_mib(self._request_bytes)} one key may hold (max_request_bytes_in_flight_per_key), each call "
+                f"setting aside {_mib(self.max_request_bytes)} (max_request_bytes) while its request is read, and no room "
                 f"was free for {wait_s:g} s; retry once some calls have ended")
 
     def _charge(self, call: _Call, size: int) -> None:
