@@ -168,8 +168,8 @@ class InFlightLimit:
     def _no_room(self, owner: str, wait_s: float) -> str:
         return (f"the calling key's requests being read or served here hold {_mib(self._held.get(owner, 0))} of "
                 f"the {_mib(self._request_bytes)} one key may hold (max_request_bytes_in_flight_per_key), each call "
-                f"setting aside {_mib(self.max_request_bytes)} (max_request_bytes) while its request is read, and no room "
-                f"was free for {wait_s:g} s; retry once some calls have ended")
+                f"setting aside {_mib(self.max_request_bytes)} (max_request_bytes) while its request is read, and "
+                f"no room was free for {wait_s:g} s; retry once some calls have ended")
 
     def _charge(self, call: _Call, size: int) -> None:
         self._held[call.owner] = self._held.get(call.owner, 0) + size
