@@ -275,6 +275,8 @@ class RedisCluster:
                 RedisServer(node_dir, port=free_cluster_port(), extra_args=[
                     "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
                     "--cluster-node-timeout", str(self.node_timeout_ms),
+                    # a replica syncs as soon as it asks (the default waits 5 s for others to join the transfer)
+                    "--repl-diskless-sync-delay", "0",
                 ]).start()
             )
         cli = cli_for(find_redis_server())
@@ -286,14 +288,25 @@ class RedisCluster:
         return self
 
     def _wait_ok(self, cli: str) -> None:
+        """Until every node says ``cluster_state:ok`` and every replica has finished its first sync: a replica
+        that never synced refuses to fail over ("disconnected from primary for longer than allowed"), so a
+        primary stopped before then left its slots down for good."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            out = subprocess.run([cli, "-p", str(self.nodes[0].port), "cluster", "info"],
-                                 capture_output=True, text=True).stdout
-            if "cluster_state:ok" in out:
+            if all(self._ready(cli, node.port) for node in self.nodes):
                 return
             time.sleep(0.1)
-        raise Unavailable("redis cluster did not reach cluster_state:ok")
+        raise Unavailable("redis cluster did not reach cluster_state:ok with every replica in sync")
+
+    @staticmethod
+    def _ready(cli: str, port: int) -> bool:
+        def ask(*args: str) -> str:
+            return subprocess.run([cli, "-p", str(port), *args], capture_output=True, text=True).stdout
+
+        if "cluster_state:ok" not in ask("cluster", "info"):
+            return False
+        replication = ask("info", "replication")
+        return "role:master" in replication or "master_link_status:up" in replication
 
     def stop(self) -> None:
         for node in self.nodes:
