@@ -57,6 +57,9 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     max_calls_in_flight_per_key: int = Field(256, ge=1, description="calls (a stream: until it ends) one API key "
                                              "may have in flight here; past it a call answers RESOURCE_EXHAUSTED "
                                              "before its request is read")
+    max_connections: int = Field(4096, ge=1, description="connections served at once; past it a new one is "
+                                 "closed as it arrives (the process's open-file limit is raised to fit, or the "
+                                 "cap lowered to it); a connection with no call for 60 s is closed")
     max_request_bytes: int = Field(16 * 2**20, ge=2**20, le=64 * 2**20, description="largest request message "
                                    "accepted (gRPC refuses a larger one as it arrives, RESOURCE_EXHAUSTED); the "
                                    "default holds a lookup of max_lookup_tokens token ids and an event batch of "

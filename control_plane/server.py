@@ -121,7 +121,8 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     interceptors = [RpcMetricsInterceptor(registry, "control-plane"), auth]
     in_flight = InFlightLimit(config.max_calls_in_flight_per_key, call_owner,
                               config.max_request_bytes_in_flight_per_key, config.max_request_bytes)
-    server = await start_server(config.listen, services, interceptors=interceptors, tls=tls, in_flight=in_flight)
+    server = await start_server(config.listen, services, interceptors=interceptors, tls=tls, in_flight=in_flight,
+                                max_connections=config.max_connections)
     core.start_background()
     try:  # serve from a warm cache only once revocations flow (until then every call reads Redis)
         await asyncio.wait_for(key_changes.subscribed.wait(), SUBSCRIBE_WAIT_S)

@@ -112,6 +112,9 @@ class DataPlaneConfig(BaseSettings):
                                              "or one peer host, may have in flight here; past it a call answers "
                                              "RESOURCE_EXHAUSTED (every engine of the node calls with the node's "
                                              "key, one task per request)")
+    max_connections: int = Field(4096, ge=1, description="connections served at once; past it a new one is "
+                                 "closed as it arrives (the process's open-file limit is raised to fit, or the "
+                                 "cap lowered to it); a connection with no call for 60 s is closed")
     max_request_bytes: int = Field(2**20, ge=2**20, le=64 * 2**20, description="largest request message "
                                    "accepted (gRPC refuses a larger one as it arrives, RESOURCE_EXHAUSTED); the "
                                    "largest the protocol needs is a request of max_hashes_per_request hashes")

@@ -142,7 +142,8 @@ async def _serve(config: DataPlaneConfig, metrics: DataPlaneMetrics, endpoint: M
                         AuthInterceptor(auth.authenticate, peer=auth.peer_principal)]
         in_flight = InFlightLimit(config.max_calls_in_flight_per_key, auth.call_owner,
                                   config.max_request_bytes_in_flight_per_key, config.max_request_bytes)
-        server = await start_server(config.listen, [binding], interceptors=interceptors, tls=tls, in_flight=in_flight)
+        server = await start_server(config.listen, [binding], interceptors=interceptors, tls=tls, in_flight=in_flight,
+                                    max_connections=config.max_connections)
     except BaseException:
         await core.close()
         await auth.close()

@@ -7,6 +7,8 @@ behaviour (authentication, tracing, metrics) is composed here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
 import signal
 import socket
 from dataclasses import dataclass
@@ -22,6 +24,12 @@ from kvmesh import errors, tracing
 from kvmesh.request_gate import InFlightLimit, RequestGate
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Connections a server holds at once, unless its config says otherwise; past it a new one is closed as it arrives.
+MAX_CONNECTIONS = 4096
+# Descriptors kept for everything else a service opens (Redis connections, files, NIXL) when fitting the cap.
+SPARE_DESCRIPTORS = 1024
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,9 @@ KEEPALIVE_MS = 2_000
 # A connection that has not finished its TLS handshake and HTTP/2 preface by then is closed (gRPC's default, 120 s,
 # let anyone who reaches the port hold one of the service's file descriptors per connection for two minutes).
 HANDSHAKE_TIMEOUT_MS = 10_000
+# A connection with no call in progress for this long is closed (GOAWAY; the client reconnects at its next call):
+# without it, a key holder's connections that never call stayed open for good, one descriptor and ~66 KiB each.
+IDLE_CONNECTION_MS = 60_000
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -123,14 +134,18 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def server_options(max_request_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Every server: message limits, it accepts the clients' keepalive pings (the default would answer
+def server_options(max_request_bytes: int = MAX_MESSAGE_BYTES,
+                   max_connections: int = MAX_CONNECTIONS) -> list[tuple[str, int]]:
+    """Every server: message limits, at most ``max_connections`` connections (past it a new one is closed as it
+    arrives), idle ones closed, it accepts the clients' keepalive pings (the default would answer
     pings more often than every 5 minutes with GOAWAY "too_many_pings"), and it binds its port exclusively
     (no SO_REUSEPORT, which gRPC sets by default): a second process cannot bind a port a live one holds, so
     a new incarnation answering at a data plane's address proves the old one exited (data_plane.reclaim)."""
     return [
         ("grpc.so_reuseport", 0),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.http2.bdp_probe", 0),
@@ -138,6 +153,22 @@ def server_options(max_request_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
     ]
+
+
+def fit_connections(max_connections: int) -> int:
+    """The connection cap this process can keep: its descriptor limit is raised (up to the hard limit) to hold
+    ``max_connections`` plus SPARE_DESCRIPTORS; where the hard limit is lower, the cap shrinks to fit it (logged),
+    so that connections can never take the descriptors the service needs for Redis, files and peers."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + SPARE_DESCRIPTORS
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    fitted = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, soft - SPARE_DESCRIPTORS)
+    if fitted < max_connections:
+        log.warning("max_connections %d lowered to %d: this process may open %d files (ulimit -n); raise the "
+                    "limit to serve more connections", max_connections, max(fitted, 1), soft)
+    return max(fitted, 1)
 
 
 def check_can_bind(address: str) -> None:
@@ -170,6 +201,7 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: ServerTLS | None = None,
     in_flight: InFlightLimit | None = None,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> RunningServer:
     """Start an aio server on ``address`` ("host:port", port 0 picks a free one).
 
@@ -178,11 +210,12 @@ async def start_server(
     (charging the caller the authenticating interceptor among ``interceptors`` established), reads each request
     only then, and a request that is not a valid message reaches no servicer and answers INVALID_ARGUMENT. A
     request larger than ``in_flight.max_request_bytes`` is refused by gRPC as it arrives (RESOURCE_EXHAUSTED).
+    At most ``max_connections`` connections are held (:func:`fit_connections`), idle ones closed.
     """
     traced = tracing.server_interceptors(services[0].full_name if services else "kvmesh")
     max_request_bytes = in_flight.max_request_bytes if in_flight is not None else MAX_MESSAGE_BYTES
     server = grpc.aio.server(interceptors=[*traced, *interceptors, RequestGate(in_flight, max_request_bytes)],
-                             options=server_options(max_request_bytes))
+                             options=server_options(max_request_bytes, fit_connections(max_connections)))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -626,6 +627,53 @@ class Judge:
                  "served others meanwhile; dropped within the handshake timeout",
                  f"+{held} descriptors, Ping {ping[0]}; +{held_later} after 12 s", ping[0] == OK and held_later < 50)
 
+    async def probe_idle_connections(self, connections: int = 5000) -> None:
+        """Connections that handshake with dp1's certificate, then never call: the control plane holds at most
+        max_connections (4,096) and closes the rest as they arrive, so they cannot take the descriptors it needs
+        (20,000 of them did, before: dp2's new connections went unserved); dp2's open connection is served
+        meanwhile, and a new one once they are gone (positive control)."""
+        area = "idle connections, dp1 certificate"
+        cp_pid = pid_listening_on(int(self.cp.rsplit(":", 1)[1]))
+        host, port = self.cp.rsplit(":", 1)
+        tls = self.tls["dp1"]
+        if tls is None:
+            return
+        ctx = ssl.create_default_context(cafile=tls.ca_file)
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+        ctx.set_alpn_protocols(["h2"])
+        ctx.check_hostname = False
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+        fds, before = open_fds(cp_pid), rss_kib(cp_pid)
+        socks, refused = [], 0
+        async with channel(self.cp, self.key["dp2"], self.tls["dp2"]) as ch:
+            dp2 = cp_grpc.ControlPlaneStub(ch)
+            await dp2.Ping(common_pb2.PingRequest(), timeout=10)
+            for _ in range(connections):
+                try:
+                    sock = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=5),
+                                           server_hostname="localhost")
+                    sock.sendall(preface)
+                    socks.append(sock)
+                except OSError:  # closed as it arrived (past the cap)
+                    refused += 1
+            await asyncio.sleep(1.0)
+            held, grew = open_fds(cp_pid) - fds, (rss_kib(cp_pid) - before) / 1024
+            ping = await outcome(dp2.Ping(common_pb2.PingRequest(), timeout=10))
+            lookup = await outcome(dp2.LookupPrefix(cp_pb.LookupPrefixRequest(
+                namespace=self.demo_ns.to_proto(), token_ids=list(range(3 * BLOCK_TOKENS))), timeout=10))
+        for sock in socks:
+            sock.close()
+        await asyncio.sleep(1.0)
+        async with channel(self.cp, self.key["dp2"], self.tls["dp2"]) as ch:
+            after = await outcome(cp_grpc.ControlPlaneStub(ch).Ping(common_pb2.PingRequest(), timeout=10))
+        self.row(area, f"{connections} TLS connections with dp1's certificate that never call",
+                 "at most 4,096 held (descriptors), the rest closed as they arrive; RSS bounded",
+                 f"+{held} descriptors, {refused} closed at the handshake; RSS +{grew:.0f} MiB",
+                 held <= 4096 + 64 and grew < 512)
+        self.row(area, "dp2's open connection meanwhile: Ping and LookupPrefix", "OK, OK", f"{ping[0]}, {lookup[0]}",
+                 ping[0] == OK and lookup[0] == OK)
+        self.row(area, "dp2's new connection once they are gone (positive control)", OK, after[0], after[0] == OK)
+
     async def probe_many_streams(self, streams: int = 300) -> None:
         """One key's calls in flight are bounded (max_calls_in_flight_per_key, 256): streams past it are refused
         at once, and other keys are served meanwhile."""
@@ -771,6 +819,7 @@ class Judge:
         await self.probe_metrics_slowloris()
         await self.probe_many_streams()
         await self.probe_half_open()
+        await self.probe_idle_connections()
         await self.probe_request_memory()
         await self.probe_churn()
         await self.probe_figures_share()
