@@ -107,6 +107,8 @@ class Fleet:
             self.shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-fleet-", dir=tmpfs))
             if self.tether is not None:
                 self.reaper = Reaper(self.shm_dir, self.tether.hold_fds)
+            # Redis on a socket in the fleet's private directory: nobody else on the host can take its clients
+            self.redis.unix_socket = self.shm_dir / "redis.sock"
             self.redis.start()
             self._watch(self.redis.proc.pid)
             write_secret(self.admin_key_file, self.admin_key)

@@ -111,7 +111,7 @@ def _last_log_line(log: Path) -> str:
     return lines[-1].split(" * ")[-1].split(" # ")[-1].strip() if lines else "no log written"
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, log: Path, log_offset: int = 0) -> None:
+def _wait_listening(url: str, proc: subprocess.Popen, log: Path, log_offset: int = 0) -> None:
     """Waits for this process's own "Ready to accept connections" in its log past ``log_offset`` (a connect
     alone could reach another server that holds the port while this one is failing to bind it)."""
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -122,7 +122,7 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path, log_offset: in
             return
         time.sleep(0.02)
     proc.kill()
-    raise Unavailable(f"redis server did not get ready on port {port} within {START_TIMEOUT_S:.0f} s (log: {log})")
+    raise Unavailable(f"redis server did not get ready at {url} within {START_TIMEOUT_S:.0f} s (log: {log})")
 
 
 @dataclass(frozen=True)
@@ -197,18 +197,28 @@ class RedisServer:
     proc: subprocess.Popen | None = None
     users: list[RedisUser] = field(default_factory=list)
     tether: Tether | None = None
+    unix_socket: Path | None = None  # listen on this socket only (mode 0600), no TCP port
 
     @property
     def url(self) -> str:
+        if self.unix_socket is not None:
+            return f"unix://{self.unix_socket}?db=0"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def _listen_args(self) -> list[str]:
+        """A TCP port on 127.0.0.1 (which anyone on the host reaches: each connection takes one of Redis's
+        10,000 clients before any password is asked), or only a Unix socket that its owner alone may open."""
+        if self.unix_socket is not None:
+            return ["--port", "0", "--unixsocket", str(self.unix_socket), "--unixsocketperm", "600"]
+        self.port = self.port or free_port()
+        return ["--bind", "127.0.0.1", "--port", str(self.port)]
 
     def start(self) -> "RedisServer":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port()
         log = self.workdir / "redis.log"
         log_offset = log.stat().st_size if log.exists() else 0  # a restart appends to the same log
         args = [
-            find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port),
+            find_redis_server(), *self._listen_args(),
             "--dir", str(self.workdir), "--appendonly", "yes", "--save", "",
             "--logfile", str(log), "--protected-mode", "yes", *self._acl_args(), *self.extra_args,
         ]
@@ -216,7 +226,7 @@ class RedisServer:
         # hashes; the AOF) is its owner's only, as write_secret makes the first ACL file
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, umask=0o077,
                                      **(self.tether.popen_kwargs() if self.tether else {}))
-        _wait_listening(self.port, self.proc, log, log_offset)
+        _wait_listening(self.url, self.proc, log, log_offset)
         return self
 
     def _acl_args(self) -> list[str]:

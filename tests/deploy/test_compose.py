@@ -79,6 +79,16 @@ def test_services_reach_each_other_by_name_not_localhost():
                 assert host in SERVICES, f"{name}: {key}={value} does not name a service"
 
 
+def test_redis_is_on_a_network_only_the_control_plane_shares():
+    """Every connection to Redis takes one of its clients before a password is asked: a container that reaches it
+    (an engine, a data plane) could take them all. Redis is on the internal ``store`` network alone, and only the
+    control plane joins it (the running stack checks the reach: test_compose_stack.py)."""
+    assert SERVICES["redis"]["networks"] == ["store"]
+    assert COMPOSE["networks"]["store"].get("internal") is True
+    joined = {name for name, service in SERVICES.items() if "store" in (service.get("networks") or [])}
+    assert joined == {"redis", "control-plane"}
+
+
 def test_build_files_and_bind_mounts_exist():
     for name, service in SERVICES.items():
         build = service.get("build")

@@ -370,7 +370,7 @@ def test_plaintext_and_foreign_certificates_are_refused_on_every_grpc_port(keys,
     write_pem(probe / "foreign", "ca", certificate("attacker CA", ca_name, ca_key, ca_key, ca=True))
     write_pem(probe / "foreign", "tls", certificate("dp1", ca_name, ca_key, leaf_key), leaf_key)
     (probe / "probe.py").write_text(PROBE)
-    (network,) = container("control-plane")["NetworkSettings"]["Networks"]
+    (network,) = container("dp1")["NetworkSettings"]["Networks"]  # the services' network (the control plane's two)
     targets = ["control-plane:50051", "dp1:50061", "dp2:50061"]
     run = subprocess.run(["docker", "run", "--rm", "--network", network, "-u", "0", "-v", f"{probe}:/probe:ro",
                           "--entrypoint", "python", "kvmesh:dev", "/probe/probe.py", *targets],
@@ -394,6 +394,26 @@ async def _plaintext_lookup(key: str, prompt: list[int]) -> None:
     async with channel(published("control-plane", 50051), key) as ch:
         await cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
             namespace=NAMESPACE.to_proto(), token_ids=prompt, media=[common_pb2.MEDIUM_CPU]), timeout=10)
+
+
+REDIS_REACH = ("import socket\ntry:\n    socket.create_connection(('redis', 6379), timeout=5).close()\n"
+               "    print('connected')\nexcept OSError as exc:\n    print(type(exc).__name__)")
+
+
+def test_redis_is_reached_by_the_control_plane_only(scenario):
+    """Each connection to Redis takes one of its 10,000 clients before any password is asked, so whoever reaches it
+    can take them all. Redis is on the internal ``store`` network, which only the control plane joins: a data plane
+    and a container on the services' network (the kvmesh image, as the TLS attacker above) cannot reach it.
+    Positive control: the same code in the control plane's container connects."""
+    (network,) = container("dp1")["NetworkSettings"]["Networks"]
+    outsider = subprocess.run(["docker", "run", "--rm", "--network", network, "--entrypoint", "python", "kvmesh:dev",
+                               "-c", REDIS_REACH], capture_output=True, text=True, timeout=300)
+    reach = {"outsider": outsider.stdout.strip() or outsider.stderr[-300:],
+             "dp1": run_in("dp1", "python", "-c", REDIS_REACH).stdout.strip(),
+             "control-plane": run_in("control-plane", "python", "-c", REDIS_REACH).stdout.strip()}
+    RESULTS["redis_reach"] = reach
+    assert reach["control-plane"] == "connected", reach  # positive control
+    assert reach["outsider"] != "connected" and reach["dp1"] != "connected", reach
 
 
 SECRETS = ("node.key", "admin.key", "redis-password", "redis-acl-password", "tenant-secret", "grant-key.pem",

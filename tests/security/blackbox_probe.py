@@ -120,10 +120,16 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def pid_listening_on(port: int) -> int | None:
-    """The pid of the process that listens on 127.0.0.1:``port`` (via /proc/net/tcp and each process's fds)."""
+def pid_listening_on(port: int | str) -> int | None:
+    """The pid of the process that listens on 127.0.0.1:``port``, or on the Unix socket at path ``port`` (via
+    /proc/net/tcp or /proc/net/unix and each process's fds)."""
     inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    if isinstance(port, str):
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) == 8 and fields[7] == port:
+                inodes.add(fields[6])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6") if isinstance(port, int) else ():
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
@@ -139,6 +145,13 @@ def pid_listening_on(port: int) -> int | None:
         except (PermissionError, FileNotFoundError, ProcessLookupError):
             continue
     return None
+
+
+def redis_socket(url: str) -> int | str:
+    """Where the fleet's Redis listens: a port (redis://host:port/db) or a Unix socket's path (unix://path?db=0)."""
+    if url.startswith("unix://"):
+        return url.removeprefix("unix://").split("?")[0]
+    return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
 class Judge:
@@ -484,7 +497,7 @@ class Judge:
         """Many distinct names a key holder may use: namespaces, tenants, engines, clears, a watch never read."""
         area = "growth by made-up names, dp1 key"
         cp_pid = pid_listening_on(int(self.cp.rsplit(":", 1)[1]))
-        redis_pid = pid_listening_on(int(self.info["redis"].rsplit(":", 1)[1].split("/")[0]))
+        redis_pid = pid_listening_on(redis_socket(self.info["redis"]))
         async with self.attacker_cp() as ch:
             cp = cp_grpc.ControlPlaneStub(ch)
             fds = open_fds(redis_pid)
@@ -531,7 +544,7 @@ class Judge:
         within their bounds (a MISS is a local recompute)."""
         import signal
         area = "faults"
-        pids = {"redis": pid_listening_on(int(self.info["redis"].rsplit(":", 1)[1].split("/")[0])),
+        pids = {"redis": pid_listening_on(redis_socket(self.info["redis"])),
                 "control plane": pid_listening_on(int(self.cp.rsplit(":", 1)[1])),
                 "dp2": pid_listening_on(int(self.dps["dp2"].rsplit(":", 1)[1]))}
 
@@ -673,6 +686,27 @@ class Judge:
         self.row(area, "dp2's open connection meanwhile: Ping and LookupPrefix", "OK, OK", f"{ping[0]}, {lookup[0]}",
                  ping[0] == OK and lookup[0] == OK)
         self.row(area, "dp2's new connection once they are gone (positive control)", OK, after[0], after[0] == OK)
+
+    async def probe_redis_reach(self) -> None:
+        """Another user of the host (uid 65534) connects to the fleet's Redis: it held a TCP port on 127.0.0.1,
+        where every connection takes one of Redis's 10,000 clients before any password is asked (10,100 of them:
+        every lookup UNAVAILABLE, "max number of clients reached"); now a Unix socket only its owner may open.
+        Positive control: the control plane still reaches it (dp2's lookup)."""
+        area = "Redis, another user of the host"
+        where = redis_socket(self.info["redis"])
+        family, address = (("AF_UNIX", repr(where)) if isinstance(where, str)
+                           else ("AF_INET", f"('127.0.0.1', {where})"))
+        script = (f"import os, socket; os.setgid(65534); os.setuid(65534); s = socket.socket(socket.{family}); "
+                  f"s.settimeout(5)\ntry:\n    s.connect({address}); print('connected')\n"
+                  "except OSError as e:\n    print(type(e).__name__)")
+        got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+        reached = (got.stdout.strip() or got.stderr.strip()[-200:])
+        async with channel(self.cp, self.key["dp2"], self.tls["dp2"]) as ch:
+            lookup = await outcome(cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
+                namespace=self.demo_ns.to_proto(), token_ids=list(range(3 * BLOCK_TOKENS))), timeout=10))
+        self.row(area, f"uid 65534 connects to the fleet's Redis ({self.info['redis']})", "refused (PermissionError)",
+                 reached, reached == "PermissionError")
+        self.row(area, "dp2's lookup through the control plane (positive control)", OK, lookup[0], lookup[0] == OK)
 
     async def probe_many_streams(self, streams: int = 300) -> None:
         """One key's calls in flight are bounded (max_calls_in_flight_per_key, 256): streams past it are refused
@@ -820,6 +854,7 @@ class Judge:
         await self.probe_many_streams()
         await self.probe_half_open()
         await self.probe_idle_connections()
+        await self.probe_redis_reach()
         await self.probe_request_memory()
         await self.probe_churn()
         await self.probe_figures_share()
