@@ -44,6 +44,8 @@ from tenancy.auth import GRANT_METADATA
 from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall
 
 BLOCK_TOKENS = 32
+# The HTTP/2 client preface and an empty SETTINGS frame: a connection that has handshaken, then never calls.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 VICTIM = "victim"
 OK = "OK"
 
@@ -648,14 +650,12 @@ class Judge:
         area = "idle connections, dp1 certificate"
         cp_pid = pid_listening_on(int(self.cp.rsplit(":", 1)[1]))
         host, port = self.cp.rsplit(":", 1)
-        tls = self.tls["dp1"]
-        if tls is None:
-            return
-        ctx = ssl.create_default_context(cafile=tls.ca_file)
-        ctx.load_cert_chain(tls.cert_file, tls.key_file)
-        ctx.set_alpn_protocols(["h2"])
-        ctx.check_hostname = False
-        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+        tls, ctx = self.tls["dp1"], None
+        if tls is not None:  # a plaintext fleet (--insecure-plaintext): the same connections without TLS
+            ctx = ssl.create_default_context(cafile=tls.ca_file)
+            ctx.load_cert_chain(tls.cert_file, tls.key_file)
+            ctx.set_alpn_protocols(["h2"])
+            ctx.check_hostname = False
         fds, before = open_fds(cp_pid), rss_kib(cp_pid)
         socks, refused = [], 0
         async with channel(self.cp, self.key["dp2"], self.tls["dp2"]) as ch:
@@ -663,9 +663,10 @@ class Judge:
             await dp2.Ping(common_pb2.PingRequest(), timeout=10)
             for _ in range(connections):
                 try:
-                    sock = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=5),
-                                           server_hostname="localhost")
-                    sock.sendall(preface)
+                    sock = socket.create_connection((host, int(port)), timeout=5)
+                    if ctx is not None:
+                        sock = ctx.wrap_socket(sock, server_hostname="localhost")
+                    sock.sendall(HTTP2_PREFACE)
                     socks.append(sock)
                 except OSError:  # closed as it arrived (past the cap)
                     refused += 1
@@ -679,7 +680,8 @@ class Judge:
         await asyncio.sleep(1.0)
         async with channel(self.cp, self.key["dp2"], self.tls["dp2"]) as ch:
             after = await outcome(cp_grpc.ControlPlaneStub(ch).Ping(common_pb2.PingRequest(), timeout=10))
-        self.row(area, f"{connections} TLS connections with dp1's certificate that never call",
+        how = "TLS connections with dp1's certificate" if ctx is not None else "plaintext connections"
+        self.row(area, f"{connections} {how} that never call",
                  "at most 4,096 held (descriptors), the rest closed as they arrive; RSS bounded",
                  f"+{held} descriptors, {refused} closed at the handshake; RSS +{grew:.0f} MiB",
                  held <= 4096 + 64 and grew < 512)

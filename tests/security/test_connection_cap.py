@@ -15,14 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh import grpc_server
 from kvmesh.channels import channel
-
-# The HTTP/2 client preface and an empty SETTINGS frame: a connection that has handshaken, then never calls.
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+from tests.security.blackbox_probe import HTTP2_PREFACE
 
 
 def connect(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    sock.sendall(PREFACE)
+    sock.sendall(HTTP2_PREFACE)
     sock.setblocking(False)
     return sock
 
