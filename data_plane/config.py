@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 from pydantic import ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -129,8 +131,12 @@ class DataPlaneConfig(BaseSettings):
     tls_client_ca_file: str | None = Field(None, description="CA for client certificates: require mutual TLS")
     tls_ca_file: str | None = Field(None, description="CA that signs the control plane's and peers' certificates: "
                                     "connect to them over TLS (unset: plaintext)")
-    tls_server_name: str | None = Field(None, description="name to check in their certificates instead of the "
-                                        "host in the address")
+    tls_server_name: str | None = Field(None, description="name to check in the control plane's certificate "
+                                        "(and, with peer_tls_name address, peers') instead of the host in the address")
+    peer_tls_name: Literal["node-id", "address"] = Field(
+        "node-id", description="what a peer's certificate must name (a DNS name): node-id, the node id this node "
+        "dials it as (a node's certificate answers for that node alone); address: the host in its address, or "
+        "tls_server_name (any certificate of the CA naming it answers as every node)")
     grant_public_key: str = Field("", description="base64 Ed25519 key that verifies pull grants (unset: fetched "
                                                   "from the control plane)")
     require_route_token: bool = Field(False, description="pull only from sources a request names with a route "
@@ -156,10 +162,17 @@ class DataPlaneConfig(BaseSettings):
                          "`kvmesh admin keys issue --role node --node <node_id>`)")
 
     def client_tls(self) -> ClientTLS | None:
-        """TLS for this node's calls to the control plane and to peers (None: plaintext)."""
+        """TLS for this node's calls to the control plane (and to peers: :meth:`peer_tls`; None: plaintext)."""
         if not self.tls_ca_file:
             return None
         return ClientTLS(self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name)
+
+    def peer_tls(self, node_id: str) -> ClientTLS | None:
+        """TLS for calls to the peer ``node_id``: its certificate must name ``node_id`` (peer_tls_name node-id)."""
+        tls = self.client_tls()
+        if tls is None or self.peer_tls_name == "address":
+            return tls
+        return replace(tls, server_name=node_id)
 
     @property
     def num_slots(self) -> int:
@@ -195,6 +208,9 @@ class DataPlaneConfig(BaseSettings):
     def _check(self) -> "DataPlaneConfig":
         if not self.node_id or "/" in self.node_id:
             raise ValueError(f"node_id {self.node_id!r} must be non-empty and contain no '/'")
+        if self.tls_ca_file and self.peer_tls_name == "node-id" and ":" in self.node_id:
+            raise ValueError(f"node_id {self.node_id!r} cannot be a certificate's DNS name, which peers check "
+                             "(peer_tls_name node-id): use a node id without ':'")
         if self.num_slots < 1:
             raise ValueError(f"capacity_bytes ({int(self.capacity_bytes)}) holds no block of {self.block_bytes}")
         if self.disk_dir is not None and self.disk_slots < 1:

@@ -91,7 +91,7 @@ class DataPlaneCore:
         metrics: DataPlaneMetrics | None = None,
         limits: LimitSource | None = None,
         routes: RouteCheck | None = None,
-        peer_tls: ClientTLS | None = None,
+        peer_tls: Callable[[str], ClientTLS | None] | None = None,
         epochs: EpochRefresh | None = None,
     ) -> None:
         """``grants`` gets a pull grant (namespace, source node id) when a Pull brings none;
@@ -99,7 +99,7 @@ class DataPlaneCore:
         route token (None: sources need none); ``epochs`` refreshes a tenant's epoch (None: no control plane,
         every epoch is "");
         ``peer_proof`` proves this node's peer key to a source (its API key never goes to peers; calls go
-        over ``peer_tls`` when given)."""
+        over the TLS ``peer_tls`` gives for the peer's node id, when given)."""
         self.config = config
         self.node_id = config.node_id
         self.address = ""  # set by the server once bound

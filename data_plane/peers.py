@@ -47,8 +47,10 @@ PeerProof = Callable[[bytes, PeerCall, str], str]
 
 class PeerPool:
     def __init__(self, node_id: str, transport: Transport, block_bytes: int, proof: PeerProof | None = None,
-                 tls: ClientTLS | None = None) -> None:
-        """``proof``: how this node proves its peer key; peers are never sent this node's API key."""
+                 tls: Callable[[str], ClientTLS | None] | None = None) -> None:
+        """``proof``: how this node proves its peer key; peers are never sent this node's API key. ``tls``: the
+        TLS of calls to a node id (its certificate must name that node: whoever answers at a stale address
+        with another node's certificate is refused at the handshake)."""
         self._node_id = node_id
         self._proof = proof
         self._tls = tls
@@ -126,13 +128,16 @@ class PeerPool:
                 raise PermissionDenied(f"peer {address} refused this node: {exc.details()}") from None
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(f"peer {address} refused the handshake: {exc.details()}") from None
+            if "Hostname Verification" in (exc.details() or ""):
+                raise Unavailable(f"peer {address}'s TLS certificate does not name node {node_id} (peer_tls_name: "
+                                  "a node's certificate must name its node id as a DNS name); not pulled from")
             raise Unavailable(f"peer {address} unreachable: {exc.code().name} {exc.details()}") from None
 
     def client(self, address: str, node_id: str) -> DataPlaneClient:
         """A new client of node ``node_id`` at ``address`` that proves this node's peer key (the caller
         closes it)."""
         proof = self._proof
-        return DataPlaneClient(address, tls=self._tls,
+        return DataPlaneClient(address, tls=self._tls(node_id) if self._tls else None,
                                peer_proof=(lambda g, call: proof(g, call, node_id)) if proof else None)
 
     async def forget(self, peer: Peer) -> None:

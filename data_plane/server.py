@@ -101,7 +101,7 @@ def build_core(config: DataPlaneConfig, auth: NodeAuth, metrics: DataPlaneMetric
     with_cp = bool(config.control_plane_address)
     return DataPlaneCore(config, region, policy, transport, disk=disk, metrics=metrics,
                          grants=auth.grant_for if with_cp else None, limits=auth.tenant_limit if with_cp else None,
-                         peer_proof=auth.peer_proof, peer_tls=config.client_tls(),
+                         peer_proof=auth.peer_proof, peer_tls=config.peer_tls,
                          routes=auth.check_route if config.require_route_token else None,
                          epochs=auth.refresh_tenant if with_cp else None)
 

@@ -6,7 +6,7 @@ Everything lives in ``<workdir>/tls`` (a 0700 directory, every file 0600):
 |---|---|---|
 | ``ca.crt``, ``ca.key`` | the fleet's private CA (kvmesh/pki.py) | every party trusts ``ca.crt``; the key signs |
 | ``control-plane.crt/.key`` | server certificate for 127.0.0.1 and localhost | the control plane |
-| ``<node>.crt/.key`` | server certificate, also its client certificate | data plane ``<node>``: serves, calls the control plane and peers |
+| ``<node>.crt/.key`` | server certificate for 127.0.0.1, localhost and the name ``<node>`` (what its peers check), also its client certificate | data plane ``<node>``: serves, calls the control plane and peers |
 | ``engine-<node>.crt/.key`` | client certificate | the engine attached to ``<node>`` (its connector) |
 | ``admin.crt/.key`` | client certificate | ``kvmesh admin``, schedulers and routers |
 
@@ -61,7 +61,9 @@ class FleetTLS:
         ca = tls._authority()
         subjects = [pki.Subject(CONTROL_PLANE, True, **LOOPBACK), pki.Subject(ADMIN, False)]
         for node in nodes:
-            subjects += [pki.Subject(node, True, **LOOPBACK), pki.Subject(engine_name(node), False)]
+            # a node's certificate also names its node id: peers check it (peer_tls_name), so it answers as no other
+            subjects += [pki.Subject(node, True, (node, *LOOPBACK["dns_names"]), LOOPBACK["ip_addresses"]),
+                         pki.Subject(engine_name(node), False)]
         for subject in subjects:
             tls._leaf(ca, subject)
         return tls

@@ -32,10 +32,21 @@ def test_defaults_advertise_the_listen_address_with_the_bound_port():
     (dict(lease_ms=10, max_lease_ms=5), "lease_ms must not exceed"),
     (dict(node_id="a/b"), "node_id"),
     (dict(disk_dir="/tmp/x"), "disk_capacity_bytes"),
+    (dict(node_id="rack:7", tls_ca_file="/ca.crt"), "cannot be a certificate's DNS name"),
 ])
 def test_refuses(kw, message):
     with pytest.raises(ValidationError, match=message):
         cfg(**kw)
+
+
+def test_a_peer_certificate_must_name_the_node_id_dialled_unless_told_otherwise():
+    tls = dict(tls_ca_file="/ca.crt", tls_cert_file="/n1.crt", tls_key_file="/n1.key", tls_server_name="cp.internal")
+    c = cfg(**tls)
+    assert c.client_tls().server_name == "cp.internal"  # the control plane's name, as set
+    assert c.peer_tls("dp2").server_name == "dp2" and c.peer_tls("dp2").cert_file == "/n1.crt"
+    assert cfg(**tls, peer_tls_name="address").peer_tls("dp2").server_name == "cp.internal"
+    assert cfg(node_id="rack:7", peer_tls_name="address", tls_ca_file="/ca.crt").peer_tls("x").server_name is None
+    assert cfg(node_id="rack:7").peer_tls("dp2") is None  # plaintext: nothing to check
 
 
 def test_env_prefix(monkeypatch):

@@ -1,6 +1,6 @@
 """The local fleet's CA and certificates (kvmesh_apps.fleet_tls): made in the workdir with 0600 files, the servers'
-valid for the loopback addresses they listen on; a restart in the same workdir keeps what is current and makes only
-what is missing or stale."""
+valid for the loopback addresses they listen on (a node's also for its node id); a restart in the same workdir keeps
+what is current and makes only what is missing or stale."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def test_made_for_every_party_with_owner_only_files(tmp_path):
     ca = _cert(tls.directory, "ca")
     for name in names[1:]:
         _cert(tls.directory, name).verify_directly_issued_by(ca)
-    for server in ("control-plane", "dp1"):
+    for server, dns_names in (("control-plane", ["localhost"]), ("dp1", ["dp1", "localhost"])):
         cert = _cert(tls.directory, server)
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert sans.get_values_for_type(x509.DNSName) == ["localhost"]
+        assert sans.get_values_for_type(x509.DNSName) == dns_names  # a node's names its node id: peers check it
         assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
         usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
