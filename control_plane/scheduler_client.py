@@ -45,7 +45,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Literal, Sequence
 
 import grpc
 
@@ -75,10 +75,14 @@ PREFETCH_CALL_TIMEOUT_S = 1.0  # the hand-over answers at once (the pull runs in
 
 class SchedulerClient:
     def __init__(self, address: str, namespace: Namespace | common_pb2.Namespace, *, api_key: str | None = None,
-                 timeout_s: float = 5.0, tls: ClientTLS | None = None) -> None:
+                 timeout_s: float = 5.0, tls: ClientTLS | None = None,
+                 peer_tls_name: Literal["node-id", "address"] = "node-id") -> None:
         """``namespace``: the engines' (:meth:`namespace_for`), or the same as a ``kvmesh.v1.Namespace`` message.
         ``api_key``: a scheduler key of the namespace's tenant (or an admin key). ``tls``: the control plane's CA
-        (and this client's certificate when it requires mutual TLS); None: plaintext."""
+        (and this client's certificate when it requires mutual TLS; its ``server_name``, the name checked in the
+        control plane's certificate); None: plaintext. ``peer_tls_name``: what the certificate of a data plane
+        that a prefetch order goes to must name, as the data planes' own setting: its node id, or the host of its
+        address."""
         if isinstance(namespace, common_pb2.Namespace):
             namespace = Namespace.from_proto(namespace)
         elif not isinstance(namespace, Namespace):
@@ -93,7 +97,9 @@ class SchedulerClient:
         self._replica: ReplicaView | None = None
         self._watching: asyncio.Task | None = None
         self._tls = tls
-        self._data_planes: dict[str, grpc.aio.Channel] = {}  # address -> channel, for prefetch orders
+        self._peer_tls_name = peer_tls_name
+        # (address, node id) -> channel, for prefetch orders
+        self._data_planes: dict[tuple[str, str], grpc.aio.Channel] = {}
 
     @staticmethod
     def namespace_for(model: str, *, block_size: int, kv_dtype: str, tenant: str = "default",
@@ -135,9 +141,13 @@ class SchedulerClient:
         """Gives the prefetch order to its data plane; its answer (``STARTED``, ``IN_FLIGHT``, ``DISABLED``,
         ``OVER_CAP``), or the status code of a failed call (logged: the engine then pulls on its own)."""
         order = decision.prefetch
-        ch = self._data_planes.get(order.data_plane_address)
+        where = (order.data_plane_address, order.node_id)
+        ch = self._data_planes.get(where)
         if ch is None:
-            ch = self._data_planes[order.data_plane_address] = _open_channel(order.data_plane_address, self._tls)
+            tls = self._tls
+            if tls is not None:
+                tls = dataclasses.replace(tls, server_name=order.node_id if self._peer_tls_name == "node-id" else None)
+            ch = self._data_planes[where] = _open_channel(order.data_plane_address, tls)
         request = dp_pb.PrefetchRequest(namespace=self.namespace.to_proto(), block_hashes=order.block_hashes,
                                         ticket=order.ticket)
         try:

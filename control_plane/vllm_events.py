@@ -170,6 +170,8 @@ def _parser() -> Parser:
     p.add_argument("--tls-ca-file", help="CA of the control plane's certificate (TLS; unset: plaintext)")
     p.add_argument("--tls-cert-file", help="this client's certificate, for a control plane that requires mutual TLS")
     p.add_argument("--tls-key-file", help="the private key of --tls-cert-file")
+    p.add_argument("--tls-server-name", help="name to check in the control plane's certificate instead of the host "
+                   "in --control-plane (kvmesh up's: control-plane)")
     # The engine's namespace: the rule of kvmesh.namespace.engine_namespace, from vllm serve's own flags.
     p.add_argument("--model", required=True, help="the engine's served model name (--served-model-name, else the "
                    "model as given to vllm serve)")
@@ -209,7 +211,7 @@ async def _main(argv: list[str]) -> int:
         raise UsageError(f"--api-key-file {args.api_key_file} is empty; write the node's API key into it")
     tls = None
     if args.tls_ca_file:
-        tls = ClientTLS(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+        tls = ClientTLS(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name)
         for flag in ("--tls-ca-file", "--tls-cert-file", "--tls-key-file"):
             path = getattr(args, flag[2:].replace("-", "_"))
             if path:

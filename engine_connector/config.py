@@ -41,7 +41,9 @@ class ConnectorConfig:
     ``rpc_timeout_s``: deadline of every other RPC.
     ``tls_ca_file``: CA of the data plane's and control plane's certificates (TLS on both links; unset:
     plaintext); ``tls_cert_file`` / ``tls_key_file``: this engine's certificate for mutual TLS;
-    ``tls_server_name``: name to check instead of the host in the address.
+    ``tls_server_name``: name to check instead of the host in the address; ``data_plane_tls_name`` /
+    ``control_plane_tls_name``: the same for one link (``kvmesh up`` sets them: the node id, ``control-plane``,
+    so no other certificate of the fleet's CA answers as these servers).
     ``misplace_one_block``: a negative-control hook for correctness checks, never for serving:
     the worker writes one loaded block per request from the wrong slot (worker_side.py).
     """
@@ -63,6 +65,8 @@ class ConnectorConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_server_name: str = ""
+    data_plane_tls_name: str = ""
+    control_plane_tls_name: str = ""
     misplace_one_block: bool = False
 
     @classmethod
@@ -92,12 +96,13 @@ class ConnectorConfig:
             raise ValueError("KvmeshConnector: pull_timeout_ms, lease_ms and rpc_timeout_s must be positive")
         return config
 
-    def tls(self) -> ClientTLS | None:
-        """TLS for the engine's links (None: plaintext)."""
+    def tls(self, server_name: str = "") -> ClientTLS | None:
+        """TLS for the engine's links, checking ``server_name`` (else ``tls_server_name``, else the address's
+        host) in the server's certificate (None: plaintext)."""
         if not self.tls_ca_file:
             return None
         return ClientTLS(self.tls_ca_file, self.tls_cert_file or None, self.tls_key_file or None,
-                         self.tls_server_name or None)
+                         server_name or self.tls_server_name or None)
 
     def key(self) -> str:
         """The node's API key (``api_key``, else the contents of ``api_key_file``)."""

@@ -80,7 +80,8 @@ class KvmeshConnector(KVConnectorBase_V1):
                      ns.model, ns.weight_version, c.block_size, c.kv_dtype, c.parallel_layout, c.hash_algo.value,
                      "from PYTHONHASHSEED" if c.hash_seed else "vLLM's default")
         self._link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address,
-                              config.rpc_timeout_s, config.tls())
+                              config.rpc_timeout_s, config.tls(config.data_plane_tls_name),
+                              config.tls(config.control_plane_tls_name))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         try:

@@ -47,8 +47,10 @@ class Holder:
 
 class NodeLink:
     def __init__(self, data_plane_address: str, key: str, control_plane_address: str = "",
-                 rpc_timeout_s: float = 5.0, tls: ClientTLS | None = None) -> None:
-        """``tls``: how to reach the data plane and the control plane (None: plaintext)."""
+                 rpc_timeout_s: float = 5.0, tls: ClientTLS | None = None,
+                 control_plane_tls: ClientTLS | None = None) -> None:
+        """``tls``: how to reach the data plane, and the control plane unless ``control_plane_tls`` says (None:
+        plaintext)."""
         self.data_plane_address = data_plane_address
         self._timeout = rpc_timeout_s
         self._loop = asyncio.new_event_loop()
@@ -60,7 +62,8 @@ class NodeLink:
                                                                                  tls=tls)))
         self._cp = None
         if control_plane_address:
-            self._cp_channel = self.call(self._make(lambda: channel(control_plane_address, key, tls)))
+            self._cp_channel = self.call(self._make(lambda: channel(control_plane_address, key,
+                                                                           control_plane_tls or tls)))
             self._cp = cp_grpc.ControlPlaneStub(self._cp_channel)
         self._node_ids: dict[str, str] = {}  # data-plane address -> node id (from ListNodes; loop thread only)
 

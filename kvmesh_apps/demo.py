@@ -135,7 +135,8 @@ class Router:
         self._ns = namespace().to_proto()
 
     async def _holders(self, prompt: list[int]) -> tuple[dict[str, int], float]:
-        async with channel(self._fleet.control_plane.address, self._fleet.admin_key, self._fleet.client_tls()) as ch:
+        async with channel(self._fleet.control_plane.address, self._fleet.admin_key,
+                           self._fleet.control_plane_tls()) as ch:
             started = time.perf_counter()
             reply = await cp_grpc.ControlPlaneStub(ch).LookupPrefix(cp_pb.LookupPrefixRequest(
                 namespace=self._ns, token_ids=prompt, media=[common_pb2.MEDIUM_CPU]), timeout=5)

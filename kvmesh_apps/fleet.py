@@ -150,7 +150,7 @@ class Fleet:
         issued, the keys this fleet issued earlier for that node and nobody holds (its key file lost, or an
         IssueKey whose answer a stalled Redis timed out after it was stored) are revoked, so that no live
         credential for the node exists outside its key file."""
-        async with channel(self.control_plane.address, self.admin_key, self.client_tls()) as ch:
+        async with channel(self.control_plane.address, self.admin_key, self.control_plane_tls()) as ch:
             admin = ta_grpc.TenantAdminStub(ch)
             tenants = await admin.ListTenants(ta_pb.ListTenantsRequest())
             if self.tenant not in {t.tenant_id for t in tenants.tenants}:
@@ -314,6 +314,10 @@ class Fleet:
         """How a client reaches the fleet's services: ``name``'s certificate (``admin``, a node id for that data
         plane's own, ``engine-<node>``), or None (plaintext) for a fleet started with ``tls=False``."""
         return self.tls.client(name) if self.tls else None
+
+    def control_plane_tls(self, name: str = ADMIN) -> ClientTLS | None:
+        """:meth:`client_tls` for the control plane, checking its certificate names it (``control-plane``)."""
+        return self.tls.control_plane_client(name) if self.tls else None
 
     def _trace_env(self, process: str) -> dict[str, str]:
         if self.trace_dir is None:

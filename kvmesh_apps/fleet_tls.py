@@ -5,7 +5,7 @@ Everything lives in ``<workdir>/tls`` (a 0700 directory, every file 0600):
 | files | what | used by |
 |---|---|---|
 | ``ca.crt``, ``ca.key`` | the fleet's private CA (kvmesh/pki.py) | every party trusts ``ca.crt``; the key signs |
-| ``control-plane.crt/.key`` | server certificate for 127.0.0.1 and localhost | the control plane |
+| ``control-plane.crt/.key`` | server certificate for 127.0.0.1, localhost and the name ``control-plane`` (what the fleet's clients check) | the control plane |
 | ``<node>.crt/.key`` | server certificate for 127.0.0.1, localhost and the name ``<node>`` (what its peers check), also its client certificate | data plane ``<node>``: serves, calls the control plane and peers |
 | ``engine-<node>.crt/.key`` | client certificate | the engine attached to ``<node>`` (its connector) |
 | ``admin.crt/.key`` | client certificate | ``kvmesh admin``, schedulers and routers |
@@ -59,9 +59,11 @@ class FleetTLS:
         tls.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(tls.directory, 0o700)
         ca = tls._authority()
-        subjects = [pki.Subject(CONTROL_PLANE, True, **LOOPBACK), pki.Subject(ADMIN, False)]
+        # each server's certificate names the server too, and the fleet's clients check that name: no other
+        # certificate of this CA answers as it at its address (peer_tls_name, tls_server_name, *_tls_name)
+        subjects = [pki.Subject(CONTROL_PLANE, True, (CONTROL_PLANE, *LOOPBACK["dns_names"]), LOOPBACK["ip_addresses"]),
+                    pki.Subject(ADMIN, False)]
         for node in nodes:
-            # a node's certificate also names its node id: peers check it (peer_tls_name), so it answers as no other
             subjects += [pki.Subject(node, True, (node, *LOOPBACK["dns_names"]), LOOPBACK["ip_addresses"]),
                          pki.Subject(engine_name(node), False)]
         for subject in subjects:
@@ -105,8 +107,14 @@ class FleetTLS:
     # ---- how each party is configured ----
 
     def client(self, name: str = ADMIN) -> ClientTLS:
-        """A client presenting ``name``'s certificate (kvmesh.channels)."""
+        """A client presenting ``name``'s certificate (kvmesh.channels), checking the server's certificate names
+        what the address does (use :meth:`control_plane_client` for the control plane)."""
         return ClientTLS(str(self.ca_file), self.cert_file(name), self.key_file(name))
+
+    def control_plane_client(self, name: str = ADMIN) -> ClientTLS:
+        """A client of the control plane presenting ``name``'s certificate, checking that the server's names the
+        control plane (no other certificate of the CA answers as it)."""
+        return ClientTLS(str(self.ca_file), self.cert_file(name), self.key_file(name), CONTROL_PLANE)
 
     def control_plane_flags(self) -> list[str]:
         return ["--tls-cert-file", self.cert_file(CONTROL_PLANE), "--tls-key-file", self.key_file(CONTROL_PLANE),
@@ -116,22 +124,25 @@ class FleetTLS:
         """Serve with ``node``'s certificate, require clients' certificates, and present it to the control plane
         and peers (verified against the CA)."""
         return ["--tls-cert-file", self.cert_file(node), "--tls-key-file", self.key_file(node),
-                "--tls-client-ca-file", str(self.ca_file), "--tls-ca-file", str(self.ca_file)]
+                "--tls-client-ca-file", str(self.ca_file), "--tls-ca-file", str(self.ca_file),
+                "--tls-server-name", CONTROL_PLANE]
 
     def connector_settings(self, node: str) -> dict[str, str]:
         """``kv_connector_extra_config`` TLS keys for the engine attached to ``node``."""
         name = engine_name(node)
         return {"tls_ca_file": str(self.ca_file), "tls_cert_file": self.cert_file(name),
-                "tls_key_file": self.key_file(name)}
+                "tls_key_file": self.key_file(name), "data_plane_tls_name": node,
+                "control_plane_tls_name": CONTROL_PLANE}
 
     def admin_flags(self) -> list[str]:
         """``kvmesh admin`` flags (before the command)."""
         return ["--tls-ca-file", str(self.ca_file), "--tls-cert-file", self.cert_file(ADMIN),
-                "--tls-key-file", self.key_file(ADMIN)]
+                "--tls-key-file", self.key_file(ADMIN), "--tls-server-name", CONTROL_PLANE]
 
     def describe(self, nodes: list[str]) -> dict:
         """The CA and certificate paths (``kvmesh up --json``)."""
         pair = lambda name: {"cert_file": self.cert_file(name), "key_file": self.key_file(name)}  # noqa: E731
-        return {"ca_file": str(self.ca_file), "admin": pair(ADMIN), "control_plane": pair(CONTROL_PLANE),
+        return {"ca_file": str(self.ca_file), "control_plane_name": CONTROL_PLANE,
+                "admin": pair(ADMIN), "control_plane": pair(CONTROL_PLANE),
                 "data_planes": {node: pair(node) for node in nodes},
                 "engines": {node: pair(engine_name(node)) for node in nodes}}

@@ -134,7 +134,8 @@ def engine_hint(slots: Slots, info: dict, node: str) -> str:
              "control_plane_address": info["control_plane"], "tenant": info["tenant"], "auto_source": True}
     if tls:
         engine = tls["engines"][node]
-        extra.update(tls_ca_file=tls["ca_file"], tls_cert_file=engine["cert_file"], tls_key_file=engine["key_file"])
+        extra.update(tls_ca_file=tls["ca_file"], tls_cert_file=engine["cert_file"], tls_key_file=engine["key_file"],
+                     data_plane_tls_name=node, control_plane_tls_name=tls["control_plane_name"])
     config = {"kv_connector": "KvmeshConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": extra}
     return (f"{ENGINE_COMMAND} {shlex.quote(str(slots.model or 'MODEL'))}{slots.engine_flags()} --block-size "
@@ -147,7 +148,7 @@ def admin_hint(info: dict) -> str:
     flags = ["--control-plane", info["control_plane"], "--key-file", info["admin_key_file"]]
     if tls:
         flags += ["--tls-ca-file", tls["ca_file"], "--tls-cert-file", tls["admin"]["cert_file"],
-                  "--tls-key-file", tls["admin"]["key_file"]]
+                  "--tls-key-file", tls["admin"]["key_file"], "--tls-server-name", tls["control_plane_name"]]
     return shlex.join(["kvmesh", "admin", *flags, "tenants", "list"])
 
 

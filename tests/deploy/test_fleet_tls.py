@@ -32,10 +32,10 @@ def test_made_for_every_party_with_owner_only_files(tmp_path):
     ca = _cert(tls.directory, "ca")
     for name in names[1:]:
         _cert(tls.directory, name).verify_directly_issued_by(ca)
-    for server, dns_names in (("control-plane", ["localhost"]), ("dp1", ["dp1", "localhost"])):
+    for server, dns_names in (("control-plane", ["control-plane", "localhost"]), ("dp1", ["dp1", "localhost"])):
         cert = _cert(tls.directory, server)
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert sans.get_values_for_type(x509.DNSName) == dns_names  # a node's names its node id: peers check it
+        assert sans.get_values_for_type(x509.DNSName) == dns_names  # and its own name, which clients check
         assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
         usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}

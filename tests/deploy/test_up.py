@@ -188,10 +188,13 @@ def test_the_printed_engine_line_names_the_model_dtype_and_block_size(tmp_path) 
     extra = json.loads(shlex.split(hint)[-1])["kv_connector_extra_config"]
     assert extra == {"data_plane_address": "127.0.0.1:1", "api_key_file": "k", "control_plane_address": "127.0.0.1:2",
                      "tenant": "t", "auto_source": True}
-    info["tls"] = {"ca_file": "/w/tls/ca.crt", "engines": {"dp1": {"cert_file": "/w/e.crt", "key_file": "/w/e.key"}}}
+    info["tls"] = {"ca_file": "/w/tls/ca.crt", "control_plane_name": "control-plane",
+                   "engines": {"dp1": {"cert_file": "/w/e.crt", "key_file": "/w/e.key"}}}
     extra = json.loads(shlex.split(up.engine_hint(slots, info, "dp1"))[-1])["kv_connector_extra_config"]
     assert (extra["tls_ca_file"], extra["tls_cert_file"], extra["tls_key_file"]) == (
         "/w/tls/ca.crt", "/w/e.crt", "/w/e.key")
+    # the names the engine checks in its servers' certificates: no other certificate of the CA answers as them
+    assert (extra["data_plane_tls_name"], extra["control_plane_tls_name"]) == ("dp1", "control-plane")
     kv = up._parser().parse_args(["--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "fp8"])
     assert up.resolve_slots(kv).engine_flags() == " --dtype float32 --kv-cache-dtype fp8"
     assert up.resolve_slots(kv).block_bytes == 2 * 3 * 32 * 1 * 32  # one byte per element

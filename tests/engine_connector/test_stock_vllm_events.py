@@ -52,8 +52,9 @@ def test_stock_vllm_serve_events_reach_lookup_prefix(tmp_path_factory, tiny_mode
     try:
         cp = fleet.control_plane.address
         env = process_env(tmp_path)
-        tls = fleet.client_tls()  # the fleet runs mutual TLS: the CA and the admin/scheduler client certificate
-        tls_flags = ["--tls-ca-file", tls.ca_file, "--tls-cert-file", tls.cert_file, "--tls-key-file", tls.key_file]
+        tls = fleet.control_plane_tls()  # the fleet runs mutual TLS: the CA and the admin/scheduler client certificate
+        tls_flags = ["--tls-ca-file", tls.ca_file, "--tls-cert-file", tls.cert_file, "--tls-key-file", tls.key_file,
+                     "--tls-server-name", tls.server_name]
         admin = ["admin", "--control-plane", cp, "--key-file", str(fleet.admin_key_file), *tls_flags]
         kvmesh(*admin, "tenants", "create", "acme", env=env)  # a fleet without data planes creates none
         kvmesh(*admin, "keys", "issue", "--role", "node", "--node", "stock-1", "--secret-out",

@@ -24,7 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from control_plane.scheduler_client import SchedulerClient
+from control_plane.scheduler_client import Candidate, Policy, SchedulerClient
 from data_plane.client import DataPlaneClient, SharedTier
 from engine_connector.config import KV_LAYOUT
 from kvmesh.channels import ClientTLS, channel
@@ -101,8 +101,16 @@ async def _ping(address: str, stub_class, tls: ClientTLS | None, key: str) -> No
         await stub_class(ch).Ping(common_pb2.PingRequest(), timeout=10)
 
 
-def _engine_tls(extra: dict) -> ClientTLS:
-    return ClientTLS(extra["tls_ca_file"], extra["tls_cert_file"], extra["tls_key_file"])
+def _engine_tls(extra: dict, link: str = "data_plane") -> ClientTLS:
+    """The printed engine settings' TLS for its data plane or the control plane (``link``), checking the name
+    the settings give for that server."""
+    return ClientTLS(extra["tls_ca_file"], extra["tls_cert_file"], extra["tls_key_file"], extra[f"{link}_tls_name"])
+
+
+def _admin_tls(fleet) -> ClientTLS:
+    """A scheduler's TLS as docs/scheduling.md writes it: the admin certificate, the control plane's name."""
+    tls = fleet["workdir"] / "tls"
+    return ClientTLS(str(tls / "ca.crt"), str(tls / "admin.crt"), str(tls / "admin.key"), "control-plane")
 
 
 async def test_every_server_refuses_plaintext_and_certificates_of_another_ca(fleet, foreign):
@@ -110,7 +118,7 @@ async def test_every_server_refuses_plaintext_and_certificates_of_another_ca(fle
     assert len(_servers(fleet)) == 3
     for address, stub, extra in _servers(fleet):
         key = Path(extra["api_key_file"]).read_text().strip()
-        ours = _engine_tls(extra)
+        ours = _engine_tls(extra, "control_plane" if stub is cp_grpc.ControlPlaneStub else "data_plane")
         for why, tls in [("plaintext", None),
                          ("no client certificate", ClientTLS(ours.ca_file)),
                          ("a client certificate of another CA", ClientTLS(ours.ca_file, foreign_cert, foreign_key)),
@@ -129,7 +137,8 @@ def test_the_printed_admin_line_works_as_printed(fleet):
     assert out.returncode == 0, out.stdout + out.stderr
     assert [t["tenant_id"] for t in json.loads(out.stdout)["tenants"]] == ["demo"]
     # Negative control: the same line without its TLS flags is refused, in one line that says what to give.
-    plain = re.sub(r" --tls-(ca|cert|key)-file \S+", "", fleet["admin"])
+    assert "--tls-server-name control-plane" in fleet["admin"]  # the control plane's name, checked
+    plain = re.sub(r" --tls-(ca-file|cert-file|key-file|server-name) \S+", "", fleet["admin"])
     out = subprocess.run(["bash", "-c", plain], capture_output=True, text=True, env=env, timeout=60)
     said = [line for line in out.stderr.splitlines() if line.startswith("kvmesh admin:")]
     assert out.returncode == 1 and len(said) == 1 and "Traceback" not in out.stderr, out.stderr
@@ -161,8 +170,7 @@ async def test_scheduler_and_engine_clients_work_with_the_generated_certificates
         await dp2.release(lease)
     workdir = fleet["workdir"]
     admin_key = (workdir / "secrets" / "admin.key").read_text().strip()
-    admin_tls = ClientTLS(e1["tls_ca_file"], str(workdir / "tls" / "admin.crt"), str(workdir / "tls" / "admin.key"))
-    async with SchedulerClient(fleet["control_plane"], ns, api_key=admin_key, tls=admin_tls) as scheduler:
+    async with SchedulerClient(fleet["control_plane"], ns, api_key=admin_key, tls=_admin_tls(fleet)) as scheduler:
         deadline = time.monotonic() + 10
         while True:  # tier changes reach the index asynchronously
             match = await scheduler.lookup_prefix(block_hashes=hashes)
@@ -171,6 +179,38 @@ async def test_scheduler_and_engine_clients_work_with_the_generated_certificates
                 break
             await asyncio.sleep(0.1)
     assert held == {"dp1": 3, "dp2": 3}
+
+
+async def test_a_scheduler_hands_its_prefetch_order_to_the_data_plane_it_names_over_tls(fleet):
+    """A scheduler whose TLS names the control plane (as docs/scheduling.md writes it) hands Route's prefetch order
+    to dp2 over mutual TLS, checking dp2's certificate names dp2 (not the control plane): STARTED, and the blocks
+    arrive on dp2."""
+    ns = Namespace("demo", "tiny", "rev2", CacheConfig(block_size=BLOCK_TOKENS, kv_dtype="float32",
+                                                       kv_layout=KV_LAYOUT)).validate()
+    hashes = BlockHasher().block_hashes(list(range(100, 100 + 24 * BLOCK_TOKENS)), BLOCK_TOKENS)  # > 512 tokens
+    e1, e2 = fleet["engine"]["dp1"], fleet["engine"]["dp2"]
+    key1, key2 = (Path(e["api_key_file"]).read_text().strip() for e in (e1, e2))
+    admin_key = (fleet["workdir"] / "secrets" / "admin.key").read_text().strip()
+    async with DataPlaneClient(e1["data_plane_address"], key=key1, tls=_engine_tls(e1)) as dp1, \
+            DataPlaneClient(e2["data_plane_address"], key=key2, tls=_engine_tls(e2)) as dp2, \
+            SchedulerClient(fleet["control_plane"], ns, api_key=admin_key, tls=_admin_tls(fleet)) as scheduler:
+        await dp1.reserve(ns, hashes)
+        assert await dp1.commit(ns, hashes) == len(hashes)
+        deadline = time.monotonic() + 10
+        while not (await scheduler.lookup_prefix(block_hashes=hashes)).holders and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        decision = await scheduler.route([Candidate("dp2:engine", "dp2")], block_hashes=hashes,
+                                         policy=Policy.LOAD_AWARE)
+        assert decision.prefetch is not None and decision.prefetch_status == "STARTED", decision
+        deadline = time.monotonic() + 10
+        while True:  # the prefetch runs in the background
+            slots, lease = await dp2.acquire(ns, hashes)
+            if lease:
+                await dp2.release(lease)
+            if len(slots) == len(hashes) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert len(slots) == len(hashes), f"{len(slots)} of {len(hashes)} prefetched blocks on dp2"
 
 
 def test_tls_files_are_the_owners_alone_and_private_keys_appear_nowhere_else(fleet):
