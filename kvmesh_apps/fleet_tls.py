@@ -28,7 +28,12 @@ from kvmesh.channels import ClientTLS
 
 CONTROL_PLANE = "control-plane"
 ADMIN = "admin"
-LOOPBACK = dict(dns_names=("localhost",), ip_addresses=("127.0.0.1",))  # where the fleet's servers listen
+
+
+def server_subject(name: str) -> pki.Subject:
+    """A server of the fleet: where it listens (127.0.0.1, localhost) and its own name, which the fleet's clients
+    check, so no other certificate of the CA answers as it at its address (a port freed by a restart)."""
+    return pki.Subject(name, True, (name, "localhost"), ("127.0.0.1",))
 
 
 def engine_name(node: str) -> str:
@@ -59,13 +64,9 @@ class FleetTLS:
         tls.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(tls.directory, 0o700)
         ca = tls._authority()
-        # each server's certificate names the server too, and the fleet's clients check that name: no other
-        # certificate of this CA answers as it at its address (peer_tls_name, tls_server_name, *_tls_name)
-        subjects = [pki.Subject(CONTROL_PLANE, True, (CONTROL_PLANE, *LOOPBACK["dns_names"]), LOOPBACK["ip_addresses"]),
-                    pki.Subject(ADMIN, False)]
-        for node in nodes:
-            subjects += [pki.Subject(node, True, (node, *LOOPBACK["dns_names"]), LOOPBACK["ip_addresses"]),
-                         pki.Subject(engine_name(node), False)]
+        subjects = [server_subject(CONTROL_PLANE), pki.Subject(ADMIN, False)]
+        for node in nodes:  # a node's name is its node id: its peers check it (peer_tls_name)
+            subjects += [server_subject(node), pki.Subject(engine_name(node), False)]
         for subject in subjects:
             tls._leaf(ca, subject)
         return tls
