@@ -152,6 +152,11 @@ def test_data_plane_bad_settings(tmp_path):
     fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "invalid configuration", "--capacity-bytes")
     out = kvmesh("data-plane", "--no-such-flag")
     fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "--no-such-flag", "--help")
+    out = kvmesh("data-plane", *dp_flags(tmp_path / "k"), "--peer-tls-name", "host")
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "--peer-tls-name", "'node-id' or 'address'")
+    # under TLS peers check a certificate names the node id: one with ':' cannot be a DNS name
+    out = kvmesh("data-plane", *dp_flags(tmp_path / "k")[2:], "--node-id", "rack:7", "--tls-ca-file", "/ca.crt")
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "'rack:7' cannot be a certificate's DNS name")
 
 
 # ---- admin ----
