@@ -186,7 +186,9 @@ def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path, ups) ->
 
 
 def _pid_of(up_pid: int, victim: str) -> int:
-    marks = {"data plane dp1": " data-plane --node-id dp1 ", "control plane": " control-plane ", "redis": "-server "}
+    # each service's subcommand and first flag (data planes name the control plane too: --tls-server-name)
+    marks = {"data plane dp1": " data-plane --node-id dp1 ", "control plane": " control-plane --listen ",
+             "redis": "-server "}
     return next(p for p in alive(children(up_pid))
                 if marks[victim] in Path(f"/proc/{p}/cmdline").read_text().replace("\0", " "))
 
