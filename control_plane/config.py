@@ -71,6 +71,10 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     read_replica: bool = Field(True, description="answer lookups from an in-memory replica of the block map, "
                                "fed by Redis change streams (false: every lookup runs the Redis script)")
     gc_interval_s: float = Field(5.0, gt=0, description="how often expired leases are reaped and fenced entries swept")
+    namespace_release_after_s: float = Field(600.0, ge=1.0, description="a namespace whose block map is empty and "
+                                             "that no node has published to for this long stops counting against "
+                                             "its tenant's namespace limit (checked every quarter of it); the "
+                                             "next batch for it counts it again")
     admin_key: str | None = Field(
         None, description="bootstrap admin API key (kvm_<key_id>_<secret>; `kvmesh admin new-key` makes one)"
     )

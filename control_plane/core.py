@@ -132,7 +132,8 @@ class ControlPlane:
             raise BatchRefused(ResourceExhausted(
                 f"tenant {batch.namespace.tenant!r} already has its limit of {limit} namespaces (model, weights, "
                 "cache config) holding blocks; nothing of this batch was applied (an admin raises it: "
-                "`kvmesh admin tenants policy --max-namespaces N`)"))
+                "`kvmesh admin tenants policy --max-namespaces N`; a namespace whose blocks are gone stops counting "
+                "after namespace_release_after_s)"))
 
     async def _check_quota(self, principal: Principal, batch: EventBatch) -> None:
         tenant = await self.authz.tenant(batch.namespace.tenant)

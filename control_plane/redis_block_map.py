@@ -14,6 +14,7 @@ import asyncio
 from typing import Awaitable, Callable
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 
@@ -38,10 +39,12 @@ MAX_SLOTS = 8192  # entries are 2 bytes: 13 bits of slot, 3 of tiers
 SWEEP_CHUNK = 1000
 GC_LOCK_MS = 30_000
 GC_HINT = "gc_interval_s"
+CLAIM_CACHE_MAX_S = 60.0  # a namespace claim is made again at least this often per node and process
+MAX_CACHED_CLAIMS = 65_536
 REPLICA_WAIT_S = 0.5  # a write waits this long for this process's replica to show it (read-your-writes)
 RETIRE_AFTER_S = 2 * SOCKET_TIMEOUT_S  # a dropped tenant client outlives the calls still on it  # a node may retire 16 slots (prelude.lua) per garbage collection
 _SCRIPTS = ("register", "heartbeat", "deregister", "begin_batch", "end_batch", "apply", "rotate",
-            "lookup", "sweep", "reap", "unlock", "claim_namespace")
+            "lookup", "sweep", "reap", "unlock", "claim_namespace", "release_namespace")
 _NEEDS_PRELUDE = {"register", "heartbeat", "deregister", "begin_batch", "rotate", "reap"}
 
 
@@ -74,7 +77,8 @@ class RedisBlockMap(BlockMap):
 
     def __init__(self, url: str, *, lease_ms: int = 10_000, key_prefix: str = "kvm",
                  username: str | None = None, password: str | None = None,
-                 tenant_credentials: TenantCredentials | None = None, read_replica: bool = False) -> None:
+                 tenant_credentials: TenantCredentials | None = None, read_replica: bool = False,
+                 namespace_release_after_ms: int = 600_000) -> None:
         self._url = url
         self._redis = connect(url, username=username, password=password)
         self._tenant_credentials = tenant_credentials
@@ -88,7 +92,12 @@ class RedisBlockMap(BlockMap):
         self._sources = _load_scripts()
         self._sha: dict[str, str] = {}
         self._read_only_scripts = False
-        self._known_ns: set[tuple[str, str]] = set()
+        # (node, namespace) -> when its claim is made again; kept for under half the release's quiet time,
+        # so no namespace is released while a process here may still write to it without claiming it
+        self._known_ns: dict[tuple[str, str], float] = {}
+        self._release_after_ms = namespace_release_after_ms
+        self._claim_cache_s = min(CLAIM_CACHE_MAX_S, namespace_release_after_ms / 4000)
+        self._next_release = 0.0
         self._replica_id = uuid.uuid4().hex
         self._cluster = isinstance(self._redis, RedisCluster)
         self.replica = (BlockMapReplica(self._redis, self._keys, client_for=self._reader)
@@ -292,13 +301,16 @@ class RedisBlockMap(BlockMap):
 
     async def claim_namespace(self, node_id: str, ns: Namespace, limit: int) -> bool:
         ns_key = await self.blocks_key(ns)
-        if (node_id, ns_key) in self._known_ns:
+        if self._known_ns.get((node_id, ns_key), 0.0) > time.monotonic():
             return True
         k = self._keys
         if not await self._eval("claim_namespace", [k.namespaces, k.tenant_namespaces(ns.tenant),
-                                                    k.node_namespaces(node_id)], [ns_key, limit]):
+                                                    k.node_namespaces(node_id), k.namespace_claims],
+                                [ns_key, limit, ns.tenant]):
             return False
-        self._known_ns.add((node_id, ns_key))
+        if len(self._known_ns) >= MAX_CACHED_CLAIMS:
+            self._known_ns.clear()
+        self._known_ns[(node_id, ns_key)] = time.monotonic() + self._claim_cache_s
         return True
 
     async def _begin(self, batch: EventBatch, reset: bool) -> int | Ack:
@@ -435,22 +447,58 @@ class RedisBlockMap(BlockMap):
         if not await self._redis.set(k.gc_lock, self._replica_id, nx=True, px=GC_LOCK_MS):
             return 0  # another replica is collecting; it owns slot reuse until it is done
         try:
-            await self._eval("reap", self._logged([k.slots, k.dead_slots]), [k.node_prefix])
-            dead = [int(_s(s)) for s in await self._redis.smembers(k.dead_slots)]
-            if not dead:
-                return 0
-            clear = {s: ALL_TIERS for s in dead}
-            async for ns_key in self._redis.sscan_iter(k.namespaces):
-                await self._sweep(_s(ns_key), clear)
-                await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
-            await self._redis.srem(k.dead_slots, *dead)
-            pipe = self._redis.pipeline(transaction=False)
-            for node_id in await self._redis.smembers(k.nodes):  # their retired slots are swept: allow more
-                pipe.hset(k.node(_s(node_id)), "retired", 0)
-            await pipe.execute()
-            return len(dead)
+            freed = await self._sweep_dead_slots()
+            if time.monotonic() >= self._next_release:
+                self._next_release = time.monotonic() + self._release_after_ms / 4000
+                await self.release_empty_namespaces()
+            return freed
         finally:
             await self._eval("unlock", [k.gc_lock], [self._replica_id])
+
+    async def _sweep_dead_slots(self) -> int:
+        k = self._keys
+        await self._eval("reap", self._logged([k.slots, k.dead_slots]), [k.node_prefix])
+        dead = [int(_s(s)) for s in await self._redis.smembers(k.dead_slots)]
+        if not dead:
+            return 0
+        clear = {s: ALL_TIERS for s in dead}
+        async for ns_key in self._redis.sscan_iter(k.namespaces):
+            await self._sweep(_s(ns_key), clear)
+            await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
+        await self._redis.srem(k.dead_slots, *dead)
+        pipe = self._redis.pipeline(transaction=False)
+        for node_id in await self._redis.smembers(k.nodes):  # their retired slots are swept: allow more
+            pipe.hset(k.node(_s(node_id)), "retired", 0)
+        await pipe.execute()
+        return len(dead)
+
+    async def release_empty_namespaces(self) -> int:
+        """Namespaces whose block map is empty and that no node claimed for ``namespace_release_after_ms`` stop
+        counting against their tenant's namespace limit (release_namespace.lua): the made-up models of a node
+        key are given back once their blocks are gone (its lease ran out, its key revoked). Returns how many."""
+        k = self._keys
+        cutoff = await self._now_ms() - self._release_after_ms
+        quiet: list[tuple[str, str]] = []  # (block-map key, tenant) claimed last before the cutoff
+        async for ns_key, claim in self._redis.hscan_iter(k.namespace_claims):
+            claimed_ms, _, tenant = _s(claim).partition("\t")
+            if int(claimed_ms) < cutoff:
+                quiet.append((_s(ns_key), tenant))
+        released, node_sets = 0, None
+        for start in range(0, len(quiet), SWEEP_CHUNK):
+            chunk = quiet[start:start + SWEEP_CHUNK]
+            pipe = self._redis.pipeline(transaction=False)
+            for ns_key, _ in chunk:
+                pipe.exists(ns_key)
+            for (ns_key, tenant), held in zip(chunk, await pipe.execute()):
+                if held:
+                    continue
+                if node_sets is None:
+                    node_sets = [k.node_namespaces(_s(n)) for n in await self._redis.smembers(k.nodes)]
+                released += int(await self._eval("release_namespace", [
+                    k.namespace_claims, k.tenant_namespaces(tenant), k.namespaces, *node_sets],
+                    [ns_key, self._release_after_ms]))
+            await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
+        return released
 
     async def count_new(self, ns: Namespace, block_hashes: list[bytes]) -> tuple[int, int]:
         """(entries the namespace has, how many of ``block_hashes`` it lacks), as the tenant."""

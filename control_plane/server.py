@@ -90,7 +90,7 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     signer, grant_keys = config.grant_keys()
     redis_map = RedisBlockMap(config.redis_url, lease_ms=config.lease_ms, key_prefix=config.key_prefix,
                               tenant_credentials=tenants.redis_credentials, read_replica=config.read_replica,
-                              **redis_auth)
+                              namespace_release_after_ms=int(config.namespace_release_after_s * 1000), **redis_auth)
     block_map = MeteredBlockMap(redis_map, registry)
     denials = DenialAudit(tenants.audit)  # denied and unauthenticated calls: rate-limited, counted beyond
     authz = Authorizer(tenants, denials, config.policy_ttl_s)

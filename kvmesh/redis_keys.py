@@ -53,6 +53,11 @@ class Keys:
         """Set of the namespace block-map keys holding a tenant's blocks (counted against its namespace limit)."""
         return f"{self._reg}:tenant-ns:{tenant}"
 
+    @property
+    def namespace_claims(self) -> str:
+        """Hash: namespace block-map key -> "<ms>\\t<tenant>", the last time a node claimed it (its release's clock)."""
+        return f"{self._reg}:ns-claims"
+
     def node_namespaces(self, node_id: str) -> str:
         """Set of the namespace block-map keys a node has written (for per-tier clears)."""
         return f"{self._reg}:node-ns:{node_id}"

@@ -1,7 +1,9 @@
 -- Records that a node writes blocks of a namespace; refuses a namespace new to its tenant once the tenant has
 -- `limit` of them. Check and add in one script, so concurrent claims (two replicas, two streams) never pass it.
--- KEYS: every namespace (set), the tenant's namespaces (set), the node's namespaces (set)
--- ARGV: the namespace's block-map key, limit (0: none)
+-- The claim's time goes to the claims hash: release_namespace.lua lets a namespace go only once no claim was made
+-- for longer than any control plane keeps a claim in its cache.
+-- KEYS: every namespace (set), the tenant's namespaces (set), the node's namespaces (set), claims (hash)
+-- ARGV: the namespace's block-map key, limit (0: none), tenant
 -- Returns 1 (recorded) or 0 (refused, nothing recorded).
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 then
   local limit = tonumber(ARGV[2])
@@ -12,4 +14,6 @@ if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 then
 end
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[4], ARGV[1], (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) .. '\t' .. ARGV[3])
 return 1

@@ -36,16 +36,16 @@ def ns(tenant: str, model: str) -> common_pb2.Namespace:
 class Node:
     """A registered node publishing one-block batches, one namespace each."""
 
-    def __init__(self, cp, node_id: str, reg) -> None:
-        self.cp, self.node_id, self.reg, self.seq = cp, node_id, reg, reg.next_seq
+    def __init__(self, cp, node_id: str, reg, key_id: str) -> None:
+        self.cp, self.node_id, self.reg, self.seq, self.key_id = cp, node_id, reg, reg.next_seq, key_id
 
     @classmethod
     async def start(cls, fleet, node_id: str) -> "Node":
-        _, key = await fleet.key("node", node_id=node_id)
+        key_id, key = await fleet.key("node", node_id=node_id)
         cp = fleet.cp(key)
         reg = await cp.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(node_id=node_id,
                                                                             data_plane_address="127.0.0.1:1")))
-        return cls(cp, node_id, reg)
+        return cls(cp, node_id, reg, key_id)
 
     def batch(self, namespace: common_pb2.Namespace) -> pb.EventBatch:
         return pb.EventBatch(node_id=self.node_id, incarnation=self.reg.incarnation, seq=self.seq,
@@ -101,6 +101,62 @@ async def test_a_tenants_policy_sets_its_namespace_limit(fleet):
         refused.value.details()
     await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="small", policy=tpb.TenantPolicy(max_namespaces=3)))
     assert (await node.publish(ns("small", "c"))).status == pb.ACK_STATUS_APPLIED
+
+
+async def test_the_namespaces_a_revoked_node_key_opened_are_given_back_to_its_tenant(redis_server, key_prefix,
+                                                                                      admin_key):
+    """A node key that filled its tenant's namespace limit with made-up models kept the tenant from any new model
+    until the tenant was deleted, its key long revoked (red before: "new-model" refused for 20 s). Now a namespace
+    whose blocks are all gone, and that no node published to for ``namespace_release_after_s``, stops counting."""
+    from control_plane.config import ControlPlaneConfig
+    from control_plane.server import serve
+    from tests.tenancy.conftest import Fleet
+    from kvmesh.v1 import tenant_admin_pb2 as tpb
+
+    running = await serve(ControlPlaneConfig(
+        listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix, lease_ms=2000, admin_key=admin_key,
+        policy_ttl_s=0, gc_interval_s=0.2, namespace_release_after_s=1.0))
+    fleet = Fleet(f"127.0.0.1:{running.port}", admin_key)
+    honest = None
+    try:
+        await fleet.tenant("victim", max_namespaces=3)
+        honest, attacker = await Node.start(fleet, "node-v"), await Node.start(fleet, "node-x")
+
+        async def heartbeats():  # the honest node stays live; the attacker's lease runs out once its key is revoked
+            while True:
+                await honest.cp.Heartbeat(pb.HeartbeatRequest(node_id="node-v", incarnation=honest.reg.incarnation))
+                await asyncio.sleep(0.3)
+
+        beating = asyncio.create_task(heartbeats())
+        assert (await honest.publish(ns("victim", "real-model"))).status == pb.ACK_STATUS_APPLIED
+        for i in range(2):
+            assert (await attacker.publish(ns("victim", f"made-up-{i}"))).status == pb.ACK_STATUS_APPLIED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await honest.publish(ns("victim", "new-model"))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await fleet.admin.RevokeKey(tpb.RevokeKeyRequest(key_id=attacker.key_id))
+        ack = None
+        for _ in range(80):  # the lease (2 s), the sweep, then 1 s with no claim: well within 20 s
+            await asyncio.sleep(0.25)
+            try:
+                ack = await honest.publish(ns("victim", "new-model"))
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+        assert ack is not None and ack.status == pb.ACK_STATUS_APPLIED, "the made-up namespaces still count"
+        # Controls: both made-up namespaces went; one holding blocks is kept, however long ago it was claimed;
+        # the limit still holds.
+        assert (await honest.publish(ns("victim", "another-model"))).status == pb.ACK_STATUS_APPLIED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await honest.publish(ns("victim", "one-too-many"))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 3" in refused.value.details()
+        for model in ("real-model", "new-model", "another-model"):
+            query = pb.LookupPrefixRequest(namespace=ns("victim", model), block_hashes=[BLOCK])
+            assert [h.node_id for h in (await fleet.admin_cp.LookupPrefix(query)).holders] == ["node-v"]
+        beating.cancel()
+    finally:
+        await fleet.close()
+        await running.stop()
 
 
 async def test_one_tenant_takes_only_its_share_of_the_followed_namespaces(fleet, control_plane, monkeypatch):

@@ -1,0 +1,46 @@
+"""A tenant's namespace count goes down again (RedisBlockMap.release_empty_namespaces), on one Redis server and on
+a Redis Cluster: a namespace is released only once its block map is empty AND no node claimed it for the quiet
+time (a control plane that cached a claim may still write to it for up to a quarter of that); a later claim counts
+it anew, against the limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+from control_plane.model import Removed
+from control_plane.redis_block_map import RedisBlockMap
+from kvmesh.namespace import Namespace
+
+from tests.control_plane.test_block_map_conformance import Publisher, hashes
+
+QUIET_MS = 1500
+
+
+async def test_an_empty_namespace_is_released_after_its_quiet_time_and_counted_again_when_claimed(
+        store_url, key_prefix, ns):
+    bm = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix, namespace_release_after_ms=QUIET_MS)
+    kept, emptied, new = (Namespace(ns.tenant, model, "v1", ns.cache_config) for model in ("kept", "emptied", "new"))
+    keys = bm._keys
+    try:
+        hs = hashes(4)
+        for namespace in (kept, emptied):
+            assert await bm.claim_namespace("node-1", namespace, 2)
+        p_kept, p_emptied = await Publisher(bm, kept, 1).register(), await Publisher(bm, emptied, 2).register()
+        await p_kept.store(hs)
+        await p_emptied.store(hs)
+        assert not await bm.claim_namespace("node-1", new, 2)  # the limit: 2
+        await p_emptied.send(Removed(tuple(hs), None))  # its block map is empty now, its claim fresh
+        assert await bm.release_empty_namespaces() == 0, "released within its quiet time"
+        assert not await bm.claim_namespace("node-2", new, 2)
+        await asyncio.sleep(QUIET_MS / 1000 + 0.2)
+        assert await bm.release_empty_namespaces() == 1  # "emptied"; "kept" holds blocks, claimed as long ago
+        emptied_key, kept_key = await bm.blocks_key(emptied), await bm.blocks_key(kept)
+        redis = bm._redis
+        assert {m.decode() for m in await redis.smembers(keys.tenant_namespaces(ns.tenant))} == {kept_key}
+        assert not await redis.sismember(keys.namespaces, emptied_key)
+        assert not await redis.sismember(keys.node_namespaces("node-1"), emptied_key)
+        assert await bm.claim_namespace("node-2", new, 2)  # its place is free
+        assert not await bm.claim_namespace("node-1", emptied, 2), "a released namespace was not counted again"
+        assert await bm.release_empty_namespaces() == 0
+    finally:
+        await bm.close()
