@@ -28,7 +28,8 @@ from control_plane.model import Ack, EventBatch, NodeInfo, NodeStatus, PrefixMat
 class BlockMap(ABC):
     @abstractmethod
     async def register_node(self, node: NodeInfo) -> Registration:
-        """New incarnation and lease for ``node``; fences its earlier entries."""
+        """New incarnation and lease for ``node``; fences its earlier entries. AlreadyExists when a registered
+        node's id differs from ``node.node_id`` only by case (TLS names are case-insensitive)."""
 
     @abstractmethod
     async def heartbeat(self, node_id: str, incarnation: int) -> int:

@@ -70,6 +70,14 @@ class _Resync(Exception):
     """The control plane no longer trusts this incarnation's stream."""
 
 
+def _why(exc: grpc.aio.AioRpcError) -> str:
+    """The status code; with the control plane's words when it answered (a refusal says what to change)."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return code.name
+    return f"{code.name}: {exc.details()}"
+
+
 class _OutageLog:
     """A control-plane outage in a few log lines, not one per retry: when it starts, every
     :data:`OUTAGE_LOG_EVERY_S` while it lasts (how long, how many tries) and when it ends."""
@@ -80,16 +88,17 @@ class _OutageLog:
         self._logged = 0.0
         self._tries = 0
 
-    def failed(self, code: str) -> None:
+    def failed(self, why: str) -> None:
         now = time.monotonic()
         self._tries += 1
         if self._since is None:
             self._since = self._logged = now
-            log.warning("control plane unreachable (%s); retrying every %.1fs", code, self._retry_s)
+            log.warning("control plane unreachable or refusing (%s); retrying every %.1fs", why, self._retry_s)
         elif now - self._logged >= OUTAGE_LOG_EVERY_S:
             self._logged = now
-            log.warning("control plane still unreachable (%s) after %.0fs and %d tries; retrying every %.1fs",
-                        code, now - self._since, self._tries, self._retry_s)
+            log.warning("control plane still unreachable or refusing (%s) after %.0fs and %d tries; retrying "
+                        "every %.1fs",
+                        why, now - self._since, self._tries, self._retry_s)
 
     def answered(self) -> None:
         if self._since is not None:
@@ -220,7 +229,7 @@ class EventPublisher:
                     self._need_register = True
                     self._wake.set()
                 else:
-                    self._outage.failed(exc.code().name)  # the same outage as the stream's, logged with it
+                    self._outage.failed(_why(exc))  # the same outage as the stream's, logged with it
 
     async def _run(self) -> None:
         while True:
@@ -238,7 +247,7 @@ class EventPublisher:
                     self.refusal = exc
                     return
                 else:
-                    self._outage.failed(exc.code().name)
+                    self._outage.failed(_why(exc))
                     await asyncio.sleep(self._retry_s)
 
     def _next_batch(self) -> pb.EventBatch | None:

@@ -232,11 +232,16 @@ class RedisBlockMap(BlockMap):
 
     async def register_node(self, node: NodeInfo) -> Registration:
         k = self._keys
-        inc, slot = await self._eval(
-            "register", self._logged([*self._reg_keys(node.node_id), k.nodes]),
+        inc, slot, *other = await self._eval(
+            "register", self._logged([*self._reg_keys(node.node_id), k.nodes, k.node_names]),
             [node.node_id, node.data_plane_address, node.pool, json.dumps(node.labels, sort_keys=True),
              self._lease_ms, MAX_SLOTS],
         )
+        if int(slot) == -3:
+            raise errors.AlreadyExists(
+                f"node id {node.node_id!r} differs from registered node {_s(other[0])!r} only by case: a TLS "
+                "certificate's names are case-insensitive, so either node's certificate would answer as the other; "
+                f"name one apart (or deregister {_s(other[0])!r} first)")
         if int(slot) == -2:
             raise errors.ResourceExhausted(
                 f"node {node.node_id!r} re-registered too often: its retired slots await garbage collection "

@@ -54,6 +54,11 @@ class Keys:
         return f"{self._reg}:tenant-ns:{tenant}"
 
     @property
+    def node_names(self) -> str:
+        """Hash: a node id in lower case -> the node id registered under it (two ids apart only by case refused)."""
+        return f"{self._reg}:node-names"
+
+    @property
     def namespace_claims(self) -> str:
         """Hash: namespace block-map key -> "<ms>\\t<tenant>", the last time a node claimed it (its release's clock)."""
         return f"{self._reg}:ns-claims"

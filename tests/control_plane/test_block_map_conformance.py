@@ -56,6 +56,22 @@ async def test_register_gives_increasing_incarnations(block_map):
     assert a.next_seq == 1
 
 
+async def test_a_node_id_apart_from_a_registered_one_only_by_case_is_refused(block_map):
+    """A certificate naming dp2 passes a TLS check for DP2 (DNS names are case-insensitive), so a fleet with both
+    would let either node's certificate answer as the other. Controls: the same id registers again; an id apart
+    by more registers; once dp2 is deregistered, DP2 may take the name."""
+    first = await block_map.register_node(NodeInfo("dp2", "127.0.0.1:7002"))
+    with pytest.raises(errors.AlreadyExists, match="differs from registered node 'dp2' only by case"):
+        await block_map.register_node(NodeInfo("DP2", "127.0.0.1:7003"))
+    assert "DP2" not in {s.node.node_id for s in await block_map.list_nodes()}
+    assert (await block_map.register_node(NodeInfo("dp2", "127.0.0.1:7002"))).incarnation == first.incarnation + 1
+    await block_map.register_node(NodeInfo("dp20", "127.0.0.1:7020"))
+    await block_map.deregister_node("dp2", first.incarnation + 1)
+    await block_map.register_node(NodeInfo("DP2", "127.0.0.1:7003"))
+    with pytest.raises(errors.AlreadyExists, match="registered node 'DP2'"):
+        await block_map.register_node(NodeInfo("dp2", "127.0.0.1:7002"))
+
+
 async def test_lookup_returns_leading_blocks_per_node_and_tier(block_map, ns):
     hs = hashes(10)
     p1, p2 = await Publisher(block_map, ns, 1).register(), await Publisher(block_map, ns, 2).register()

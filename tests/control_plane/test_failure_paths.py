@@ -350,3 +350,31 @@ async def test_stopping_ends_the_gc_loop_even_when_a_collection_swallows_its_can
     assert not gc_task.done()  # control: the collection is in flight and would stay so
     await asyncio.wait_for(running.stop(), 10)
     assert gc_task.done()
+
+
+async def test_a_node_id_apart_from_a_registered_one_only_by_case_is_refused_in_a_line_saying_why(
+        control_plane, admin_key, ns, caplog):
+    """A node DP2 beside dp2 (TLS names are case-insensitive) is refused at registration; its publisher's log line
+    carries the control plane's words, not only a status code. Control: dp2's publisher registers and publishes."""
+    node = Node(ns)
+    pubs = [EventPublisher(f"127.0.0.1:{control_plane.port}", NodeInfo(node_id, "127.0.0.1:7002"), node.snapshot,
+                           metadata=auth_metadata(admin_key), retry_s=0.1) for node_id in ("dp2", "DP2")]
+    try:
+        await pubs[0].start()
+
+        async def registered() -> bool:
+            return pubs[0].incarnation > 0
+
+        await until(registered, timeout_s=10)
+        caplog.set_level(logging.WARNING, logger="control_plane.publisher")
+        await pubs[1].start()
+
+        async def refused() -> bool:
+            return any("ALREADY_EXISTS: node id 'DP2' differs from registered node 'dp2' only by case" in r.message
+                       for r in caplog.records)
+
+        await until(refused, timeout_s=10)
+        assert not pubs[1].incarnation
+    finally:
+        for pub in pubs:
+            await pub.stop()
