@@ -40,8 +40,23 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors raise :class:`UsageError` (argparse's own prints the usage and exits);
     subparsers it makes are Parsers too."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+        raise UsageError(self._unknown_flag_before_command(message) or message)
+
+    def _unknown_flag_before_command(self, message: str) -> str:
+        """argparse takes the value of a flag it does not know, given before a subcommand, for the subcommand
+        (``kvmesh admin --admin-key K tenants list``: "invalid choice: 'K'"); the flag is what to name."""
+        argv = getattr(self, "_argv", [])
+        for i, arg in enumerate(argv[1:], 1):
+            flag = argv[i - 1]
+            if f"invalid choice: {arg!r}" in message and flag.startswith("-") and \
+                    flag.split("=")[0] not in self._option_string_actions:
+                return f"unrecognized argument {flag} (before {arg!r})"
+        return ""
 
 
 def _checked(cast: type, ok: Callable[[float], bool], words: str) -> Callable[[str], float]:

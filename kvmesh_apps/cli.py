@@ -47,7 +47,9 @@ def _usage() -> str:
 
 def _run(table: dict[str, tuple[str, str, str]], prog: str, name: str, argv: list[str]) -> int:
     if name not in table:
-        print(f"kvmesh: error: unknown command {name!r}; `kvmesh --help` lists them", file=sys.stderr)
+        what = "benchmark" if table is BENCHMARKS else "command"
+        print(f"{prog.rsplit(' ', 1)[0]}: error: unknown {what} {name!r}; `kvmesh --help` lists them",
+              file=sys.stderr)
         return 2
     module, func, _ = table[name]
     try:

@@ -154,7 +154,8 @@ def admin_hint(info: dict) -> str:
 
 def _parser() -> Parser:
     parser = Parser(prog="kvmesh up", description=__doc__.split("\n")[0])
-    parser.add_argument("--data-planes", type=int, default=2)
+    parser.add_argument("--data-planes", type=int, default=2, help="data-plane processes, nodes dp1 to dpN "
+                        "(0: Redis and the control plane only; at most 64)")
     parser.add_argument("--workdir", default="", help=f"Redis data, secrets and logs, kept for the next start "
                         f"(default: {default_workdir()})")
     parser.add_argument("--json", action="store_true", help="print the addresses, metrics endpoints and slot size "

@@ -240,6 +240,9 @@ def test_keys_issue_checks_secret_out_before_issuing(control_plane, secrets, tmp
     ("kvmesh bench prefetch", ["bench", "prefetch", "--link-mbit", "0"], ["--link-mbit"]),
     ("kvmesh", ["frobnicate"], ["unknown command"]),
     ("kvmesh bench", ["bench"], ["no benchmark"]),
+    ("kvmesh bench", ["bench", "frobnicate"], ["unknown benchmark 'frobnicate'"]),
+    # a flag no parser knows, before the subcommand: named, not its value taken for the subcommand
+    ("kvmesh admin", ["admin", "--admin-key", "kvm_a_b", "tenants", "list"], ["unrecognized argument --admin-key"]),
 ])
 def test_bad_flag_values(prog, args, words):
     fails_in_one_line(kvmesh(*args), BAD_INPUT, prog, *words)
