@@ -1,6 +1,7 @@
 -- Lets a namespace whose block map was found empty stop counting against its tenant's namespace limit, unless a
 -- node claimed it within the last `quiet_ms` (a control plane that cached a claim writes without claiming again,
--- for less than quiet_ms / 2: such a namespace may be about to hold blocks again). A later claim counts it anew.
+-- for at most a quarter of quiet_ms: such a namespace may be about to hold blocks again). A later claim counts it
+-- anew.
 -- KEYS: claims (hash), the tenant's namespaces (set), every namespace (set), then each node's namespaces (sets)
 -- ARGV: the namespace's block-map key, quiet_ms
 -- Returns 1 (released) or 0 (kept).
