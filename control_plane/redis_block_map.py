@@ -92,8 +92,8 @@ class RedisBlockMap(BlockMap):
         self._sources = _load_scripts()
         self._sha: dict[str, str] = {}
         self._read_only_scripts = False
-        # (node, namespace) -> when its claim is made again; kept for under half the release's quiet time,
-        # so no namespace is released while a process here may still write to it without claiming it
+        # (node, namespace) -> when its claim is made again; kept for a quarter of the release's quiet time at
+        # most, so no namespace is released while a process here may still write to it without claiming it
         self._known_ns: dict[tuple[str, str], float] = {}
         self._release_after_ms = namespace_release_after_ms
         self._claim_cache_s = min(CLAIM_CACHE_MAX_S, namespace_release_after_ms / 4000)
