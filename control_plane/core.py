@@ -247,18 +247,21 @@ class ControlPlane:
 
     async def tenant_limits(self, principal: Principal, tenant_id: str) -> tuple[int, str]:
         """The CPU-tier bytes the calling node may hold for ``tenant_id`` (0: no limit) and the tenant's epoch
-        (data planes serve only blocks stored under it). NotFound to a node or admin when the tenant does not
-        exist (a node drops a deleted tenant's blocks on it)."""
-        tenant = None
-        if principal.role in (Role.ADMIN, Role.NODE):
-            tenant = await self.authz.tenant(tenant_id)
-            if tenant is None:
-                raise NotFound(f"tenant {tenant_id!r} does not exist")
-        if principal.role is Role.NODE and not await self.authz.node_may_hold(principal, tenant_id):
-            tenant = None
-        if tenant is None:
+        (data planes serve only blocks stored under it). NotFound to a node when the tenant does not exist or
+        its policy does not allow the node, in the same words (a node key cannot tell the two apart; the
+        node drops the tenant's blocks either way), and to an admin when it does not exist."""
+        if principal.role not in (Role.ADMIN, Role.NODE):
             raise await self.authz.deny(principal, "GetTenantLimits", tenant_id,
-                                        f"this node may not hold blocks of tenant {tenant_id!r}")
+                                        "GetTenantLimits needs a node or admin key")
+        tenant = await self.authz.tenant(tenant_id)
+        if principal.role is Role.NODE and (tenant is None or not tenant.policy.allows_node(principal.node_id,
+                                                                                           principal.pool)):
+            # audited either way, so the time of the answer does not tell the two apart either
+            reason = (f"tenant {tenant_id!r} does not exist or does not allow node {principal.node_id!r} "
+                      "to hold its blocks")
+            raise NotFound(str(await self.authz.deny(principal, "GetTenantLimits", tenant_id, reason)))
+        if tenant is None:
+            raise NotFound(f"tenant {tenant_id!r} does not exist")
         return tenant.policy.max_cpu_tier_bytes_per_node, tenant.epoch
 
     async def _allows(self, policy, node_id: str) -> bool:

@@ -14,7 +14,8 @@ negative caching and stale-while-revalidate (:class:`Answers`): a hung or
 unreachable control plane costs each key at most one bounded wait per refresh
 period, never one per call. Tenant limits fail open (the last known limit, or
 none); grants fail closed (no grant, no pull: the engine recomputes). The
-limits answer carries the tenant's epoch (NOT_FOUND: the tenant was deleted),
+limits answer carries the tenant's epoch (NOT_FOUND: the tenant was deleted, or
+its policy no longer allows this node),
 handed to the core (:meth:`NodeAuth.watch_epochs`, data_plane.epochs); a
 changed epoch also drops the tenant's cached grants. While the control plane
 does not answer, the last known epoch stays in force (fail open, as limits).
@@ -340,10 +341,10 @@ class NodeAuth:
 
     async def tenant_limit(self, tenant: str, timeout_s: float = 5.0) -> int | None:
         """CPU-tier bytes this node may hold for ``tenant`` (None: no limit), from the control plane,
-        cached. PermissionDenied: the tenant's policy does not allow this node, or the tenant does not
-        exist. Without a control plane no tenant policy is enforced here. Fails open: while the control
-        plane does not answer, the last known limit applies, or none (waiting at most ``timeout_s`` once
-        per refresh period)."""
+        cached. PermissionDenied: the tenant does not exist or its policy does not allow this node (the
+        control plane answers both NOT_FOUND, and this node drops the tenant's blocks). Without a control
+        plane no tenant policy is enforced here. Fails open: while the control plane does not answer, the
+        last known limit applies, or none (waiting at most ``timeout_s`` once per refresh period)."""
         if not self._cp_address:
             return None
         try:
@@ -351,7 +352,8 @@ class NodeAuth:
         except Unavailable:
             return None
         if answer.epoch is GONE:
-            raise PermissionDenied(f"tenant {tenant!r} does not exist")
+            raise PermissionDenied(f"tenant {tenant!r} does not exist or does not allow node {self.node_id!r} "
+                                   "to hold its blocks")
         return answer.limit
 
     def watch_epochs(self, on_epoch: Callable[[str, Epoch], None]) -> None:

@@ -170,8 +170,9 @@ class DataPlaneCore:
                     log.error("refreshing the epoch of tenant %s failed: %r", tenant, outcome)
 
     def learn_epoch(self, tenant: str, epoch: Epoch) -> None:
-        """The control plane's answer for ``tenant`` (GONE: deleted). When it changed, the tenant's blocks of
-        other epochs are dropped from every tier (pinned ones when released) and reported removed."""
+        """The control plane's answer for ``tenant`` (GONE: deleted, or it no longer allows this node). When
+        it changed, the tenant's blocks of other epochs are dropped from every tier (pinned ones when
+        released) and reported removed."""
         if not self.epochs.learn(tenant, epoch):
             return
         dropped: dict[tuple[str, Medium], tuple[Namespace, list[bytes]]] = {}
@@ -185,10 +186,10 @@ class DataPlaneCore:
         unknown = sum(1 for *_, tag in purged if tag == "")
         if purged:
             self.metrics.purged(len(purged), unknown)
-            state = "deleted" if epoch is GONE else f"at epoch {epoch or '(unknown)'}"
+            state = "deleted or no longer allows this node" if epoch is GONE else f"at epoch {epoch or '(unknown)'}"
             if len(purged) > unknown:
-                log.info("tenant %s is %s: dropped %d of its blocks stored under an earlier epoch", tenant, state,
-                         len(purged) - unknown)
+                log.info("tenant %s is %s: dropped %d of its blocks stored under %s", tenant, state,
+                         len(purged) - unknown, "its epoch" if epoch is GONE else "an earlier epoch")
         if unknown:
             # Stored while no control plane had answered for the tenant: they may be a deleted predecessor's
             # (same tenant id), so they are not served under the epoch learnt now (docs/data_plane.md, "Tenant

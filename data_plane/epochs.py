@@ -15,7 +15,9 @@ Reserve and pulls, and refreshed for every tenant it holds blocks of once per
 refresh period). An epoch it has never been told is ``""`` (no control plane,
 or none answered yet): blocks stored then are tagged ``""`` and dropped once a
 real epoch is learned (conservative: a cache loss, never an old block served
-under a new epoch). A deleted tenant's epoch is :data:`GONE`: nothing is served.
+under a new epoch). The epoch of a tenant deleted, or whose policy no longer
+allows this node, is :data:`GONE` (the control plane answers both NOT_FOUND
+alike): nothing is served and its blocks go.
 When an epoch changes, the node drops the tenant's blocks of other epochs.
 
 Threading model: event-loop thread only.
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 from typing import Final
 
-GONE: Final = None  # the tenant does not exist (the control plane answered NOT_FOUND)
-Epoch = str | None  # an epoch, "" when not known, GONE when the tenant was deleted
+GONE: Final = None  # the tenant does not exist or does not allow this node (the control plane answered NOT_FOUND)
+Epoch = str | None  # an epoch, "" when not known, GONE when the tenant was deleted or no longer allows this node
 
 
 class TenantEpochs:

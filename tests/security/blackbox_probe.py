@@ -349,8 +349,11 @@ class Judge:
             self.expect(area, "IssuePullGrant demo from dp2 (positive control)", await outcome(cp.IssuePullGrant(
                 cp_pb.IssuePullGrantRequest(namespace=self.demo_ns.to_proto(), source_node_id="dp2",
                                             consumer_public_key=self.identity.public_key), timeout=10)), OK)
-            self.expect(area, "GetTenantLimits victim", await outcome(cp.GetTenantLimits(
-                cp_pb.GetTenantLimitsRequest(tenant=VICTIM), timeout=10)), "PERMISSION_DENIED")
+            victim = await outcome(cp.GetTenantLimits(cp_pb.GetTenantLimitsRequest(tenant=VICTIM), timeout=10))
+            made_up = await outcome(cp.GetTenantLimits(cp_pb.GetTenantLimitsRequest(tenant="nobody"), timeout=10))
+            self.row(area, "GetTenantLimits victim, as a made-up tenant", "NOT_FOUND in the same words",
+                     f"{victim[0]} {victim[1][:90]}", victim[0] == made_up[0] == "NOT_FOUND"
+                     and victim[1].replace(repr(VICTIM), "") == made_up[1].replace(repr("nobody"), ""))
             watch = cp.WatchBlockMap(cp_pb.WatchBlockMapRequest(namespace=self.victim_ns.to_proto()), timeout=10)
             got = await outcome(watch.read())
             self.expect(area, "WatchBlockMap victim", got, "PERMISSION_DENIED")

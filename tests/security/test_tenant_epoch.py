@@ -135,3 +135,55 @@ async def test_the_new_tenant_gets_nothing_of_the_old_one_and_the_tiers_let_go(w
         fresh = [bytes([i]) * 32 for i in range(1, N + 1)]
         assert all(slot >= 0 for slot in await on_source.reserve(NS, fresh))
         await on_source.abort(NS, fresh)
+
+
+async def test_a_node_the_tenant_stops_allowing_drops_its_blocks_and_cannot_tell_that_from_no_tenant(world):
+    """A node key asked GetTenantLimits and learnt whether any tenant id exists (NOT_FOUND) or exists without
+    allowing it (PERMISSION_DENIED); and a node the tenant's policy stopped allowing kept serving the tenant's blocks
+    to its engines. Now both answers are NOT_FOUND in the same words, and the node drops the tenant's blocks."""
+    async def limits(key: str, tenant: str) -> tuple[str, str]:
+        async with channel(world.address, key) as ch:
+            try:
+                reply = await cp_grpc.ControlPlaneStub(ch).GetTenantLimits(cp_pb.GetTenantLimitsRequest(tenant=tenant))
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name, (exc.details() or "").replace(repr(tenant), "<tenant>")
+            return "OK", reply.tenant_epoch
+
+    source = await world.data_plane("dp-src", KVMESH_DP_CONTROL_PLANE_REFRESH_MS=str(REFRESH_MS))
+    hashes = await store(source, N)
+    node_key = await world.node_key("dp-src")
+    # Positive controls: the tenant answers this node with its epoch, the node's engine gets the blocks.
+    code, epoch = await limits(node_key, NS.tenant)
+    assert code == "OK" and epoch
+    assert await acquired(source, hashes) == N
+
+    async with channel(world.address, world.admin_key) as ch:
+        await tpb_grpc.TenantAdminStub(ch).SetPolicy(tpb.SetPolicyRequest(
+            tenant_id=NS.tenant, policy=tpb.TenantPolicy(allowed_nodes=["another-node"])))
+
+    assert await limits(node_key, NS.tenant) == await limits(node_key, "no-such-tenant")
+    assert (await limits(node_key, NS.tenant))[0] == "NOT_FOUND"
+    assert await limits(world.admin_key, "no-such-tenant") == ("NOT_FOUND", "tenant <tenant> does not exist")
+    assert (await limits(world.admin_key, NS.tenant))[0] == "OK"  # an admin still sees the tenant
+    assert await eventually(lambda: acquired(source, hashes), 0)
+    async with DataPlaneClient(source.address, key=source.api_key) as on_source:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await on_source.reserve(NS, [b"\x02" * 32])
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "does not exist or does not allow node 'dp-src'" in (refused.value.details() or "")
+
+        # Allowed again: the node stores for the tenant again (nothing stuck), under the same epoch.
+        async with channel(world.address, world.admin_key) as ch:
+            await tpb_grpc.TenantAdminStub(ch).SetPolicy(tpb.SetPolicyRequest(tenant_id=NS.tenant,
+                                                                              policy=tpb.TenantPolicy()))
+        assert await limits(node_key, NS.tenant) == ("OK", epoch)
+        assert await eventually(lambda: reserved(on_source, b"\x03" * 32), True)
+
+
+async def reserved(client: DataPlaneClient, block_hash: bytes) -> bool:
+    try:
+        slots = await client.reserve(NS, [block_hash])
+    except grpc.aio.AioRpcError:
+        return False
+    await client.abort(NS, [block_hash])
+    return all(slot >= 0 for slot in slots)
