@@ -482,7 +482,9 @@ class RedisBlockMap(BlockMap):
         counting against their tenant's namespace limit (release_namespace.lua): the made-up models of a node
         key are given back once their blocks are gone (its lease ran out, its key revoked). Returns how many."""
         k = self._keys
-        cutoff = await self._now_ms() - self._release_after_ms
+        now_ms = await self._now_ms()
+        await self._claim_unclaimed(now_ms)
+        cutoff = now_ms - self._release_after_ms
         quiet: list[tuple[str, str]] = []  # (block-map key, tenant) claimed last before the cutoff
         async for ns_key, claim in self._redis.hscan_iter(k.namespace_claims):
             claimed_ms, _, tenant = _s(claim).partition("\t")
@@ -504,6 +506,24 @@ class RedisBlockMap(BlockMap):
                     [ns_key, self._release_after_ms]))
             await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
         return released
+
+    async def _claim_unclaimed(self, now_ms: int) -> int:
+        """Namespaces on the sweep's list without a claim (written before claims were recorded: an upgraded
+        map) get one dated now, so they too are released once empty and quiet instead of counting against their
+        tenant for good. Returns how many."""
+        k = self._keys
+        listed = [_s(key) async for key in self._redis.sscan_iter(k.namespaces)]
+        listed = [key for key in listed if "{t:" in key]
+        stamped = 0
+        for start in range(0, len(listed), SWEEP_CHUNK):
+            pipe = self._redis.pipeline(transaction=False)
+            for ns_key in listed[start:start + SWEEP_CHUNK]:
+                pipe.hsetnx(k.namespace_claims, ns_key, f"{now_ms}\t{Keys.tenant_of(ns_key)}")
+            stamped += sum(int(added) for added in await pipe.execute())
+        if stamped:
+            log.info("%d namespaces had no claim on record (written by an earlier version): claimed now, so each is "
+                     "released once empty for namespace_release_after_s", stamped)
+        return stamped
 
     async def count_new(self, ns: Namespace, block_hashes: list[bytes]) -> tuple[int, int]:
         """(entries the namespace has, how many of ``block_hashes`` it lacks), as the tenant."""

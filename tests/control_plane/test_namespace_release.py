@@ -48,3 +48,33 @@ async def test_an_empty_namespace_is_released_after_its_quiet_time_and_counted_a
         assert await bm.release_empty_namespaces() == 0
     finally:
         await bm.close()
+
+
+async def test_a_namespace_an_earlier_version_left_without_a_claim_is_claimed_then_released(store_url, key_prefix, ns):
+    """A map written before claims were recorded (an upgrade) has namespaces counted against their tenant with no
+    claim: the collector never looked at them, so an empty one counted for good. Now the collector claims each such
+    namespace when it first sees it (dated then: the quiet time starts) and releases it once quiet, like any other.
+    Control: a namespace with its claim on record keeps that claim's time."""
+    bm = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix, namespace_release_after_ms=QUIET_MS)
+    old, recent = (Namespace(ns.tenant, model, "v1", ns.cache_config) for model in ("old", "recent"))
+    keys, redis = bm._keys, bm._redis
+    try:
+        hs = hashes(2)
+        for i, namespace in enumerate((old, recent)):
+            assert await bm.claim_namespace("node-1", namespace, 2)
+            publisher = await Publisher(bm, namespace, i + 1).register()
+            await publisher.store(hs)
+            await publisher.send(Removed(tuple(hs), None))
+        old_key, recent_key = await bm.blocks_key(old), await bm.blocks_key(recent)
+        await redis.hdel(keys.namespace_claims, old_key)  # as an earlier version left it
+        recent_claim = await redis.hget(keys.namespace_claims, recent_key)
+
+        assert await bm.release_empty_namespaces() == 0  # within the quiet time of both
+        assert (await redis.hget(keys.namespace_claims, old_key)).decode().endswith(f"\t{ns.tenant}")
+        assert await redis.hget(keys.namespace_claims, recent_key) == recent_claim
+        await asyncio.sleep(QUIET_MS / 1000 + 0.2)
+        assert await bm.release_empty_namespaces() == 2
+        assert await redis.scard(keys.tenant_namespaces(ns.tenant)) == 0
+        assert not await redis.hexists(keys.namespace_claims, old_key)
+    finally:
+        await bm.close()
