@@ -445,6 +445,8 @@ class DataPlaneCore:
         except OSError as exc:
             log.error("writing block %s to the disk tier failed: %s", h.hex(), exc)
             return
+        if evicted is None:  # no room for its tenant: every other tenant within its share
+            return
         for gone in evicted:
             self.events.removed(gone.namespace, [gone.key.block_hash], Medium.DISK)
             self.metrics.evicted("disk", gone.key)

@@ -4,7 +4,9 @@ Blocks evicted from the CPU tier are written here (``pwrite`` from the shared
 region) and promoted back (``preadv`` straight into a CPU slot) on a hit. The
 index lives in memory with each block's CRC-32C, checked on every promotion: a
 corrupt block is dropped and reported as a miss. The file is scratch space,
-removed at shutdown; a restarted node starts with an empty disk tier.
+removed at shutdown; a restarted node starts with an empty disk tier. A block
+evicts another tenant's only while that tenant is over its fair share
+(data_plane.fair_share), as in the CPU tier.
 
 Threading model: not thread-safe; called from the data plane's event-loop
 thread. Reads and writes are synchronous (one block at a time, page cache).
@@ -16,6 +18,7 @@ import collections
 import logging
 import os
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +28,7 @@ from kvmesh.namespace import Namespace
 
 from data_plane.checksum import checksum
 from data_plane.eviction import BlockInfo, EvictionPolicy
+from data_plane.fair_share import evictable_by
 from data_plane.files import create_exclusive
 from data_plane.types import BlockKey
 
@@ -69,13 +73,19 @@ class DiskTier:
         return {t for t, n in self._per_tenant.items() if n > 0}
 
     def write(self, namespace: Namespace, key: BlockKey, data: np.ndarray, checksum: int,
-              info: BlockInfo, epoch: str = "") -> list[DiskBlock]:
-        """Stores a block (no-op if present); returns the blocks evicted to make room."""
+              info: BlockInfo, epoch: str = "") -> list[DiskBlock] | None:
+        """Stores a block (no-op if present); returns the blocks evicted to make room, None when there is none
+        for its tenant (every block another tenant's, each within its fair share: nothing stored)."""
         if key in self._blocks:
             return []
         evicted = []
         if not self._free:
-            victim = self._blocks.pop(next(iter(self._policy.victims())))
+            candidates = evictable_by(map(self._blocks.__getitem__, self._policy.victims()), namespace.tenant,
+                                      self._per_tenant, self.num_slots)
+            victim_key = next(map(attrgetter("key"), candidates), None)
+            if victim_key is None:
+                return None
+            victim = self._blocks.pop(victim_key)
             self._per_tenant[victim.namespace.tenant] -= 1
             self._policy.remove(victim.key, evicted=True)
             self._free.append(victim.slot)

@@ -14,6 +14,9 @@ Lifecycle of a block (one slot), legal transitions only::
 * No transfer writes into a tier slot: a pull's bytes land in its source's landing
   arena and are copied in (data_plane.landing), so a failed pull's slots are aborted
   at once, whatever its transfer may still do.
+* Fair share: a tenant's reservation evicts another tenant's blocks only while that tenant
+  holds more than an equal share of the slots (data_plane.fair_share); its own it may
+  always evict. With one tenant this is the policy's order alone.
 * Purged: a committed block of a tenant epoch that ended (:meth:`MemoryTier.purge`), or
   one whose bytes changed after it was stored (:meth:`MemoryTier.discard`), leaves the
   index at once; its slot is free again once no reader pins it.
@@ -37,6 +40,7 @@ from kvmesh.errors import FailedPrecondition
 from kvmesh.namespace import Namespace
 
 from data_plane.eviction import BlockInfo, EvictionPolicy
+from data_plane.fair_share import evictable_by
 from data_plane.shm import SharedRegion
 from data_plane.types import BlockKey
 
@@ -120,7 +124,7 @@ class MemoryTier:
         evictable."""
         if key in self._blocks:
             return None
-        if not self._free and not self._evict(1):
+        if not self._free and not self._evict(1, namespace.tenant):
             return None
         block = Block(key, namespace, self._free.pop(), info, epoch=epoch)
         self._blocks[key] = block
@@ -134,7 +138,7 @@ class MemoryTier:
         blocks = self._blocks
         n = next(compress(count(), map(blocks.__contains__, keys)), len(keys))
         if n > len(self._free):
-            self._evict(n - len(self._free))
+            self._evict(n - len(self._free), namespace.tenant)
         free, tenant = self._free, namespace.tenant
         k = min(n, len(free))
         # the slots in ascending order: freed runs (a victim run comes back oldest first) stay runs, so the
@@ -146,10 +150,13 @@ class MemoryTier:
         self._per_tenant[tenant] += len(out)
         return out
 
-    def _evict(self, n: int) -> int:
-        """Evicts up to ``n`` unpinned blocks, the policy's first victims; how many."""
+    def _evict(self, n: int, tenant: str) -> int:
+        """Evicts up to ``n`` unpinned blocks for ``tenant``: the policy's first victims it may evict (its
+        own, or of a tenant over its fair share); how many."""
         # the policy's first n unpinned blocks, found in a native loop
-        victims = list(islice(filterfalse(_PINS, map(self._blocks.__getitem__, self._policy.victims())), n))
+        candidates = filterfalse(_PINS, map(self._blocks.__getitem__, self._policy.victims()))
+        candidates = evictable_by(candidates, tenant, self._per_tenant, self.region.num_slots)
+        victims = list(islice(candidates, n))
         if not victims:
             return 0
         self._policy.remove_all(map(_KEY, victims), evicted=True)

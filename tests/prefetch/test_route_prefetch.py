@@ -385,3 +385,28 @@ async def test_a_prefetch_ticket_starts_one_prefetch_and_is_refused_when_present
         await prefetch_call(world.nodes["dst"], NS_A, hashes, ticket, key)
     assert again.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "already used" in again.value.details()
+
+
+async def test_the_prefetches_one_tenant_orders_do_not_crowd_another_out_of_a_node(world):
+    """Tenant B's scheduler (or anyone routing B's prompts) orders prefetch after prefetch into dst; A's blocks on dst,
+    fewer than its share of dst's slots, stay (data_plane.fair_share). Before, dst's eviction ranked both tenants'
+    blocks together and B's prefetches evicted A's oldest first. Control: B's latest prefetch landed in full."""
+    dst = world.nodes["dst"]
+    b_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_B.tenant)
+    a_hashes = await store(world, "dst", NS_A, 8)  # A's engine on dst saved 8 blocks: 8 of 32 slots, share 16
+    rounds, landed = 3, metric(dst, "kvmesh_dp_prefetches_total", outcome="landed")
+    for i in range(rounds):  # 3 x 24 of B's blocks into a 32-slot tier
+        b_hashes = await store(world, "src", NS_B, CAP_BLOCKS)
+        assert (await route(world, NS_B, b_key, b_hashes)).prefetch_status == "STARTED"
+        t0 = time.monotonic()
+        while metric(dst, "kvmesh_dp_prefetches_total", outcome="landed") < landed + i + 1:
+            assert time.monotonic() - t0 < 20, "\n".join(dst.output)
+            await asyncio.sleep(0.05)
+    async with DataPlaneClient(dst.address, key=dst.api_key) as engine:
+        a_slots, a_lease = await engine.acquire(NS_A, a_hashes)
+        b_slots, b_lease = await engine.acquire(NS_B, b_hashes)
+        for lease in (a_lease, b_lease):
+            if lease:
+                await engine.release(lease)
+    assert len(a_slots) == 8, f"B's prefetches evicted {8 - len(a_slots)} of A's 8 blocks on dst"
+    assert len(b_slots) == CAP_BLOCKS  # control: B's last prefetch is all there

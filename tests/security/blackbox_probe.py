@@ -783,6 +783,65 @@ class Judge:
         self.row(area, "dp2's new engine and link recorded after that (positive control)", "both kept",
                  f"engine {held[0]!r}, link {held[1]!r}", None not in held)
 
+    async def probe_tier_share(self, rounds: int = 5) -> None:
+        """dp1's key stores demo blocks on dp1 and routes them to dp2's engine, handing each prefetch order to dp2
+        itself: dp2 pulls a quarter of its tier per order, five times over. The victim's 3 blocks on dp2, far under
+        its share of dp2's slots, stay (a tier ranked every tenant's blocks together before: they were evicted)."""
+        area = "tier share, dp1 key"
+        statuses: list[str] = []
+        async with DataPlaneClient(self.dps["dp1"], key=self.key["dp1"], tls=self.tls["dp1"]) as dp1, \
+                self.attacker_cp() as ch:
+            tier = SharedTier.open(await dp1.describe_tier())
+            quarter = tier.num_slots // 4
+            cp = cp_grpc.ControlPlaneStub(ch)
+            for r in range(rounds):
+                hashes = hashes_of(100 + r, quarter)
+                for slot in await dp1.reserve(self.demo_ns, hashes):
+                    if slot >= 0:
+                        tier.slot(slot)[:] = np.uint8(r)
+                await dp1.commit(self.demo_ns, hashes)
+                await self.map_shows(cp, hashes, "dp1")  # then one Route (a second would see dp2 as holder)
+                decision = await cp.Route(cp_pb.RouteRequest(
+                    namespace=self.demo_ns.to_proto(), block_hashes=hashes, policy=cp_pb.ROUTE_POLICY_LOAD_AWARE,
+                    kv_bytes_per_token=1,  # a pull always pays (the cost model): an order every round
+                    candidates=[cp_pb.EngineCandidate(engine_id="dp2", node_id="dp2")]), timeout=10)
+                order = decision.prefetch if decision.HasField("prefetch") else None
+                if order is None:
+                    statuses.append("no order")
+                    continue
+                async with channel(self.dps["dp2"], self.key["dp1"], self.tls["dp1"]) as to_dp2:
+                    got = await outcome(dp_grpc.DataPlaneStub(to_dp2).Prefetch(dp_pb.PrefetchRequest(
+                        namespace=self.demo_ns.to_proto(), block_hashes=order.block_hashes, ticket=order.ticket),
+                        timeout=10))
+                statuses.append(got[0] if got[0] != OK else dp_pb.PrefetchStatus.Name(got[2].status))
+                await self.map_shows(cp, hashes, "dp2")
+            tier.close()
+        async with DataPlaneClient(self.dps["dp2"], key=self.key["dp2"], tls=self.tls["engine-dp2"]) as dp2:
+            for _ in range(50):  # dp2's engine acquires the last order's blocks: they landed
+                slots, lease = await dp2.acquire(self.demo_ns, hashes)
+                if lease:
+                    await dp2.release(lease)
+                if len(slots) == quarter:
+                    break
+                await asyncio.sleep(0.1)
+        started = statuses.count("PREFETCH_STATUS_STARTED")
+        self.row(area, f"{rounds} prefetch orders of {quarter} demo blocks each into dp2 ({4 * quarter} slots)",
+                 "all started, the last one's blocks on dp2 (positive control)",
+                 f"{statuses}; dp2 acquires {len(slots)} of the last", started == rounds and len(slots) == quarter)
+        await asyncio.sleep(1)  # removals, had there been any, reach the map
+        self.row(area, "victim's 3 blocks on dp2 after that", "dp2 holds 3",
+                 "dp2 holds 3" if await self.victim_sees_dp2() else "evicted", await self.victim_sees_dp2())
+
+    async def map_shows(self, cp: cp_grpc.ControlPlaneStub, hashes: list[bytes], node_id: str) -> bool:
+        """Waits (10 s at most) until the block map names ``node_id`` holding all of ``hashes`` (demo's)."""
+        for _ in range(100):
+            reply = await cp.LookupPrefix(cp_pb.LookupPrefixRequest(
+                namespace=self.demo_ns.to_proto(), block_hashes=hashes), timeout=10)
+            if any(h.node_id == node_id and h.leading_blocks == len(hashes) for h in reply.holders):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
     async def probe_namespace_share(self, tries: int = 300) -> None:
         """A node key opens at most max_namespaces_per_tenant (256) namespaces of a tenant it may hold; the
         victim's node still opens new ones. Runs last: its batches advance dp1's and dp2's event sequences."""
@@ -863,6 +922,7 @@ class Judge:
         await self.probe_request_memory()
         await self.probe_churn()
         await self.probe_figures_share()
+        await self.probe_tier_share()
         if heavy:
             await self.probe_huge_requests()
             await self.probe_faults()
