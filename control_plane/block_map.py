@@ -63,6 +63,11 @@ class BlockMap(ABC):
         """(entries ``ns`` has, how many of ``block_hashes`` it lacks); for quotas."""
 
     @abstractmethod
+    async def node_entries(self, node_id: str) -> int:
+        """How many blocks the node's current incarnation holds in the map (on any tier; 0 when it holds none
+        or is not registered): what its batches stored and have not removed or cleared; for its bound."""
+
+    @abstractmethod
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:
         """Live holders of the longest prefix of ``block_hashes`` on the tiers in mask ``tiers``."""
 

@@ -47,6 +47,9 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     max_namespaces_per_tenant: int = Field(256, ge=1, description="most namespaces (model, weights, cache "
                                            "config) holding one tenant's blocks, unless its policy sets "
                                            "max_namespaces; a batch opening one more is RESOURCE_EXHAUSTED")
+    max_entries_per_node: int = Field(4_194_304, ge=0, description="most blocks one node may hold in the block "
+                                      "map (a block on two tiers counts once; 0: no limit); a batch storing past it "
+                                      "is RESOURCE_EXHAUSTED. Bounds the map's Redis memory one node key can take")
     max_lookup_blocks: int = Field(65_536, ge=1, description="most blocks one LookupPrefix may ask about")
     max_lookup_tokens: int = Field(2_097_152, ge=1, description="most token ids one LookupPrefix or Route may "
                                    "carry (counted before they are read)")

@@ -37,6 +37,9 @@ from control_plane.watch import BlockMapUpdate, BlockMapWatch
 
 log = logging.getLogger(__name__)
 
+# A node's entry count (max_entries_per_node) is read from Redis at most this often per replica, counted up locally
+# in between: a node may pass its limit by what it publishes through other replicas within this time.
+NODE_ENTRIES_TTL_S = 1.0
 GC_STOP_WAIT_S = 5.0  # close() waits this long for a collection in flight (its Redis calls are bounded too)
 
 
@@ -68,6 +71,7 @@ class ControlPlane:
         self.authz = authz
         self.signer = signer
         self._gc_task: asyncio.Task | None = None
+        self._node_entries: dict[str, tuple[float, int]] = {}  # node id -> (read at, entries): _check_node_entries
         self._closing = False
         self._watch = watch
         self._blocks_key = blocks_key
@@ -112,6 +116,7 @@ class ControlPlane:
                 principal, "PublishEvents", tenant_id,
                 f"tenant {tenant_id!r} does not exist or does not allow node {batch.node_id!r} to hold its blocks"))
         await self._check_quota(principal, batch)
+        await self._check_node_entries(batch)
         await self._claim_namespace(batch)
         return await self.block_map.apply_batch(batch)
 
@@ -134,6 +139,24 @@ class ControlPlane:
                 "cache config) holding blocks; nothing of this batch was applied (an admin raises it: "
                 "`kvmesh admin tenants policy --max-namespaces N`; a namespace whose blocks are gone stops counting "
                 "after namespace_release_after_s)"))
+
+    async def _check_node_entries(self, batch: EventBatch) -> None:
+        """A node holds at most max_entries_per_node blocks in the map: made-up blocks published with one node
+        key would otherwise grow Redis without bound, and with it every tenant's refusals once it is full."""
+        limit = self.config.max_entries_per_node
+        stored = sum(len(e.block_hashes) for e in batch.events if isinstance(e, Stored))
+        if not limit or not stored:
+            return
+        now = time.monotonic()
+        read_at, held = self._node_entries.get(batch.node_id, (0.0, 0))
+        if now - read_at > NODE_ENTRIES_TTL_S or held + stored > limit:  # re-read before any refusal
+            read_at, held = now, await self.block_map.node_entries(batch.node_id)
+        if held + stored > limit:
+            raise BatchRefused(ResourceExhausted(
+                f"node {batch.node_id!r} holds {held} blocks in the block map and this batch stores {stored} more: "
+                f"past its limit of {limit} (max_entries_per_node); nothing of this batch was applied (blocks it "
+                "removes, or tiers it clears, make room; an operator raises the setting for a node this large)"))
+        self._node_entries[batch.node_id] = (read_at, held + stored)  # counted as if every block were new
 
     async def _check_quota(self, principal: Principal, batch: EventBatch) -> None:
         tenant = await self.authz.tenant(batch.namespace.tenant)

@@ -11,6 +11,7 @@ slot is reused. Every check-then-modify runs as one Lua script.
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Awaitable, Callable
 import json
 import logging
@@ -248,6 +249,7 @@ class RedisBlockMap(BlockMap):
                 f"(every {GC_HINT}); try again later")
         if int(slot) < 0:
             raise errors.ResourceExhausted(f"no free node slot: {MAX_SLOTS} node incarnations are live or unswept")
+        await self._redis.hdel(k.slot_entries, int(slot))  # a fresh slot holds nothing
         await self._fenced()
         return Registration(incarnation=int(inc), lease_ms=self._lease_ms)
 
@@ -344,33 +346,50 @@ class RedisBlockMap(BlockMap):
         hash_len = batch.namespace.cache_config.hash_algo.digest_size
         runs: list = []
         seq = 0
+        held: collections.Counter[int] = collections.Counter()  # blocks each slot newly holds (or no longer: < 0)
+
+        async def apply(slot: int) -> None:
+            nonlocal seq, runs
+            _, applied, added, dropped = await self._eval("apply", self._keys.change_log(ns_key),
+                                                          [slot, hash_len, *runs], tenant)
+            seq, runs = applied or seq, []
+            held[slot] += int(added) - int(dropped)
+
         for event in batch.events:
             if isinstance(event, Cleared):
                 if runs:
-                    seq = (await self._eval("apply", self._keys.change_log(ns_key), [slot, hash_len, *runs],
-                                            tenant))[1] or seq
-                    runs = []
-                slot = await self._clear(batch.node_id, slot, event.medium)
+                    await apply(slot)
+                cleared = slot
+                slot, change = await self._clear(batch.node_id, slot, event.medium)
+                held[cleared] += change
                 continue
             op = "s" if isinstance(event, Stored) else "r"
             mask = event.medium.bit if event.medium is not None else ALL_TIERS
             runs += [op, mask, b"".join(event.block_hashes)]
         if runs:
-            seq = (await self._eval("apply", self._keys.change_log(ns_key), [slot, hash_len, *runs], tenant))[1] or seq
+            await apply(slot)
         if self.replica is not None and seq:
             await self.replica.wait_applied(ns_key, int(seq), REPLICA_WAIT_S)
-        await self._eval("end_batch", [k.node(batch.node_id)], [batch.incarnation, batch.seq])
+        counts = [x for slot, n in held.items() if n for x in (slot, n)]
+        await self._eval("end_batch", [k.node(batch.node_id), k.slot_entries], [batch.incarnation, batch.seq, *counts])
         return Ack(batch.seq, AckStatus.APPLIED, blocks_applied=batch.block_count)
+
+    async def node_entries(self, node_id: str) -> int:
+        k = self._keys
+        slot = _s(await self._redis.hget(k.node(node_id), "slot") or "")
+        return int(await self._redis.hget(k.slot_entries, slot) or 0) if slot else 0
 
     async def skip_batch(self, batch: EventBatch) -> Ack:
         decided = await self._begin(batch, reset=False)
         if isinstance(decided, Ack):
             return decided
-        await self._eval("end_batch", [self._keys.node(batch.node_id)], [batch.incarnation, batch.seq])
+        k = self._keys
+        await self._eval("end_batch", [k.node(batch.node_id), k.slot_entries], [batch.incarnation, batch.seq])
         return Ack(batch.seq, AckStatus.APPLIED)
 
-    async def _clear(self, node_id: str, slot: int, medium: Medium | None) -> int:
-        """AllBlocksCleared: every tier fences by rotating the slot; one tier is swept."""
+    async def _clear(self, node_id: str, slot: int, medium: Medium | None) -> tuple[int, int]:
+        """AllBlocksCleared: every tier fences by rotating the slot (the new one holds nothing); one tier is
+        swept. Returns the slot to go on with and the change to the entry count of ``slot``."""
         if medium is None:
             new_slot = int(await self._eval("rotate", self._logged(self._reg_keys(node_id)), [MAX_SLOTS]))
             if new_slot == -2:
@@ -379,23 +398,28 @@ class RedisBlockMap(BlockMap):
             if new_slot < 0:
                 raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
             await self._fenced()
-            return new_slot
+            return new_slot, 0
+        dropped = 0
         async for ns_key in self._redis.sscan_iter(self._keys.node_namespaces(node_id)):
-            await self._sweep(_s(ns_key), {slot: medium.bit})
-        return slot
+            dropped += await self._sweep(_s(ns_key), {slot: medium.bit})
+        return slot, -dropped
 
-    async def _sweep(self, ns_key: str, clear: dict[int, int]) -> None:
+    async def _sweep(self, ns_key: str, clear: dict[int, int]) -> int:
+        """Clears the given tier bits of the given slots from a namespace; how many blocks lost their last bit
+        of a cleared slot."""
         args: list = []
         for s, mask in clear.items():
             args += [s, mask]
-        cursor = "0"
+        cursor, dropped = "0", 0
         while True:
-            cursor = _s(await self._eval("sweep", self._keys.change_log(ns_key), [cursor, SWEEP_CHUNK, *args]))
+            reply = await self._eval("sweep", self._keys.change_log(ns_key), [cursor, SWEEP_CHUNK, *args])
+            cursor, dropped = _s(reply[0]), dropped + int(reply[1])
             if cursor == "0":
                 break
         if self.replica is not None and self.replica.table(ns_key) is not None:
             seq = int(await self._redis.get(Keys.block_changes_seq(ns_key)) or 0)
             await self.replica.wait_applied(ns_key, seq, REPLICA_WAIT_S)
+        return dropped
 
     # -- lookup ------------------------------------------------------------------
 
@@ -471,6 +495,7 @@ class RedisBlockMap(BlockMap):
             await self._sweep(_s(ns_key), clear)
             await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
         await self._redis.srem(k.dead_slots, *dead)
+        await self._redis.hdel(k.slot_entries, *dead)
         pipe = self._redis.pipeline(transaction=False)
         for node_id in await self._redis.smembers(k.nodes):  # their retired slots are swept: allow more
             pipe.hset(k.node(_s(node_id)), "retired", 0)

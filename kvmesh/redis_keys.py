@@ -63,6 +63,11 @@ class Keys:
         """Hash: namespace block-map key -> "<ms>\\t<tenant>", the last time a node claimed it (its release's clock)."""
         return f"{self._reg}:ns-claims"
 
+    @property
+    def slot_entries(self) -> str:
+        """Hash: node slot -> how many blocks that slot holds in the block map (a node's entry count, bounded)."""
+        return f"{self._reg}:slot-entries"
+
     def node_namespaces(self, node_id: str) -> str:
         """Set of the namespace block-map keys a node has written (for per-tier clears)."""
         return f"{self._reg}:node-ns:{node_id}"

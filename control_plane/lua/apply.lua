@@ -5,10 +5,13 @@
 -- (first 8 bytes of the hash: what replicas index by) of the blocks that changed, in order.
 -- KEYS: namespace block hash, its change stream, its change sequence counter
 -- ARGV: slot, hash_len, then per run: op, tier_mask, concatenated hashes
--- Returns {number of block entries changed, the change's sequence number (0: nothing changed)}.
+-- Returns {number of block entries changed, the change's sequence number (0: nothing changed), blocks this slot
+-- newly holds, blocks it no longer holds} (the last two keep the node's entry count: RedisBlockMap.node_entries).
 local slot = tonumber(ARGV[1])
 local hl = tonumber(ARGV[2])
 local changed = 0
+local added = 0
+local dropped = 0
 local record_runs = {}
 for r = 3, #ARGV, 3 do
   local op = ARGV[r]
@@ -32,6 +35,7 @@ for r = 3, #ARGV, 3 do
           local nm
           if op == 's' then nm = bit.bor(m, mask) else nm = bit.band(m, 7 - mask) end
           if nm ~= m then dirty = true end
+          if nm == 0 and m ~= 0 then dropped = dropped + 1 end
           m = nm
         end
         if m ~= 0 then
@@ -44,6 +48,7 @@ for r = 3, #ARGV, 3 do
       local ne = slot * 8 + mask
       out[#out + 1] = string.char(math.floor(ne / 256), ne % 256)
       dirty = true
+      added = added + 1
     end
     if dirty then
       changed = changed + 1
@@ -60,7 +65,7 @@ for r = 3, #ARGV, 3 do
   end
 end
 if changed == 0 then
-  return {0, 0}
+  return {0, 0, 0, 0}
 end
 local seq = redis.call('INCR', KEYS[3])
 local t = redis.call('TIME')
@@ -70,4 +75,4 @@ for i, run in ipairs(record_runs) do
   record[#record + 1] = run
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', 1024, seq .. '-0', unpack(record))
-return {changed, seq}
+return {changed, seq, added, dropped}

@@ -1,5 +1,9 @@
--- Records that a batch was applied. Idempotent.
--- KEYS: node hash     ARGV: incarnation, seq
+-- Records that a batch was applied, and what it changed in each node slot's entry count. Idempotent but for the
+-- counts (a batch is ended once).
+-- KEYS: node hash, slot entry counts (hash)     ARGV: incarnation, seq, then slot, change, slot, change, ...
+for i = 3, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+end
 if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then
   return 0
 end

@@ -4,12 +4,14 @@
 -- that loaded the hash while a sweep was under way then still drops the bits; clearing twice is harmless).
 -- KEYS: namespace block hash, its change stream, its change sequence counter
 -- ARGV: cursor, count, slot, mask, slot, mask, ...
--- Returns the next HSCAN cursor ("0" when the namespace is done).
+-- Returns {the next HSCAN cursor ("0" when the namespace is done), blocks of this chunk a cleared slot no longer
+-- holds (a tier clear takes them off the node's entry count)}.
 local clear = {}
 for i = 3, #ARGV, 2 do
   clear[tonumber(ARGV[i])] = tonumber(ARGV[i + 1])
 end
 local res = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+local dropped = 0
 local fields = res[2]
 for i = 1, #fields, 2 do
   local h = fields[i]
@@ -25,6 +27,7 @@ for i = 1, #fields, 2 do
     if c then
       local nm = bit.band(m, 7 - c)
       if nm ~= m then dirty = true end
+      if nm == 0 and m ~= 0 then dropped = dropped + 1 end
       m = nm
     end
     if m ~= 0 then
@@ -44,4 +47,4 @@ if ARGV[1] == '0' or res[1] == '0' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', 1024, seq .. '-0', 't', 'c',
              'ms', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'c', table.concat(pairs_, ','))
 end
-return res[1]
+return {res[1], dropped}

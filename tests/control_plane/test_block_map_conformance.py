@@ -340,3 +340,35 @@ async def test_long_prompts_across_read_chunks(block_map, ns):
     assert found["node-1"].leading_blocks == 300
     assert found["node-2"].leading_blocks == 100
     assert found["node-2"].per_tier == {Medium.GPU: 40, Medium.CPU: 100, Medium.DISK: 0}
+
+
+async def test_a_nodes_entry_count_follows_what_it_stores_removes_and_clears(block_map, ns):
+    """node_entries (what max_entries_per_node bounds): the blocks the node's current incarnation holds, across its
+    namespaces, a block on two tiers once; another node's blocks are not counted; a clear of every tier (a new
+    incarnation of the node) starts again from 0."""
+    other = Namespace(ns.tenant, "other-model", "v1", ns.cache_config)
+    p1, p2 = await Publisher(block_map, ns, 1).register(), await Publisher(block_map, ns, 2).register()
+    n1 = p1.node.node_id
+    hs = hashes(10)
+    assert await block_map.node_entries(n1) == 0
+    await p1.store(hs)
+    await p1.store(hs[:4], Medium.DISK)  # the same blocks on a second tier
+    await p2.store(hs)
+    p1.ns = other
+    await p1.store(hashes(5, "other"))
+    assert await block_map.node_entries(n1) == 15
+    p1.ns = ns
+    await p1.send(Removed(tuple(hs[:2]), None))  # two blocks gone from every tier
+    await p1.send(Removed(tuple(hs[2:4]), Medium.CPU))  # two still on disk
+    await p1.store(hs[5:7])  # stored again: already held
+    assert await block_map.node_entries(n1) == 13
+    await p1.send(Cleared(Medium.DISK))  # hs[2:4] lose their last tier
+    assert await block_map.node_entries(n1) == 11
+    await p1.send(Cleared(None))
+    assert await block_map.node_entries(n1) == 0
+    await p1.store(hs[:3])
+    assert await block_map.node_entries(n1) == 3 and await block_map.node_entries(p2.node.node_id) == 10
+    await block_map.collect_garbage()
+    assert await block_map.node_entries(n1) == 3
+    await p1.register()
+    assert await block_map.node_entries(n1) == 0 and await block_map.node_entries("never-registered") == 0

@@ -245,3 +245,63 @@ async def test_a_key_keeps_no_more_calls_in_flight_than_its_limit(fleet, cp_conf
             await asyncio.sleep(0.05)  # the server sees the cancellations a moment later
     else:
         pytest.fail("the key was still refused after its calls ended")
+
+
+async def test_a_node_key_holds_no_more_blocks_in_the_map_than_its_limit(redis_server, key_prefix, admin_key):
+    """One node key published made-up blocks without bound (65,536 a batch), each a Redis entry: the map's memory,
+    shared by every tenant, grew until Redis refused every tenant's writes or was killed. Now a node holds at most
+    ``max_entries_per_node`` blocks in the map; the batch past it is RESOURCE_EXHAUSTED (a stream's acked REFUSED).
+    Controls: another node still publishes; blocks the node removes make room again."""
+    import os
+
+    from control_plane.config import ControlPlaneConfig
+    from control_plane.server import serve
+    from tests.tenancy.conftest import Fleet
+
+    running = await serve(ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix,
+                                             lease_ms=60_000, admin_key=admin_key, policy_ttl_s=0,
+                                             max_entries_per_node=3000))
+    fleet = Fleet(f"127.0.0.1:{running.port}", admin_key)
+    try:
+        await fleet.tenant("victim")
+        await fleet.tenant("attacker")
+        victim, attacker = await Node.start(fleet, "node-v"), await Node.start(fleet, "node-x")
+
+        def batch(node: Node, namespace, *events) -> pb.EventBatch:
+            node.seq += 1
+            return pb.EventBatch(node_id=node.node_id, incarnation=node.reg.incarnation, seq=node.seq - 1,
+                                 namespace=namespace, events=list(events))
+
+        def stored(hashes: list[bytes]) -> pb.KvEvent:
+            return pb.KvEvent(stored=pb.BlockStored(block_hashes=hashes, block_size=32, medium=common_pb2.MEDIUM_CPU))
+
+        made_up = [[os.urandom(32) for _ in range(1024)] for _ in range(4)]
+        for hashes in made_up[:2]:
+            ack = await attacker.cp.PublishEvents(batch(attacker, ns("attacker", "m"), stored(hashes)), timeout=10)
+            assert ack.status == pb.ACK_STATUS_APPLIED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await attacker.cp.PublishEvents(batch(attacker, ns("attacker", "m"), stored(made_up[2])), timeout=10)
+        attacker.seq -= 1  # a refused batch consumes no seq
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "node 'node-x' holds 2048 blocks in the block map" in refused.value.details()
+        assert "past its limit of 3000 (max_entries_per_node)" in refused.value.details()
+
+        async def stream():
+            yield batch(attacker, ns("attacker", "other-model"), stored(made_up[2]))
+
+        (ack,) = [a async for a in attacker.cp.StreamEvents(stream())]
+        assert ack.status == pb.ACK_STATUS_REFUSED and "max_entries_per_node" in ack.detail
+        assert await running.core.block_map.node_entries("node-x") == 2048
+
+        # Controls: the victim's node publishes as many; the attacker's node, once it removed blocks, stores again.
+        for hashes in made_up[:2]:
+            ack = await victim.cp.PublishEvents(batch(victim, ns("victim", "m"), stored(hashes)), timeout=10)
+            assert ack.status == pb.ACK_STATUS_APPLIED
+        removed = pb.KvEvent(removed=pb.BlockRemoved(block_hashes=made_up[0]))
+        ack = await attacker.cp.PublishEvents(batch(attacker, ns("attacker", "m"), removed), timeout=10)
+        assert ack.status == pb.ACK_STATUS_APPLIED
+        ack = await attacker.cp.PublishEvents(batch(attacker, ns("attacker", "m"), stored(made_up[3])), timeout=10)
+        assert ack.status == pb.ACK_STATUS_APPLIED
+        assert await running.core.block_map.node_entries("node-x") == 2048
+    finally:
+        await running.stop()
