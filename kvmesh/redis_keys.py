@@ -9,6 +9,7 @@ start with ``<prefix>:{t:<tenant>:``, which is what its Redis ACL user may touch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 from kvmesh.namespace import Namespace
 
@@ -118,3 +119,8 @@ class Keys:
         """The tenant of a namespace's block-map key (``<prefix>:{t:<tenant>:<fingerprint>...}:blocks``)."""
         inner = blocks_key[blocks_key.index("{t:") + 3:blocks_key.index("}")]
         return inner.rsplit(":", 1)[0]
+
+
+def holder_slots(value: bytes) -> Iterator[int]:
+    """The node slots holding one block, from its block-map value (2 bytes per holder: ``slot * 8 + tiers``)."""
+    return ((value[j] << 8 | value[j + 1]) >> 3 for j in range(0, len(value), 2))

@@ -10,6 +10,7 @@ Threading model: coroutines, safe to call concurrently; replicas share the store
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import secrets
@@ -23,7 +24,7 @@ from kvmesh.errors import AlreadyExists, InvalidArgument, NotFound
 from kvmesh.namespace import validate_tenant
 from kvmesh.redis_client import connect
 
-from kvmesh.redis_keys import Keys
+from kvmesh.redis_keys import Keys, holder_slots
 from kvmesh.namespace import validate_node_id
 from tenancy import api_keys
 from tenancy.key_cache import KEY_CHANGE, TENANT_CHANGE
@@ -208,11 +209,24 @@ class RedisTenantStore:
             total += await self._redis.hlen(ns_key)
         return total
 
+    async def _uncount(self, ns_key: str) -> None:
+        """Takes a namespace's blocks off the entry counts of the node slots holding them (max_entries_per_node),
+        before its block map goes."""
+        held: collections.Counter[int] = collections.Counter()
+        async for _, value in self._redis.hscan_iter(ns_key, count=1000):
+            held.update(holder_slots(value))
+        if held:
+            pipe = self._redis.pipeline(transaction=False)
+            for slot, n in held.items():
+                pipe.hincrby(self._map_keys.slot_entries, slot, -n)
+            await pipe.execute()
+
     async def delete_tenant(self, tenant_id: str) -> None:
         await self._record(tenant_id)
         for key in await self.list_keys(tenant_id):
             await self.revoke_key(key.key_id)
         for ns_key in await self.tenant_namespaces(tenant_id):
+            await self._uncount(ns_key)
             await self._redis.delete(ns_key)
             await self._redis.srem(self._map_keys.namespaces, ns_key)
         await self._redis.delete(self._map_keys.tenant_namespaces(tenant_id))

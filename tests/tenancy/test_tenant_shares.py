@@ -23,7 +23,7 @@ import pytest
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.redis_client import connect
 from kvmesh.redis_keys import Keys
-from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
+from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, tenant_admin_pb2 as tpb
 
 BLOCK = bytes(range(32))
 STORED = pb.KvEvent(stored=pb.BlockStored(block_hashes=[BLOCK], block_size=32, medium=common_pb2.MEDIUM_CPU))
@@ -90,7 +90,6 @@ async def test_a_node_key_opens_no_more_namespaces_than_its_tenants_limit(fleet,
 
 
 async def test_a_tenants_policy_sets_its_namespace_limit(fleet):
-    from kvmesh.v1 import tenant_admin_pb2 as tpb
     await fleet.tenant("small", max_namespaces=2)
     node = await Node.start(fleet, "node-s")
     for model in ("a", "b"):
@@ -111,7 +110,6 @@ async def test_the_namespaces_a_revoked_node_key_opened_are_given_back_to_its_te
     from control_plane.config import ControlPlaneConfig
     from control_plane.server import serve
     from tests.tenancy.conftest import Fleet
-    from kvmesh.v1 import tenant_admin_pb2 as tpb
 
     running = await serve(ControlPlaneConfig(
         listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix, lease_ms=2000, admin_key=admin_key,
@@ -305,3 +303,21 @@ async def test_a_node_key_holds_no_more_blocks_in_the_map_than_its_limit(redis_s
         assert await running.core.block_map.node_entries("node-x") == 2048
     finally:
         await running.stop()
+
+
+async def test_a_deleted_tenants_blocks_leave_the_entry_counts_of_the_nodes_that_held_them(fleet, control_plane):
+    """Deleting a tenant drops its block maps; the nodes' entry counts (max_entries_per_node) drop with them, so a
+    node that held a deleted tenant's blocks is not refused for them later. Control: the other tenant's stay."""
+    await fleet.tenant("gone")
+    await fleet.tenant("kept")
+    node = await Node.start(fleet, "node-d")
+    for tenant, n in (("gone", 300), ("kept", 200)):
+        event = pb.KvEvent(stored=pb.BlockStored(block_hashes=[bytes([i % 256, i // 256]) * 16 for i in range(n)],
+                                                 block_size=32, medium=common_pb2.MEDIUM_CPU))
+        batch = pb.EventBatch(node_id=node.node_id, incarnation=node.reg.incarnation, seq=node.seq,
+                              namespace=ns(tenant, "m"), events=[event])
+        assert (await node.cp.PublishEvents(batch, timeout=10)).status == pb.ACK_STATUS_APPLIED
+        node.seq += 1
+    assert await control_plane.core.block_map.node_entries("node-d") == 500
+    await fleet.admin.DeleteTenant(tpb.DeleteTenantRequest(tenant_id="gone"))
+    assert await control_plane.core.block_map.node_entries("node-d") == 200
