@@ -331,7 +331,8 @@ class RedisBlockMap(BlockMap):
             return Ack(batch.seq, AckStatus.RESYNC_REQUIRED, expected_seq=int(reply[1]))
         if status != "apply":
             self._raise_for(reply, batch.node_id)
-        if reset:
+        if reset:  # a fresh slot: it holds nothing
+            await self._redis.hdel(self._keys.slot_entries, int(reply[1]))
             await self._fenced()
         return int(reply[1])
 
@@ -397,6 +398,7 @@ class RedisBlockMap(BlockMap):
                     f"node {node_id!r} retired too many slots: they await garbage collection (every {GC_HINT})")
             if new_slot < 0:
                 raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
+            await self._redis.hdel(self._keys.slot_entries, new_slot)
             await self._fenced()
             return new_slot, 0
         dropped = 0
@@ -494,8 +496,8 @@ class RedisBlockMap(BlockMap):
         async for ns_key in self._redis.sscan_iter(k.namespaces):
             await self._sweep(_s(ns_key), clear)
             await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
+        await self._redis.hdel(k.slot_entries, *dead)  # before the slots can be handed out again
         await self._redis.srem(k.dead_slots, *dead)
-        await self._redis.hdel(k.slot_entries, *dead)
         pipe = self._redis.pipeline(transaction=False)
         for node_id in await self._redis.smembers(k.nodes):  # their retired slots are swept: allow more
             pipe.hset(k.node(_s(node_id)), "retired", 0)

@@ -344,8 +344,8 @@ async def test_long_prompts_across_read_chunks(block_map, ns):
 
 async def test_a_nodes_entry_count_follows_what_it_stores_removes_and_clears(block_map, ns):
     """node_entries (what max_entries_per_node bounds): the blocks the node's current incarnation holds, across its
-    namespaces, a block on two tiers once; another node's blocks are not counted; a clear of every tier (a new
-    incarnation of the node) starts again from 0."""
+    namespaces, a block on two tiers once; another node's blocks are not counted; a clear of every tier, a reset
+    batch or a new incarnation of the node (each a new slot) starts again from 0."""
     other = Namespace(ns.tenant, "other-model", "v1", ns.cache_config)
     p1, p2 = await Publisher(block_map, ns, 1).register(), await Publisher(block_map, ns, 2).register()
     n1 = p1.node.node_id
@@ -370,5 +370,7 @@ async def test_a_nodes_entry_count_follows_what_it_stores_removes_and_clears(blo
     assert await block_map.node_entries(n1) == 3 and await block_map.node_entries(p2.node.node_id) == 10
     await block_map.collect_garbage()
     assert await block_map.node_entries(n1) == 3
+    await p1.send(Stored(tuple(hs[:2]), Medium.CPU, ns.cache_config.block_size), reset=True)  # a new slot
+    assert await block_map.node_entries(n1) == 2
     await p1.register()
     assert await block_map.node_entries(n1) == 0 and await block_map.node_entries("never-registered") == 0
