@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from typing import Awaitable, Callable
 import json
 import logging
@@ -182,8 +183,13 @@ class RedisBlockMap(BlockMap):
         pending = self._connecting.get(tenant)
         if pending is None:
             pending = self._connecting[tenant] = asyncio.ensure_future(self._connect_tenant(tenant))
-            pending.add_done_callback(lambda _: self._connecting.pop(tenant, None))
+            pending.add_done_callback(functools.partial(self._connected, tenant))
         return await asyncio.shield(pending)  # a caller that gives up leaves the others' attempt alone
+
+    def _connected(self, tenant: str, attempt: asyncio.Future) -> None:
+        self._connecting.pop(tenant, None)
+        if not attempt.cancelled():
+            attempt.exception()  # seen: when every caller gave up, its failure is no "never retrieved" traceback
 
     async def _connect_tenant(self, tenant: str) -> tuple[object, str]:
         user, password, epoch = await self._tenant_credentials(tenant, tenant in self._refused)
