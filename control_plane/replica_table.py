@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmesh.redis_keys import decode_value, encode_value
+
 from control_plane import _probe
 from control_plane.model import Medium, NodePrefix, PackedHashes, PrefixMatch
 
@@ -62,15 +64,6 @@ def packed(block_hashes: list[bytes] | PackedHashes) -> tuple[bytes, int]:
     if isinstance(block_hashes, PackedHashes):
         return block_hashes.blob, block_hashes.size
     return b"".join(block_hashes), len(block_hashes[0])
-
-
-def decode_value(value: bytes) -> tuple[tuple[int, int], ...]:
-    """((slot, tier bits), ...) of a block-map value."""
-    return tuple(((value[j] << 8 | value[j + 1]) >> 3, value[j + 1] & 7) for j in range(0, len(value), 2))
-
-
-def encode_value(entries) -> bytes:
-    return bytes(b for s, m in entries for b in divmod(s * 8 + m, 256))
 
 
 class Values:

@@ -9,7 +9,6 @@ start with ``<prefix>:{t:<tenant>:``, which is what its Redis ACL user may touch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 from kvmesh.namespace import Namespace
 
@@ -121,6 +120,11 @@ class Keys:
         return inner.rsplit(":", 1)[0]
 
 
-def holder_slots(value: bytes) -> Iterator[int]:
-    """The node slots holding one block, from its block-map value (2 bytes per holder: ``slot * 8 + tiers``)."""
-    return ((value[j] << 8 | value[j + 1]) >> 3 for j in range(0, len(value), 2))
+def decode_value(value: bytes) -> tuple[tuple[int, int], ...]:
+    """((slot, tier bits), ...) of a block-map value (2 bytes per holding node slot: ``slot * 8 + tiers``)."""
+    return tuple(((value[j] << 8 | value[j + 1]) >> 3, value[j + 1] & 7) for j in range(0, len(value), 2))
+
+
+def encode_value(entries) -> bytes:
+    """The block-map value of ``(slot, tier bits)`` entries."""
+    return bytes(b for s, m in entries for b in divmod(s * 8 + m, 256))

@@ -24,7 +24,7 @@ from kvmesh.errors import AlreadyExists, InvalidArgument, NotFound
 from kvmesh.namespace import validate_tenant
 from kvmesh.redis_client import connect
 
-from kvmesh.redis_keys import Keys, holder_slots
+from kvmesh.redis_keys import Keys, decode_value
 from kvmesh.namespace import validate_node_id
 from tenancy import api_keys
 from tenancy.key_cache import KEY_CHANGE, TENANT_CHANGE
@@ -214,7 +214,7 @@ class RedisTenantStore:
         before its block map goes."""
         held: collections.Counter[int] = collections.Counter()
         async for _, value in self._redis.hscan_iter(ns_key, count=1000):
-            held.update(holder_slots(value))
+            held.update(slot for slot, _tiers in decode_value(value))
         if held:
             pipe = self._redis.pipeline(transaction=False)
             for slot, n in held.items():

@@ -11,9 +11,11 @@ import hashlib
 import numpy as np
 import pytest
 
+from kvmesh.redis_keys import encode_value
+
 from control_plane import _probe
 from control_plane.model import PackedHashes
-from control_plane.replica_table import BUCKET, BlockTable, Values, block_keys, encode_value
+from control_plane.replica_table import BUCKET, BlockTable, Values, block_keys
 
 
 def _crowded_table() -> tuple[BlockTable, np.ndarray, np.ndarray]:
