@@ -516,13 +516,15 @@ class RedisBlockMap(BlockMap):
         key are given back once their blocks are gone (its lease ran out, its key revoked). Returns how many."""
         k = self._keys
         now_ms = await self._now_ms()
-        await self._claim_unclaimed(now_ms)
         cutoff = now_ms - self._release_after_ms
         quiet: list[tuple[str, str]] = []  # (block-map key, tenant) claimed last before the cutoff
+        claimed: set[str] = set()
         async for ns_key, claim in self._redis.hscan_iter(k.namespace_claims):
+            claimed.add(_s(ns_key))
             claimed_ms, _, tenant = _s(claim).partition("\t")
             if int(claimed_ms) < cutoff:
                 quiet.append((_s(ns_key), tenant))
+        await self._claim_unclaimed(now_ms, claimed)
         released, node_sets = 0, None
         for start in range(0, len(quiet), SWEEP_CHUNK):
             chunk = quiet[start:start + SWEEP_CHUNK]
@@ -540,13 +542,14 @@ class RedisBlockMap(BlockMap):
             await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
         return released
 
-    async def _claim_unclaimed(self, now_ms: int) -> int:
+    async def _claim_unclaimed(self, now_ms: int, claimed: set[str]) -> int:
         """Namespaces on the sweep's list without a claim (written before claims were recorded: an upgraded
         map) get one dated now, so they too are released once empty and quiet instead of counting against their
-        tenant for good. Returns how many."""
+        tenant for good. ``claimed``: the namespaces with a claim just read (HSETNX keeps any made since).
+        Returns how many."""
         k = self._keys
         listed = [_s(key) async for key in self._redis.sscan_iter(k.namespaces)]
-        listed = [key for key in listed if "{t:" in key]
+        listed = [key for key in listed if "{t:" in key and key not in claimed]
         stamped = 0
         for start in range(0, len(listed), SWEEP_CHUNK):
             pipe = self._redis.pipeline(transaction=False)
