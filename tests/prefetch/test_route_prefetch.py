@@ -227,10 +227,15 @@ async def test_a_request_whose_prefetch_is_in_flight_joins_it_one_transfer_not_t
     assert pulled.pulled == 12 and pulled.joined == 0 and pulled.bytes_pulled == 12 * BLOCK
     assert metric(src, "kvmesh_dp_bytes_total", direction="served") - served_before == 24 * BLOCK
 
-    # a second order for blocks already being prefetched starts nothing new
+    # a second order for blocks already being prefetched starts nothing new (the source held still, so that the
+    # first cannot land, and leave the second nothing to order, in between)
     again = await store(world, "src", NS_A, 4)
-    first = await route(world, NS_A, a_key, again)
-    second = await route(world, NS_A, a_key, again)
+    os.kill(src.proc.pid, signal.SIGSTOP)
+    try:
+        first = await route(world, NS_A, a_key, again)
+        second = await route(world, NS_A, a_key, again)
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
     assert (first.prefetch_status, second.prefetch_status) == ("STARTED", "IN_FLIGHT")
 
 
