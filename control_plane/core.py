@@ -316,7 +316,8 @@ class ControlPlane:
             order = await prefetch_order(
                 request, decision.engine_id, source, nodes=self.block_map.list_nodes, signer=self.signer,
                 node_allowed=lambda node_id: self._allows(tenant.policy, node_id),
-                ttl_ms=self.config.route_prefetch_ttl_ms)
+                ttl_ms=self.config.route_prefetch_ttl_ms,
+                caller_node=principal.node_id if principal.role is Role.NODE else None)
         return dataclasses.replace(decision, source=source, prefetch=order)
 
     async def report_stats(self, principal: Principal, report: StatsReport) -> None:

@@ -10,7 +10,10 @@ calls no data plane; what it vouches for, it checked first:
 * the tenant's policy allows the destination node to hold its blocks (a scheduler key of tenant B cannot send a
   prefetch to a node B's policy excludes), and the node is registered and live;
 * the ticket names the destination, the tenant and namespace, the source, and the blocks (by digest): a data plane
-  refuses it for any other node, namespace or prompt, and after ``route_prefetch_ttl_ms``.
+  refuses it for any other node, namespace or prompt, and after ``route_prefetch_ttl_ms``;
+* a node's key gets orders for its own node only: it may route a tenant's prompts (it may read the tenant), but an
+  order for another node would let one node's key make its peers pull (their links, their tiers) at will. The
+  decision and its source are the same; the chosen engine's own ask pulls the blocks.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ def prompt_block_hashes(request: RouteRequest) -> list[bytes]:
 async def prefetch_order(request: RouteRequest, engine_id: str, source: KvSource, *,
                          nodes: Callable[[], Awaitable[list[NodeStatus]]],
                          node_allowed: Callable[[str], Awaitable[bool]], signer: GrantSigner,
-                         ttl_ms: int) -> PrefetchOrder | None:
+                         ttl_ms: int, caller_node: str | None = None) -> PrefetchOrder | None:
     """The order for ``engine_id``'s node to pull ``source``'s leading blocks now; None when the request opted
-    out, the node is not live, or the tenant's policy does not allow it."""
+    out, the node is not live, the tenant's policy does not allow it, or the caller is another node
+    (``caller_node``: the node id of a node's key, None for a scheduler's or an admin's)."""
     if not request.prefetch:
         return None
     destination = next(c.node_id for c in request.candidates if c.engine_id == engine_id)
-    if destination == source.node_id or not await node_allowed(destination):
+    if destination == source.node_id or caller_node not in (None, destination):
+        return None
+    if not await node_allowed(destination):
         return None
     address = next((n.node.data_plane_address for n in await nodes() if n.node.node_id == destination and n.live), "")
     if not address:

@@ -331,6 +331,20 @@ async def test_a_scheduler_of_tenant_b_cannot_prefetch_a_namespace_or_to_a_node_
         assert len((await engine.acquire(NS_A, a_hashes))[0]) == 8, "A's own prefetch to far landed"
 
 
+async def test_a_nodes_key_gets_prefetch_orders_for_its_own_node_only(world):
+    """A node's key may route the prompts of a tenant it may read, but an order for another node would let it make
+    that node pull at will (its link, its tier): src's key routing A's blocks to dst's engine gets the decision and
+    its source, no order. Control: dst's own key routing the same prompt to dst gets the order, and dst takes it."""
+    src, dst = world.nodes["src"], world.nodes["dst"]
+    hashes = await store(world, "src", NS_A, 8)
+    by_src = await route(world, NS_A, src.api_key, hashes)
+    assert by_src.source is not None and by_src.source.node_id == "src"
+    assert by_src.prefetch is None and by_src.prefetch_status == "", "another node's key got dst's order"
+    by_dst = await route(world, NS_A, dst.api_key, hashes)
+    assert by_dst.prefetch is not None and by_dst.prefetch.node_id == "dst"
+    assert by_dst.prefetch_status == "STARTED"
+
+
 async def test_a_frozen_source_neither_delays_the_request_past_its_deadline_nor_leaks_slots(world):
     src, dst = world.nodes["src"], world.nodes["dst"]
     a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)

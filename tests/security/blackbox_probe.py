@@ -783,54 +783,60 @@ class Judge:
         self.row(area, "dp2's new engine and link recorded after that (positive control)", "both kept",
                  f"engine {held[0]!r}, link {held[1]!r}", None not in held)
 
-    async def probe_tier_share(self, rounds: int = 5) -> None:
-        """dp1's key stores demo blocks on dp1 and routes them to dp2's engine, handing each prefetch order to dp2
-        itself: dp2 pulls a quarter of its tier per order, five times over. The victim's 3 blocks on dp2, far under
-        its share of dp2's slots, stay (a tier ranked every tenant's blocks together before: they were evicted)."""
-        area = "tier share, dp1 key"
-        statuses: list[str] = []
-        async with DataPlaneClient(self.dps["dp1"], key=self.key["dp1"], tls=self.tls["dp1"]) as dp1, \
-                self.attacker_cp() as ch:
-            tier = SharedTier.open(await dp1.describe_tier())
-            quarter = tier.num_slots // 4
+    async def probe_prefetch_orders(self) -> None:
+        """dp1's key stores a quarter of dp2's tier of demo blocks on dp1 and routes them to dp2's engine, to hand the
+        prefetch order to dp2 itself. Orders went to any caller before: five such made dp2 pull five quarters of its
+        tier at dp1's will (and, before the tiers' fair share, evicted the victim's 3 blocks on dp2). A node's key now
+        gets orders for its own node only. Control: dp1's key routing blocks dp2 holds to dp1's engine gets dp1's
+        order, and dp1 takes it."""
+        area = "prefetch orders, dp1 key"
+        async with self.attacker_cp() as ch:
             cp = cp_grpc.ControlPlaneStub(ch)
-            for r in range(rounds):
-                hashes = hashes_of(100 + r, quarter)
+
+            async def route_to(node_id: str, hashes: list[bytes]):
+                return await cp.Route(cp_pb.RouteRequest(
+                    namespace=self.demo_ns.to_proto(), block_hashes=hashes, policy=cp_pb.ROUTE_POLICY_LOAD_AWARE,
+                    kv_bytes_per_token=1,  # a pull always pays (the cost model): an order whenever one may be given
+                    candidates=[cp_pb.EngineCandidate(engine_id=node_id, node_id=node_id)]), timeout=10)
+
+            async with DataPlaneClient(self.dps["dp1"], key=self.key["dp1"], tls=self.tls["dp1"]) as dp1:
+                tier = SharedTier.open(await dp1.describe_tier())
+                quarter, hashes = tier.num_slots // 4, hashes_of(100, tier.num_slots // 4)
                 for slot in await dp1.reserve(self.demo_ns, hashes):
                     if slot >= 0:
-                        tier.slot(slot)[:] = np.uint8(r)
+                        tier.slot(slot)[:] = np.uint8(1)
+                tier.close()
                 await dp1.commit(self.demo_ns, hashes)
-                await self.map_shows(cp, hashes, "dp1")  # then one Route (a second would see dp2 as holder)
-                decision = await cp.Route(cp_pb.RouteRequest(
-                    namespace=self.demo_ns.to_proto(), block_hashes=hashes, policy=cp_pb.ROUTE_POLICY_LOAD_AWARE,
-                    kv_bytes_per_token=1,  # a pull always pays (the cost model): an order every round
-                    candidates=[cp_pb.EngineCandidate(engine_id="dp2", node_id="dp2")]), timeout=10)
-                order = decision.prefetch if decision.HasField("prefetch") else None
-                if order is None:
-                    statuses.append("no order")
-                    continue
-                async with channel(self.dps["dp2"], self.key["dp1"], self.tls["dp1"]) as to_dp2:
-                    got = await outcome(dp_grpc.DataPlaneStub(to_dp2).Prefetch(dp_pb.PrefetchRequest(
+            await self.map_shows(cp, hashes, "dp1")
+            decision = await route_to("dp2", hashes)
+            source = decision.kv_source.node_id if decision.HasField("kv_source") else "none"
+            order = decision.prefetch.node_id if decision.HasField("prefetch") else "none"
+            self.row(area, f"Route of {quarter} demo blocks on dp1 to dp2's engine", "source dp1, no prefetch order",
+                     f"source {source}, order for {order}", source == "dp1" and order == "none")
+            self.row(area, "victim's 3 blocks on dp2 after that", "dp2 holds 3",
+                     "dp2 holds 3" if await self.victim_sees_dp2() else "evicted", await self.victim_sees_dp2())
+
+            async with DataPlaneClient(self.dps["dp2"], key=self.key["dp2"], tls=self.tls["engine-dp2"]) as dp2:
+                tier = SharedTier.open(await dp2.describe_tier())
+                theirs = hashes_of(200, quarter)  # dp2's engine saved demo blocks (the control's own, dp2's key)
+                for slot in await dp2.reserve(self.demo_ns, theirs):
+                    if slot >= 0:
+                        tier.slot(slot)[:] = np.uint8(2)
+                tier.close()
+                await dp2.commit(self.demo_ns, theirs)
+            await self.map_shows(cp, theirs, "dp2")
+            decision = await route_to("dp1", theirs)
+            order = decision.prefetch if decision.HasField("prefetch") else None
+            got = f"no order ({cp_pb.SourceDecision.Name(decision.source_decision)})"
+            if order is not None:
+                async with channel(self.dps["dp1"], self.key["dp1"], self.tls["dp1"]) as to_dp1:
+                    reply = await outcome(dp_grpc.DataPlaneStub(to_dp1).Prefetch(dp_pb.PrefetchRequest(
                         namespace=self.demo_ns.to_proto(), block_hashes=order.block_hashes, ticket=order.ticket),
                         timeout=10))
-                statuses.append(got[0] if got[0] != OK else dp_pb.PrefetchStatus.Name(got[2].status))
-                await self.map_shows(cp, hashes, "dp2")
-            tier.close()
-        async with DataPlaneClient(self.dps["dp2"], key=self.key["dp2"], tls=self.tls["engine-dp2"]) as dp2:
-            for _ in range(50):  # dp2's engine acquires the last order's blocks: they landed
-                slots, lease = await dp2.acquire(self.demo_ns, hashes)
-                if lease:
-                    await dp2.release(lease)
-                if len(slots) == quarter:
-                    break
-                await asyncio.sleep(0.1)
-        started = statuses.count("PREFETCH_STATUS_STARTED")
-        self.row(area, f"{rounds} prefetch orders of {quarter} demo blocks each into dp2 ({4 * quarter} slots)",
-                 "all started, the last one's blocks on dp2 (positive control)",
-                 f"{statuses}; dp2 acquires {len(slots)} of the last", started == rounds and len(slots) == quarter)
-        await asyncio.sleep(1)  # removals, had there been any, reach the map
-        self.row(area, "victim's 3 blocks on dp2 after that", "dp2 holds 3",
-                 "dp2 holds 3" if await self.victim_sees_dp2() else "evicted", await self.victim_sees_dp2())
+                got = reply[0] if reply[0] != OK else dp_pb.PrefetchStatus.Name(reply[2].status)
+            landed = got == "PREFETCH_STATUS_STARTED" and await self.map_shows(cp, theirs, "dp1")
+            self.row(area, f"Route of {quarter} demo blocks on dp2 to dp1's own engine (positive control)",
+                     "an order for dp1, started, the blocks on dp1", f"{got}; on dp1: {landed}", landed)
 
     async def map_shows(self, cp: cp_grpc.ControlPlaneStub, hashes: list[bytes], node_id: str) -> bool:
         """Waits (10 s at most) until the block map names ``node_id`` holding all of ``hashes`` (demo's)."""
@@ -922,7 +928,7 @@ class Judge:
         await self.probe_request_memory()
         await self.probe_churn()
         await self.probe_figures_share()
-        await self.probe_tier_share()
+        await self.probe_prefetch_orders()
         if heavy:
             await self.probe_huge_requests()
             await self.probe_faults()
