@@ -37,19 +37,24 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
 }
 
 
+HELP = ("-h", "--help", "help")
+
+
+def _bench_usage() -> list[str]:
+    lines = ["  bench NAME       run a benchmark (--json ends with one JSON object):"]
+    return lines + [f"    {name:<14} {help_}" for name, (_, _, help_) in BENCHMARKS.items()]
+
+
 def _usage() -> str:
     lines = ["usage: kvmesh COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<16} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["  bench NAME       run a benchmark (--json ends with one JSON object):"]
-    lines += [f"    {name:<14} {help_}" for name, (_, _, help_) in BENCHMARKS.items()]
-    return "\n".join(lines)
+    return "\n".join(lines + _bench_usage())
 
 
 def _run(table: dict[str, tuple[str, str, str]], prog: str, name: str, argv: list[str]) -> int:
     if name not in table:
-        what = "benchmark" if table is BENCHMARKS else "command"
-        print(f"{prog.rsplit(' ', 1)[0]}: error: unknown {what} {name!r}; `kvmesh --help` lists them",
-              file=sys.stderr)
+        what, lister = ("benchmark", "kvmesh bench --help") if table is BENCHMARKS else ("command", "kvmesh --help")
+        print(f"{prog.rsplit(' ', 1)[0]}: error: unknown {what} {name!r}; `{lister}` lists them", file=sys.stderr)
         return 2
     module, func, _ = table[name]
     try:
@@ -62,12 +67,16 @@ def _run(table: dict[str, tuple[str, str, str]], prog: str, name: str, argv: lis
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv or argv[0] in HELP:
         print(_usage())
         return 0
     if argv[0] == "bench":
+        if len(argv) >= 2 and argv[1] in HELP:
+            print("\n".join(["usage: kvmesh bench NAME [ARGS...]  (kvmesh bench NAME --help: its flags)", ""]
+                            + _bench_usage()[1:]))
+            return 0
         if len(argv) < 2:
-            print("kvmesh bench: error: no benchmark named; `kvmesh --help` lists them", file=sys.stderr)
+            print("kvmesh bench: error: no benchmark named; `kvmesh bench --help` lists them", file=sys.stderr)
             return 2
         return _run(BENCHMARKS, f"kvmesh bench {argv[1]}", argv[1], argv[2:])
     return _run(COMMANDS, f"kvmesh {argv[0]}", argv[0], argv[1:])

@@ -50,6 +50,11 @@ def test_bench_control_plane_ends_with_its_json(monkeypatch):
 def test_usage_and_unknown_commands():
     ok = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "bench NAME" in ok.stdout
+    for asked in ("--help", "-h", "help"):  # the benchmarks' list, as a new user asks for it
+        bench = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "bench", asked], capture_output=True,
+                               text=True)
+        assert bench.returncode == 0 and "usage: kvmesh bench NAME" in bench.stdout, bench.stderr
+        assert "scale " in bench.stdout and "pull " in bench.stdout and not bench.stderr
     bad = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "frobnicate"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
     bad_flag = subprocess.run([sys.executable, "-m", "kvmesh_apps.cli", "control-plane", "--lease-ms", "5"],
