@@ -40,7 +40,7 @@ from kvmesh.errors import NotFound, PermissionDenied, Unavailable
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from tenancy import api_keys
-from tenancy.auth import current_principal, grant_from, peer_host
+from tenancy.auth import current_principal, grant_from, peer_identity
 from tenancy.grants import Grant, GrantVerifier, PrefetchTicket, UnknownGrantKey
 from tenancy.model import Principal, Role
 from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, NonceCache, PeerCall, ProofVerifier
@@ -211,11 +211,11 @@ class NodeAuth:
 
     def call_owner(self, context) -> str | None:
         """Who a call in flight counts against (kvmesh.grpc_server.InFlightLimit): the node's own key (its
-        engines); any other caller by its host. Only the own key is verified here: a peer proves itself per call
-        (grant and proof, checked by the handler) and any other key is taken as presented, so counting by key
-        would give a caller who makes keys up a fresh budget per key."""
+        engines); any other caller by its client certificate (mutual TLS), else its host. Only the own key is
+        verified here: a peer proves itself per call (grant and proof, checked by the handler) and any other key is
+        taken as presented, so counting by key would give a caller who makes keys up a fresh budget per key."""
         principal = current_principal()
-        return principal.key_id if self.is_local(principal) else f"peer@{peer_host(context)}"
+        return principal.key_id if self.is_local(principal) else f"peer@{peer_identity(context)}"
 
     def is_local(self, principal: Principal) -> bool:
         return principal.node_id == self.node_id

@@ -111,7 +111,8 @@ class DataPlaneConfig(BaseSettings):
                                                   "and it authenticates the node to the control plane and to peers")
     api_key_file: str | None = Field(None, description="file holding the API key, if api_key is unset")
     max_calls_in_flight_per_key: int = Field(1024, ge=1, description="calls (a stream: until it ends) one API key, "
-                                             "or one peer host, may have in flight here; past it a call answers "
+                                             "or one peer (its client certificate with mutual TLS, else its host), "
+                                             "may have in flight here; past it a call answers "
                                              "RESOURCE_EXHAUSTED (every engine of the node calls with the node's "
                                              "key, one task per request)")
     max_connections: int = Field(4096, ge=1, description="connections served at once; past it a new one is "

@@ -58,6 +58,14 @@ def peer_host(context) -> str:
     return (context.peer() or "").rsplit(":", 1)[0]
 
 
+def peer_identity(context) -> str:
+    """Who a call came from, as far as the connection proves it: the common name of its client certificate where
+    the server requires one (mutual TLS: the server's CA verified it at the handshake, so it cannot be made up),
+    else its host. Peers on one host (``kvmesh up``), or behind one NAT address, are told apart by certificate."""
+    names = (context.auth_context() or {}).get("x509_common_name")
+    return f"cert:{names[0].decode(errors='replace')}" if names else f"host:{peer_host(context)}"
+
+
 def bearer(metadata) -> str:
     for key, value in metadata or ():
         if key == "authorization":

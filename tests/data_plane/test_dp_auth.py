@@ -16,6 +16,7 @@ from tenancy.peer_proof import NodeIdentity, encode_public_key
 
 from data_plane.client import DataPlaneClient
 from data_plane.types import BlockKey, LookupStatus
+from kvmesh_apps.fleet_tls import FleetTLS, engine_name
 
 
 @pytest.fixture
@@ -108,6 +109,28 @@ async def test_an_oversized_request_is_refused_by_count_before_its_credentials_a
                      grpc.StatusCode.INVALID_ARGUMENT, f"{limit + 1} block hashes in one request; the limit is {limit}")
 
 
+async def hold_to_the_limit(peer: DataPlaneClient, ns, pending: bytes, token: bytes):
+    """Lookups of ``peer`` waiting on the reserved block ``pending``, one more each round, until the node refuses
+    the next call; returns the waiting calls and that refusal (None: never refused)."""
+    def hold() -> asyncio.Task:
+        return asyncio.create_task(peer.lookup(ns, [pending], pending_wait_ms=30_000, grant=token, timeout=60))
+
+    held: list[asyncio.Task] = []
+    for _ in range(200):  # until the server has all of them in flight (a call then is refused)
+        for i, task in enumerate(held):  # a probe that arrived before it took its place: it is asked again
+            error = task.exception() if task.done() else None
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                held[i] = hold()
+        try:
+            answer, _ = await peer.lookup(ns, [os.urandom(32)], grant=token)
+            assert answer.statuses == [LookupStatus.MISS]
+        except grpc.aio.AioRpcError as exc:
+            return held, exc
+        held.append(hold())
+        await asyncio.sleep(0.02)
+    return held, None
+
+
 async def test_a_peer_keeps_no_more_calls_in_flight_here_than_the_limit(local_node, ns, grant):
     """A peer holding a valid grant keeps Lookups waiting on a pending block (each up to the longest wait it may
     ask for). Past ``max_calls_in_flight_per_key`` the next call from its host is refused at once, while the
@@ -120,23 +143,7 @@ async def test_a_peer_keeps_no_more_calls_in_flight_here_than_the_limit(local_no
     async with DataPlaneClient(node.address, key=node.core.config.node_key()) as owner, \
             DataPlaneClient(node.address, peer_proof=lambda g, m: me.proof(g, m, "src")) as peer:
         await owner.reserve(ns, [pending])  # reserved, not committed: a peer's Lookup waits for it
-        def hold() -> asyncio.Task:
-            return asyncio.create_task(peer.lookup(ns, [pending], pending_wait_ms=30_000, grant=token, timeout=60))
-
-        held = [hold() for _ in range(limit)]
-        refused = None
-        for _ in range(200):  # until the server has all of them in flight (a call then is refused)
-            for i, task in enumerate(held):  # a probe that arrived before it took its place: it is asked again
-                error = task.exception() if task.done() else None
-                if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    held[i] = hold()
-            try:
-                answer, _ = await peer.lookup(ns, [other], grant=token)
-                assert answer.statuses == [LookupStatus.MISS]
-            except grpc.aio.AioRpcError as exc:
-                refused = exc
-                break
-            await asyncio.sleep(0.02)
+        held, refused = await hold_to_the_limit(peer, ns, pending, token)
         assert refused is not None, ("the peer's calls past the limit were served; the held calls: "
                                      f"{[repr(t.exception()) if t.done() else 'in flight' for t in held]}")
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -150,3 +157,31 @@ async def test_a_peer_keeps_no_more_calls_in_flight_here_than_the_limit(local_no
             assert answer.statuses == [LookupStatus.HIT]
         answer, _ = await peer.lookup(ns, [other], grant=token)
         assert answer.statuses == [LookupStatus.MISS]
+
+
+async def test_peers_on_one_host_are_bounded_apart_by_their_certificates(local_node, ns, grant, tmp_path):
+    """Over mutual TLS a peer's calls count against its certificate, not its host: on one host (``kvmesh up``'s
+    fleet, or peers behind one NAT address), p1 holding its ``max_calls_in_flight_per_key`` Lookups leaves p2, with
+    its own certificate, served. Before, both counted against 127.0.0.1 and p2 was refused: one node's key and
+    certificate kept every other peer on its host from pulling. Control: p1's own next call is refused."""
+    limit = 4
+    tls = FleetTLS.ensure(tmp_path / "tls", ["src", "p1", "p2"])
+    node = await local_node(node_id="src", max_calls_in_flight_per_key=limit, max_pending_wait_ms=30_000,
+                            tls_cert_file=tls.cert_file("src"), tls_key_file=tls.key_file("src"),
+                            tls_client_ca_file=str(tls.ca_file))
+    pending = os.urandom(32)
+    p1, p2 = NodeIdentity(), NodeIdentity()
+    owner = DataPlaneClient(node.address, key=node.core.config.node_key(), tls=tls.client(engine_name("src")))
+    first = DataPlaneClient(node.address, tls=tls.client("p1"), peer_proof=lambda g, m: p1.proof(g, m, "src"))
+    second = DataPlaneClient(node.address, tls=tls.client("p2"), peer_proof=lambda g, m: p2.proof(g, m, "src"))
+    async with owner, first, second:
+        await owner.reserve(ns, [pending])
+        held, refused = await hold_to_the_limit(first, ns, pending, grant(p1.public_key, "p1", "src", ns))
+        assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # control: p1 is full
+        answer, _ = await second.lookup(ns, [os.urandom(32)], grant=grant(p2.public_key, "p2", "src", ns))
+        assert answer.statuses == [LookupStatus.MISS], "p2 was refused for p1's calls"
+        await owner.commit(ns, [pending])
+        for task in held:
+            answer, _ = await asyncio.wait_for(task, 10)
+            assert answer.statuses == [LookupStatus.HIT]
+
