@@ -33,7 +33,11 @@ INTERRUPTED = 130
 
 
 class UsageError(ValueError):
-    """A bad command-line argument or setting."""
+    """A bad command-line argument or setting; ``prog``: the (sub)command whose ``--help`` lists what it takes."""
+
+    def __init__(self, message: str, prog: str | None = None) -> None:
+        super().__init__(message)
+        self.prog = prog
 
 
 class Parser(argparse.ArgumentParser):
@@ -45,7 +49,7 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(self._unknown_flag_before_command(message) or message)
+        raise UsageError(self._unknown_flag_before_command(message) or message, self.prog)
 
     def _unknown_flag_before_command(self, message: str) -> str:
         """argparse takes the value of a flag it does not know, given before a subcommand, for the subcommand
@@ -145,7 +149,7 @@ def report(prog: str, exc: BaseException) -> int:
     """Prints ``exc`` as one line on stderr; returns the exit status."""
     line, status = describe(exc)
     if status == BAD_INPUT and "; " not in line:  # argparse's messages (and terse checks) say what, not how
-        line += f"; `{prog} --help` lists the flags and the values they take"
+        line += f"; `{getattr(exc, 'prog', None) or prog} --help` lists the flags and the values they take"
     if os.environ.get("KVMESH_TRACEBACK") and not isinstance(exc, KeyboardInterrupt):
         traceback.print_exception(exc, file=sys.stderr)
     print(f"{prog}: error: {' '.join(line.split())}", file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ import pytest
 import redis.exceptions
 
 from kvmesh import errors
-from kvmesh.command_line import BAD_INPUT, INTERRUPTED, RUNTIME, UsageError, report, run_command
+from kvmesh.command_line import BAD_INPUT, INTERRUPTED, RUNTIME, Parser, UsageError, report, run_command
 
 
 @pytest.mark.parametrize("exc, status, words", [
@@ -46,3 +46,18 @@ def test_run_command_keeps_a_status_and_reports_what_stopped_main(capsys):
 
     assert run_command("kvmesh t", fails, []) == RUNTIME
     assert capsys.readouterr().err == "kvmesh t: error: needs root; run it as root\n"
+
+
+def test_a_subcommands_bad_input_points_to_that_subcommands_help(capsys):
+    """``kvmesh admin tenants create`` without its tenant id: the line points to ``kvmesh admin tenants create
+    --help`` (which lists what it takes), not ``kvmesh admin --help`` (which lists only the subcommands)."""
+    parser = Parser(prog="kvmesh admin")
+    create = parser.add_subparsers(dest="area", required=True).add_parser("tenants").add_subparsers(
+        dest="action", required=True).add_parser("create")
+    create.add_argument("tenant_id")
+    assert run_command("kvmesh admin", parser.parse_args, ["tenants", "create"]) == BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith("kvmesh admin: error: the following arguments are required: tenant_id; ")
+    assert "`kvmesh admin tenants create --help` lists" in err and err.count("\n") == 1
+    assert run_command("kvmesh admin", parser.parse_args, ["nope"]) == BAD_INPUT  # control: the top level's own
+    assert "`kvmesh admin --help` lists" in capsys.readouterr().err
