@@ -799,15 +799,21 @@ class Judge:
                     kv_bytes_per_token=1,  # a pull always pays (the cost model): an order whenever one may be given
                     candidates=[cp_pb.EngineCandidate(engine_id=node_id, node_id=node_id)]), timeout=10)
 
-            async with DataPlaneClient(self.dps["dp1"], key=self.key["dp1"], tls=self.tls["dp1"]) as dp1:
-                tier = SharedTier.open(await dp1.describe_tier())
-                quarter, hashes = tier.num_slots // 4, hashes_of(100, tier.num_slots // 4)
-                for slot in await dp1.reserve(self.demo_ns, hashes):
-                    if slot >= 0:
-                        tier.slot(slot)[:] = np.uint8(1)
-                tier.close()
-                await dp1.commit(self.demo_ns, hashes)
-            await self.map_shows(cp, hashes, "dp1")
+            async def saved(node_id: str, tls: str, seed: int) -> list[bytes]:
+                """A quarter of the node's tier of demo blocks saved there with its key (its engine's part)."""
+                async with DataPlaneClient(self.dps[node_id], key=self.key[node_id], tls=self.tls[tls]) as dp:
+                    tier = SharedTier.open(await dp.describe_tier())
+                    hashes = hashes_of(seed, tier.num_slots // 4)
+                    for slot in await dp.reserve(self.demo_ns, hashes):
+                        if slot >= 0:
+                            tier.slot(slot)[:] = np.uint8(seed % 256)
+                    tier.close()
+                    await dp.commit(self.demo_ns, hashes)
+                await self.map_shows(cp, hashes, node_id)
+                return hashes
+
+            hashes = await saved("dp1", "dp1", 100)
+            quarter = len(hashes)
             decision = await route_to("dp2", hashes)
             source = decision.kv_source.node_id if decision.HasField("kv_source") else "none"
             order = decision.prefetch.node_id if decision.HasField("prefetch") else "none"
@@ -816,15 +822,7 @@ class Judge:
             self.row(area, "victim's 3 blocks on dp2 after that", "dp2 holds 3",
                      "dp2 holds 3" if await self.victim_sees_dp2() else "evicted", await self.victim_sees_dp2())
 
-            async with DataPlaneClient(self.dps["dp2"], key=self.key["dp2"], tls=self.tls["engine-dp2"]) as dp2:
-                tier = SharedTier.open(await dp2.describe_tier())
-                theirs = hashes_of(200, quarter)  # dp2's engine saved demo blocks (the control's own, dp2's key)
-                for slot in await dp2.reserve(self.demo_ns, theirs):
-                    if slot >= 0:
-                        tier.slot(slot)[:] = np.uint8(2)
-                tier.close()
-                await dp2.commit(self.demo_ns, theirs)
-            await self.map_shows(cp, theirs, "dp2")
+            theirs = await saved("dp2", "engine-dp2", 200)  # the control's blocks: dp2's engine saved them
             decision = await route_to("dp1", theirs)
             order = decision.prefetch if decision.HasField("prefetch") else None
             got = f"no order ({cp_pb.SourceDecision.Name(decision.source_decision)})"
