@@ -20,7 +20,9 @@ Redis clock (the replica keeps Redis's clock offset), are not returned. A replic
 Memory: see control_plane.replica_table (12 bytes a table slot, in buckets of 4; 24-48 bytes a block; values
 interned).
 
-Threading model: one event loop. :meth:`lookup` and the other reads are synchronous and never await.
+Threading model: one event loop. :meth:`lookup` and the other reads are synchronous and never await. A follower
+gives the loop back between records every REPLAY_SLICE_S, and grows a table (a rehash of every block) in a worker
+thread into a copy it then swaps in; it is each table's only writer, so readers meanwhile read the old one whole.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ log = logging.getLogger(__name__)
 
 BLOCK_MS = 1000  # one XREAD waits this long for changes (below the client's socket timeout)
 READ_COUNT = 1024  # stream records per XREAD
+# Replaying records gives the event loop back after this long: 1,024 records of 512 blocks each took 1.6 s, during
+# which no lookup was answered and other coroutines' Redis reads passed their 2 s socket timeout.
+REPLAY_SLICE_S = 0.01
+_RECORD_FIELDS = (b"t", b"ms", b"s", b"hl")  # a namespace record's fields other than its runs of blocks
 SCAN_COUNT = 10_000  # hash fields per HSCAN while loading
 CLOSE_WAIT_S = 2.0
 RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # backoff after a failed read or load
@@ -318,16 +324,25 @@ class BlockMapReplica:
                 if not reply:
                     await self._idle(client, stream)
                     continue
+                slice_ends = time.perf_counter() + REPLAY_SLICE_S
                 for _key, records in reply:
                     for stream_id, fields in records:
                         seq = _seq(stream_id)
-                        if seq != stream.seq + 1:
-                            log.warning("change stream %s: got %d after %d (trimmed past this replica, or Redis "
-                                        "lost changes); resyncing", stream.key, seq, stream.seq)
+                        if seq <= stream.seq and stream.synced:  # a load (resync) ran meanwhile and holds it
+                            continue
+                        if seq != stream.seq + 1 or not stream.synced:
+                            if stream.synced:
+                                log.warning("change stream %s: got %d after %d (trimmed past this replica, or "
+                                            "Redis lost changes); resyncing", stream.key, seq, stream.seq)
                             self._out_of_sync(stream)
                             break
+                        if isinstance(stream, _Namespace):
+                            await self._make_room(stream, fields)
                         self._apply(stream, fields)
                         stream.seq = seq
+                        if time.perf_counter() >= slice_ends:  # a record is whole: others may run between two
+                            await asyncio.sleep(0)
+                            slice_ends = time.perf_counter() + REPLAY_SLICE_S
                     if stream.synced:
                         stream.applied.set()
             except asyncio.CancelledError:
@@ -384,7 +399,8 @@ class BlockMapReplica:
         a change the scan saw or missed ends the same (records set or clear bits; the last one wins)."""
         client = await self._client(state)
         seq = int(await client.get(Keys.block_changes_seq(state.blocks_key)) or 0)
-        table = BlockTable(self._values)
+        # sized for what the hash holds now: growing on the way rehashed every block loaded so far, in the loop
+        table = BlockTable(self._values, room_for=int(await client.hlen(state.blocks_key)))
         cursor = 0
         while True:
             cursor, fields = await client.hscan(state.blocks_key, cursor, count=SCAN_COUNT)
@@ -398,6 +414,21 @@ class BlockMapReplica:
         state.table, state.seq, state.synced = table, seq, True
         state.applied.set()
         self._notify(state, None)
+
+    @staticmethod
+    async def _make_room(state: _Namespace, fields: dict) -> None:
+        """Grows the namespace's table for the blocks ``fields`` (one record) may add, off the event loop: a grow
+        rehashes every block (~1 s at a million), and lookups go on reading the table meanwhile (this task is its
+        only writer). A load that replaced the table in between keeps its own."""
+        table = state.table
+        if fields[b"t"] == b"c" or table is None:
+            return
+        hash_len = int(fields[b"hl"])
+        more = sum(len(run) - 2 for name, run in fields.items() if name not in _RECORD_FIELDS) // hash_len
+        if table.needs_room(more):
+            grown = await asyncio.to_thread(table.grown, more)
+            if state.table is table:
+                state.table = grown
 
     def _notify(self, state: _Namespace, keys: np.ndarray | None) -> None:
         for queue in state.subscribers:
@@ -425,7 +456,7 @@ class BlockMapReplica:
         slot, hash_len = int(fields[b"s"]), int(fields[b"hl"])
         changed = []
         for name, run in fields.items():
-            if name in (b"t", b"ms", b"s", b"hl"):
+            if name in _RECORD_FIELDS:
                 continue
             op, mask = chr(run[0]), run[1] - 48
             keys = block_keys(run[2:], hash_len)

@@ -124,8 +124,11 @@ class BlockTable:
     """One namespace's blocks: key -> vid in buckets of :data:`BUCKET` slots; a key sits in one of two buckets
     (see the module docstring), or, when both are full, in a small sorted overflow (the "stash")."""
 
-    def __init__(self, values: Values, capacity: int = 1024) -> None:
+    def __init__(self, values: Values, capacity: int = 1024, room_for: int = 0) -> None:
+        """``room_for``: blocks it will hold without growing (a load that knows how many are coming)."""
         self._values = values
+        while capacity < 2 * room_for:
+            capacity *= 2
         self._allocate(capacity)
         self._used = 0  # slots with a key (present blocks and removed ones), stash included
         self._count = 0  # present blocks
@@ -295,6 +298,20 @@ class BlockTable:
         self._stash_keys = stash_keys[order]
         self._stash_vids = np.concatenate([self._stash_vids, np.zeros(len(keys), np.uint32)])[order]
         self._used += len(keys)
+
+    def needs_room(self, more: int) -> bool:
+        """Would ``more`` new keys make the table grow (rehash every key it holds: ~1 s at a million blocks)?"""
+        return (self._used + more) * 2 > self.capacity
+
+    def grown(self, more: int) -> "BlockTable":
+        """A copy with room for ``more`` new keys. This table is only read, so lookups may go on using it while
+        the copy is built (the replica builds it off the event loop, then swaps it in)."""
+        copy = BlockTable.__new__(BlockTable)
+        copy._values, copy._count, copy._used = self._values, self._count, self._used
+        copy._keys, copy._vids = self._keys, self._vids  # _grow reads them, then allocates its own
+        copy._stash_keys, copy._stash_vids = self._stash_keys, self._stash_vids
+        copy._grow(self._used + more)
+        return copy
 
     def _grow(self, needed: int) -> None:
         keys, vids = self.items()

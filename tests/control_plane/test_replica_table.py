@@ -156,3 +156,30 @@ def test_the_table_answers_as_a_dict_through_stores_removals_readds_and_resizes(
     assert len(grew) >= 5  # the table was rebuilt several times along the way
     assert int(np.count_nonzero(table.find(np.array(list(model), np.uint64)) >= table.capacity)) > 100
     _check_against_model(table, model, np.array(list(model), np.uint64))
+
+
+def test_a_grown_copy_answers_as_the_table_and_leaves_it_untouched():
+    """The replica grows a table off the event loop by building a bigger copy while lookups read the table:
+    the copy answers every key as the table does (stash included, removed keys gone), has room for what was
+    asked without growing again, and the table's arrays are not written meanwhile. A load sized for what is
+    coming does not grow at all. Red if the copy wrote into the table's arrays or lost a key."""
+    table, stored, absent = _crowded_table()
+    values = table._values
+    more = np.arange(1, 400, dtype=np.uint64) * np.uint64(0x9E37_79B9_7F4A_7C15)
+    table.set_vids(more, np.full(len(more), values.vid(encode_value([(4, 1)])), np.uint32))
+    table.set_vids(more[:50], np.zeros(50, np.uint32))  # removed: slots used, blocks gone
+    before = [a.copy() for a in table._probe_args()[:2]] + [table._stash_keys.copy(), table._stash_vids.copy()]
+    need = table.capacity  # as many new keys as the table has slots: it must grow
+    assert table.needs_room(need)
+    copy = table.grown(need)
+    probes = np.concatenate([stored, absent, more])
+    assert np.array_equal(copy.vids(probes), table.vids(probes))
+    assert len(copy) == len(table) == len(stored) + len(more) - 50
+    assert not copy.needs_room(need) and copy.capacity > table.capacity
+    after = [table._keys, table._vids, table._stash_keys, table._stash_vids]
+    assert all(np.array_equal(b, a) for b, a in zip(before, after)), "growing the copy wrote into the table"
+    sized = BlockTable(Values(), room_for=100_000)
+    capacity = sized.capacity
+    sized.set_vids(np.arange(1, 100_001, dtype=np.uint64) * np.uint64(0x9E37_79B9_7F4A_7C15),
+                   np.ones(100_000, np.uint32))
+    assert sized.capacity == capacity and len(sized) == 100_000  # no resize on the way
