@@ -110,6 +110,43 @@ async def test_replica_converges_after_stores_removals_and_fencing(store_url, ke
         await bm.close()
 
 
+async def test_a_table_the_follower_grows_keeps_every_block_and_answers_meanwhile(store_url, key_prefix, ns):
+    """The replica loads a small namespace, then follows stores that take its table through several grows (each
+    built off the event loop into a copy, then swapped in): afterwards it answers every block as lookup.lua does,
+    and a lookup made while the follower was growing answered from the table it had (never None, never an error).
+    Red when a grow loses blocks, or when the table is rehashed in place (in the loop) instead of swapped."""
+    bm = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
+    a = await Node(bm, ns, 1).register()
+    first = hashes(8, "grow-first")
+    await a.store(first)
+    replica = await following(store_url, key_prefix, bm, ns)
+    key = await bm.blocks_key(ns)
+    loaded = replica.table(key)
+    capacity = loaded.capacity
+    answers = []
+
+    async def look() -> None:
+        while True:
+            answers.append(replica.lookup(key, first))
+            await asyncio.sleep(0)
+
+    looking = asyncio.ensure_future(look())
+    try:
+        batches = [hashes(512, f"grow-{i}-") for i in range(12)]
+        for hs in batches:
+            await a.store(hs)
+        queries = [first] + batches
+        await converged(bm, replica, ns, queries)
+        assert replica.table(key).capacity >= 4 * capacity  # it grew, more than once
+        assert replica.table(key) is not loaded  # into copies swapped in, not rehashed in place in the event loop
+        assert len(replica.table(key)) == 8 + 12 * 512
+        assert answers and all(m is not None and m.longest == 8 for m in answers)
+    finally:
+        looking.cancel()
+        await replica.close()
+        await bm.close()
+
+
 async def test_replica_answers_as_the_script_on_a_randomised_workload(store_url, key_prefix, ns):
     rng = random.Random(22)
     bm = RedisBlockMap(store_url, lease_ms=60_000, key_prefix=key_prefix)
