@@ -202,3 +202,36 @@ async def test_a_watch_that_stops_reading_holds_a_bounded_backlog_then_gets_a_sn
         else:
             raise AssertionError("no snapshot with the latest block after reading again")
         call.cancel()
+
+
+def test_a_snapshot_is_cut_into_messages_each_block_once():
+    from control_plane.watch import SNAPSHOT_CHUNK, _encoded
+    keys = np.arange(1, 2 * SNAPSHOT_CHUNK + 2, dtype=np.uint64)
+    vids = (keys % 3 + 5).astype(np.uint32)
+    distinct, chunks = _encoded(keys, vids)
+    assert distinct.tolist() == [5, 6, 7] and len(chunks) == 3
+    sent = np.concatenate([np.frombuffer(k, "<u8") for k, _ in chunks])
+    index = np.concatenate([np.frombuffer(i, "<u4") for _, i in chunks])
+    assert (sent == keys).all() and (distinct[index] == vids).all()
+    assert _encoded(np.zeros(0, np.uint64), np.zeros(0, np.uint32))[1] == [(b"", b"")]  # one message, empty
+
+
+async def test_a_snapshot_is_encoded_off_the_event_loop(two_tenants, monkeypatch):
+    """A snapshot's sort and encoding grow with the namespace (2.4 s for ten million blocks here): a worker thread
+    does them, so every other RPC of the control plane is answered meanwhile."""
+    import threading
+    import control_plane.watch as watch
+    threads, encoded = [], watch._encoded
+
+    def recorded(keys, vids):
+        threads.append(threading.get_ident())
+        return encoded(keys, vids)
+
+    monkeypatch.setattr(watch, "_encoded", recorded)
+    async with channel(two_tenants["address"], two_tenants["key_a"]) as ch:
+        call = control_plane_pb2_grpc.ControlPlaneStub(ch).WatchBlockMap(pb.WatchBlockMapRequest(
+            namespace=two_tenants["ns_a"].to_proto()))
+        snapshot = await call.read()
+        call.cancel()
+    assert snapshot.synced and len(np.frombuffer(snapshot.keys, "<u8")) == 8  # positive control: it was sent
+    assert threads and threading.get_ident() not in threads, "the snapshot was encoded on the event loop"
