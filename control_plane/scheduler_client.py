@@ -151,7 +151,8 @@ class SchedulerClient:
         request = dp_pb.PrefetchRequest(namespace=self.namespace.to_proto(), block_hashes=order.block_hashes,
                                         ticket=order.ticket)
         try:
-            reply = await dp_grpc.DataPlaneStub(ch).Prefetch(request, metadata=self._metadata,
+            # no API key: the ticket is the authority, and the node (whoever holds its key) must not get ours
+            reply = await dp_grpc.DataPlaneStub(ch).Prefetch(request,
                                                              timeout=min(self._timeout, PREFETCH_CALL_TIMEOUT_S))
         except grpc.aio.AioRpcError as exc:
             log.warning("prefetch order to %s (%s) failed: %s %s", order.node_id, order.data_plane_address,

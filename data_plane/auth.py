@@ -49,6 +49,7 @@ from data_plane.epochs import GONE, Epoch
 
 log = logging.getLogger(__name__)
 
+PREFETCH_METHOD = "/kvmesh.v1.DataPlane/Prefetch"
 PEER = Principal("peer", Role.NODE)  # a call that authenticates by a grant and its proof, not by a key
 
 GRANT_REFRESH_MARGIN_MS = 5_000  # a grant closer than this to its expiry is renewed (in the background)
@@ -224,9 +225,13 @@ class NodeAuth:
         if not self.is_local(current_principal()):
             raise PermissionDenied(f"{what} is this node's local API: present the node's own key")
 
-    def peer_principal(self, metadata) -> Principal | None:
-        """A call without an API key is a peer's when it carries a proof (checked in :meth:`require_grant`)."""
-        return PEER if any(key == PROOF_METADATA for key, _ in metadata or ()) else None
+    def peer_principal(self, details: grpc.HandlerCallDetails) -> Principal | None:
+        """A call without an API key is a peer's when it carries a proof (checked in :meth:`require_grant`), or
+        when it is a Prefetch (its ticket, checked in :meth:`check_prefetch`, is the authority: a scheduler hands
+        the order over without its own key, which this node could otherwise keep and use)."""
+        if details.method == PREFETCH_METHOD:
+            return PEER
+        return PEER if any(key == PROOF_METADATA for key, _ in details.invocation_metadata or ()) else None
 
     async def require_grant(self, metadata, ns: Namespace | None, call: PeerCall) -> Grant | None:
         """Local callers pass; a peer needs a valid grant for ``ns`` (None: for any namespace) and a proof

@@ -163,9 +163,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     Unauthenticated); denials are audited when a sink is given."""
 
     def __init__(self, authenticate: Authenticate, audit: AuditSink | None = None,
-                 peer: Callable[[object], Principal | None] | None = None) -> None:
-        """``peer``: for calls without a bearer key, the principal of a call that carries a peer proof
-        (checked by the handler itself, data planes only), or None."""
+                 peer: Callable[[grpc.HandlerCallDetails], Principal | None] | None = None) -> None:
+        """``peer``: for calls without a bearer key, the principal of a call that another credential the handler
+        itself checks authenticates (a peer's proof, a prefetch ticket: data planes only), or None."""
         self._authenticate = authenticate
         self._audit = audit
         self._peer = peer
@@ -178,7 +178,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             try:
                 principal = await self._authenticate(bearer(details.invocation_metadata))
             except Unauthenticated:
-                principal = self._peer(details.invocation_metadata) if self._peer is not None else None
+                principal = self._peer(details) if self._peer is not None else None
                 if principal is None:
                     raise
         except Unauthenticated as exc:

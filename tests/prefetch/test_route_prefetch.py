@@ -162,12 +162,12 @@ async def unused_ticket(w: World, ns: Namespace, key: str, hashes: list[bytes]) 
     return decision.prefetch.ticket
 
 
-async def prefetch_call(proc: DataPlaneProcess, ns: Namespace, hashes: list[bytes], ticket: str, key: str):
-    """``DataPlane.Prefetch`` as any caller holding ``key`` can send it."""
+async def prefetch_call(proc: DataPlaneProcess, ns: Namespace, hashes: list[bytes], ticket: str, key: str | None):
+    """``DataPlane.Prefetch`` as any caller holding ``key`` (None: no key) can send it."""
     async with grpc.aio.insecure_channel(proc.address) as ch:
         return await dp_grpc.DataPlaneStub(ch).Prefetch(dp_pb.PrefetchRequest(
             namespace=ns.to_proto(), block_hashes=hashes, ticket=ticket),
-            metadata=(("authorization", f"Bearer {key}"),), timeout=5)
+            metadata=(("authorization", f"Bearer {key}"),) if key else (), timeout=5)
 
 
 async def ask(w: World, ns: Namespace, hashes: list[bytes], decision, timeout_ms: int = 8_000):
@@ -405,6 +405,54 @@ async def test_a_prefetch_ticket_starts_one_prefetch_and_is_refused_when_present
         await prefetch_call(world.nodes["dst"], NS_A, hashes, ticket, key)
     assert again.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "already used" in again.value.details()
+
+
+class PrefetchRecorder(dp_grpc.DataPlaneServicer):
+    """What a node's key holder sees of the orders handed to its node: every Prefetch call's metadata."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, str], str]] = []
+
+    async def Prefetch(self, request, context):
+        self.calls.append(({k: v for k, v in context.invocation_metadata()}, request.ticket))
+        return dp_pb.PrefetchResponse(status=dp_pb.PREFETCH_STATUS_STARTED)
+
+
+async def test_a_scheduler_hands_an_order_over_without_its_key_and_the_ticket_alone_starts_it(world):
+    """Found in review: SchedulerClient handed each prefetch order over with its own API key, so whoever held the
+    chosen node's key (its data plane's address) kept the tenant's scheduler key, and with it every Lookup, Watch
+    and Route of the tenant and of the tenants sharing with it, long after the node's own key was revoked. The
+    ticket alone now authorises a Prefetch. Controls: the node got the order, ticket included; a real data plane
+    starts a prefetch on the ticket without any key; a forged ticket, or another call without a key, is refused."""
+    from kvmesh.grpc_server import ServiceBinding, start_server
+    from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
+    recorder = PrefetchRecorder()
+    server = await start_server("127.0.0.1:0", [ServiceBinding(recorder, dp_grpc.add_DataPlaneServicer_to_server,
+                                                               "kvmesh.v1.DataPlane")])
+    try:
+        async with channel(world.address, await world.key(role=tpb.ROLE_NODE, node_id="evil")) as ch:
+            await cp_grpc.ControlPlaneStub(ch).RegisterNode(cp_pb.RegisterNodeRequest(
+                node=cp_pb.NodeInfo(node_id="evil", data_plane_address=f"127.0.0.1:{server.port}")))
+        a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+        hashes = await store(world, "src", NS_A, 4)
+        decision = await route(world, NS_A, a_key, hashes, engine_node="evil")
+    finally:
+        await server.stop()
+    assert decision.prefetch is not None and decision.prefetch_status == "STARTED"  # control: handed over
+    assert [ticket for _, ticket in recorder.calls] == [decision.prefetch.ticket]
+    metadata = recorder.calls[0][0]
+    assert "authorization" not in metadata and a_key not in " ".join(metadata.values()), \
+        "the scheduler's key went to the node it gave the order to"
+    more = await store(world, "src", NS_A, 4)
+    started = await prefetch_call(world.nodes["dst"], NS_A, more, await unused_ticket(world, NS_A, a_key, more), None)
+    assert started.status == dp_pb.PREFETCH_STATUS_STARTED  # the ticket alone is enough
+    with pytest.raises(grpc.aio.AioRpcError) as forged:
+        await prefetch_call(world.nodes["dst"], NS_A, more, "forged." + decision.prefetch.ticket, None)
+    assert forged.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with grpc.aio.insecure_channel(world.nodes["dst"].address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as keyless:
+            await dp_grpc.DataPlaneStub(ch).Lookup(dp_pb.LookupRequest(namespace=NS_A.to_proto(), block_hashes=more))
+    assert keyless.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_the_prefetches_one_tenant_orders_do_not_crowd_another_out_of_a_node(world):
