@@ -439,7 +439,7 @@ class RedisBlockMap(BlockMap):
             match = self.replica.lookup(blocks_key, block_hashes, tiers)
             if match is not None:
                 return match
-            if self.replica.follows(blocks_key) or await self._redis.sismember(self._keys.namespaces, blocks_key):
+            if await self.replica.holds_blocks(blocks_key):
                 self.replica.follow(blocks_key, ns.tenant)  # a namespace that never held a block is not followed
         args = [ns.cache_config.hash_algo.digest_size, joined(block_hashes), tiers]
         tenant = ns.tenant

@@ -178,6 +178,11 @@ class BlockMapReplica:
         self._ensure_task(self._namespace(blocks_key, tenant))
         return True
 
+    async def holds_blocks(self, blocks_key: str) -> bool:
+        """Is the namespace followed, or listed in the block map's namespace set (it holds blocks: a batch claimed
+        it, and it was not released since)? What a lookup checks before it follows a namespace."""
+        return blocks_key in self._namespaces or bool(await self._redis.sismember(self._keys.namespaces, blocks_key))
+
     def follows(self, blocks_key: str) -> bool:
         """Is the namespace followed (loading or in sync)?"""
         return blocks_key in self._namespaces

@@ -25,6 +25,7 @@ from control_plane.model import ALL_TIERS, PrefixMatch
 from control_plane.replica import BlockMapReplica, Change
 from control_plane.replica_table import BlockTable, SlotRecord, Values, packed, prefix_match
 
+UNHELD_POLL_S = 1.0  # how often a watch of a namespace that holds no blocks checks whether it does now
 SNAPSHOT_CHUNK = 100_000  # blocks per snapshot message (12 bytes each: well under gRPC's message limit)
 # Changes queued for one subscriber while it does not read (gRPC flow control holds the stream): past this many, they
 # are dropped and the subscriber is owed a fresh snapshot instead. Unbounded, a watch that was never read kept
@@ -109,6 +110,14 @@ class BlockMapWatch:
         learn that node holds blocks; ``still_allowed()``, every ``recheck_s``: False ends the stream with
         PermissionDenied."""
         replica = self._replica
+        if not await replica.holds_blocks(blocks_key):
+            # not followed (nor counted against its tenant) until a batch claims it: a key that may read the
+            # tenant watching made-up models took the tenant's every follow before, for the process's life
+            yield BlockMapUpdate(reset=True, synced=True, server_time_ms=replica.now_ms())  # empty, complete
+            while not await replica.holds_blocks(blocks_key):
+                await asyncio.sleep(min(recheck_s, UNHELD_POLL_S))
+                if not await still_allowed():
+                    raise PermissionDenied("the right to read this namespace is gone (stream closed)")
         if not replica.follow(blocks_key):
             raise Unavailable("this control plane follows as many namespaces as it may; retry, or use LookupPrefix")
         queue = _Pending()

@@ -235,3 +235,46 @@ async def test_a_snapshot_is_encoded_off_the_event_loop(two_tenants, monkeypatch
         call.cancel()
     assert snapshot.synced and len(np.frombuffer(snapshot.keys, "<u8")) == 8  # positive control: it was sent
     assert threads and threading.get_ident() not in threads, "the snapshot was encoded on the event loop"
+
+
+async def test_watches_of_made_up_namespaces_follow_nothing_and_a_watch_gets_blocks_once_they_exist(
+        two_tenants, control_plane, monkeypatch):
+    """Found in review: a watch followed any namespace its key may read, for the process's life, against its
+    tenant's MAX_FOLLOWED_PER_TENANT: a node key the tenant allows, opening watches of made-up models, took every
+    follow, and the tenant's own scheduler then got UNAVAILABLE watching its next weight version. A namespace that
+    holds no blocks is now answered empty and followed once a batch claims it. Controls: the tenant's real new
+    namespace is watched (its blocks in the snapshot); a watch opened before the first block gets it."""
+    import control_plane.replica as replica_module
+    from control_plane.replica_table import block_keys
+    monkeypatch.setattr(replica_module, "MAX_FOLLOWED_PER_TENANT", 4)
+    t = two_tenants
+    replica = control_plane.core.block_map.replica
+    _, node_key = await t["core"].tenants.issue_key(Role.NODE, node_id="node-x")  # acme's open policy allows it
+    followed = replica._followed_of["acme"]
+
+    def ns(model: str) -> Namespace:
+        return Namespace("acme", model, "v1", CacheConfig(block_size=32)).validate()
+
+    async with channel(t["address"], node_key) as ch:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        for i in range(8):  # the attack: 8 made-up models, twice the tenant's follows
+            call = stub.WatchBlockMap(pb.WatchBlockMapRequest(namespace=ns(f"made-up-{i}").to_proto()))
+            first = await call.read()
+            assert first.synced and first.reset and not first.keys  # answered: empty
+            call.cancel()
+    assert replica._followed_of["acme"] == followed, "made-up namespaces were followed"
+    later = ns("next-weights")
+    async with channel(t["address"], t["key_a"]) as ch:
+        call = control_plane_pb2_grpc.ControlPlaneStub(ch).WatchBlockMap(pb.WatchBlockMapRequest(
+            namespace=later.to_proto()))
+        assert not (await call.read()).keys  # opened before the namespace holds a block
+        blocks = hashes(6, "next-weights")
+        await t["node_a"].store(later, blocks)
+        wanted = set(block_keys(blocks).tolist())
+        while not wanted <= set(np.frombuffer((update := await asyncio.wait_for(call.read(), 10)).keys, "<u8")):
+            pass
+        assert update.synced  # control: the snapshot came, with the blocks stored after the watch opened
+        call.cancel()
+    async with SchedulerClient(t["address"], later, api_key=t["key_a"]) as client:
+        await client.start_replica()  # control: the tenant's own watch of its new namespace
+        assert client.replica.lookup(blocks).longest == 6
