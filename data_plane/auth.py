@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -36,7 +37,7 @@ from typing import Awaitable, Callable, Generic, Hashable, TypeVar
 import grpc
 
 from kvmesh.channels import ClientTLS, channel
-from kvmesh.errors import NotFound, PermissionDenied, Unavailable
+from kvmesh.errors import KvmeshError, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as cp_pb, control_plane_pb2_grpc as cp_grpc
 from tenancy import api_keys
@@ -50,6 +51,7 @@ from data_plane.epochs import GONE, Epoch
 log = logging.getLogger(__name__)
 
 PREFETCH_METHOD = "/kvmesh.v1.DataPlane/Prefetch"
+KEY_RECHECK_S = 5.0  # how often a refused node key is put to the control plane again
 PEER = Principal("peer", Role.NODE)  # a call that authenticates by a grant and its proof, not by a key
 
 GRANT_REFRESH_MARGIN_MS = 5_000  # a grant closer than this to its expiry is renewed (in the background)
@@ -202,13 +204,35 @@ class NodeAuth:
             is_fresh=lambda _limit, age: age < refresh_s, is_usable=lambda _limit: True)
         self._epochs: dict[str, Epoch] = {}  # the last epoch the control plane answered, per tenant
         self._on_epoch: Callable[[str, Epoch], None] = lambda _tenant, _epoch: None
+        # the control plane's last UNAUTHENTICATED to this node's key ("" while it takes it): a revoked node key
+        # no longer opens this node's local API, whoever holds it
+        self._key_refused = ""
+        self._key_rechecked_at = -float("inf")
+        self._recheck: asyncio.Future | None = None
         self._channel: tuple[asyncio.AbstractEventLoop, grpc.aio.Channel] | None = None
 
     async def authenticate(self, presented: str) -> Principal:
         key_id, secret = api_keys.parse(presented)
         key_hash = api_keys.hash_secret(secret)
         own = key_id == self._key_id and hmac.compare_digest(key_hash, self._key_hash)
+        if own and self._key_refused:
+            self._recheck_key()
+            raise Unauthenticated(f"the control plane refuses this node's key ({self._key_refused}): give the "
+                                  "data plane a new key (api_key) and restart it")
         return Principal(key_id, Role.NODE, node_id=self.node_id if own else "", secret_hash=key_hash)
+
+    def _recheck_key(self) -> None:
+        """Asks the control plane again, in the background and at most every KEY_RECHECK_S, whether it takes
+        this node's key (a control plane that refused it for another reason, e.g. pointed at the wrong Redis)."""
+        now = time.monotonic()
+        if now - self._key_rechecked_at < KEY_RECHECK_S:
+            return
+        self._key_rechecked_at = now
+
+        async def ask() -> None:
+            with contextlib.suppress(KvmeshError):
+                await self._call(lambda stub: stub.GetGrantKeys(cp_pb.GetGrantKeysRequest(), timeout=self._timeout_s))
+        self._recheck = asyncio.ensure_future(ask())
 
     def call_owner(self, context) -> str | None:
         """Who a call in flight counts against (kvmesh.grpc_server.InFlightLimit): the node's own key (its
@@ -400,10 +424,19 @@ class NodeAuth:
 
     async def _call(self, rpc):
         try:
-            return await rpc(self._stub())
+            reply = await rpc(self._stub())
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # this node's key is revoked (or unknown there)
+                if not self._key_refused:
+                    log.warning("the control plane refuses node %s's key (%s): its local API is closed to it until "
+                                "the control plane takes it again", self.node_id, exc.details())
+                self._key_refused = exc.details() or "UNAUTHENTICATED"
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 raise PermissionDenied(f"control plane refused: {exc.details()}") from None
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(f"control plane: {exc.details()}") from None
             raise Unavailable(f"control plane unavailable: {exc.code().name} {exc.details()}") from None
+        if self._key_refused:
+            log.warning("the control plane takes node %s's key again", self.node_id)
+            self._key_refused = ""
+        return reply

@@ -216,3 +216,33 @@ async def test_with_require_route_token_only_sources_route_signed_are_pulled(wor
             assert result.pulled == 0 and reason in result.refused, result.refused
         ok = await local.pull(NS, hashes, "dp-src", source.address, route_token=route_token("dp-src", source.address))
         assert ok.pulled == 3 and not ok.refused  # positive control
+
+
+async def test_a_revoked_node_key_no_longer_opens_its_own_data_planes_local_api(world):
+    """Found in review: a data plane checked its own key against its configured hash only, and took the control
+    plane's refusal of that key for an outage (last known limits, fail open): a leaked node key, revoked, still
+    opened the node's local API (every tenant's blocks there looked up, pinned, slots reserved). Now the control
+    plane's UNAUTHENTICATED to the node's key closes the local API to it. Control: the key works before the
+    revocation."""
+    import grpc as grpc_module
+    from tenancy import api_keys
+    proc = await world.data_plane("dp-rev", KVMESH_DP_CONTROL_PLANE_REFRESH_MS="300")
+    hashes = await store(proc, 2)
+    async with DataPlaneClient(proc.address, key=proc.api_key) as local:
+        assert [s.name for s in (await local.lookup(NS, hashes))[0].statuses] == ["HIT", "HIT"]  # control: not revoked
+        async with channel(world.address, world.admin_key) as ch:
+            await tpb_grpc.TenantAdminStub(ch).RevokeKey(tpb.RevokeKeyRequest(key_id=api_keys.parse(proc.api_key)[0]))
+        deadline = time.monotonic() + 20
+        while True:  # the data plane learns of it on its next control-plane call (a reservation's limits)
+            try:
+                await local.reserve(NS, [os.urandom(32)])
+                await local.lookup(NS, hashes)
+            except grpc_module.aio.AioRpcError as exc:
+                assert exc.code() == grpc_module.StatusCode.UNAUTHENTICATED, exc.details()
+                assert "refuses this node's key" in exc.details()
+                break
+            assert time.monotonic() < deadline, "the revoked node key still opens the local API"
+            await asyncio.sleep(0.2)
+        with pytest.raises(grpc_module.aio.AioRpcError) as again:
+            await local.lookup(NS, hashes)
+        assert again.value.code() == grpc_module.StatusCode.UNAUTHENTICATED
