@@ -372,11 +372,11 @@ class DataPlaneCore:
         writer = self.sends.writing.get(lease_id)
         return writer is None or (holder is not None and writer != holder)
 
-    def _lease(self, holder: str, blocks: list[Block], lease_ms: int, scope: str = "") -> str:
+    def _lease(self, holder: str, blocks: list[Block], lease_ms: int, scope: str = "", group: str = "") -> str:
         if not blocks:
             return ""
         ttl = self._bounded(lease_ms, self.config.lease_ms, self.config.max_lease_ms)
-        return self.leases.grant(holder, blocks, ttl, scope)
+        return self.leases.grant(holder, blocks, ttl, scope, group)
 
     def _resident(self, ns: Namespace, key: BlockKey, media: frozenset[Medium], caller: str,
                   epoch: Epoch) -> Block | None:
@@ -500,10 +500,18 @@ class DataPlaneCore:
                     self.metrics.read(key)
                     blocks[i] = current
             self.metrics.pending_wait(time.monotonic() - started)
+        holder = holder or consumer or "peer"
         pinned = blocks if len(in_cpu) == n else [b for b in blocks if b is not None]
+        if grant_epoch is not None and pinned:  # a peer: its pins of the tenant's blocks, at most its share
+            room = max(0, self.tier.peer_pin_share() - self.leases.held(holder, ns.tenant))
+            if len(pinned) > room:
+                self.tier.unpin_all(pinned[room:])
+                cut = {id(b) for b in pinned[room:]}
+                blocks = [None if b is not None and id(b) in cut else b for b in blocks]
+                pinned = pinned[:room]
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
-        lease_id = self._lease(holder or consumer or "peer", pinned, lease_ms, lease_scope(ns, epoch))
+        lease_id = self._lease(holder, pinned, lease_ms, lease_scope(ns, epoch), group=ns.tenant)
         base, bb = self.region.base_addr, self.block_bytes
         if len(pinned) == n:  # every block a HIT: the answer's columns in native loops
             return LookupAnswer([LookupStatus.HIT] * n,

@@ -13,6 +13,7 @@ injected clock so tests can move it by hand.
 
 from __future__ import annotations
 
+import collections
 import secrets
 import time
 from dataclasses import dataclass
@@ -37,17 +38,31 @@ class Lease(Generic[T]):
     items: list[T]
     expires_at: float
     scope: str = ""  # what the items belong to (the namespace fingerprint of a Lookup's pins)
+    group: str = ""  # what the holder's items are counted under (a peer's pins: the tenant), see LeaseTable.held
 
 
 class LeaseTable(Generic[T]):
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._leases: dict[str, Lease[T]] = {}
+        self._held: collections.Counter[tuple[str, str]] = collections.Counter()  # (holder, group) -> items
 
-    def grant(self, holder: str, items: list[T], ttl_s: float, scope: str = "") -> str:
+    def grant(self, holder: str, items: list[T], ttl_s: float, scope: str = "", group: str = "") -> str:
         lease_id = secrets.token_hex(16)
-        self._leases[lease_id] = Lease(lease_id, holder, items, self._clock.monotonic() + ttl_s, scope)
+        self._leases[lease_id] = Lease(lease_id, holder, items, self._clock.monotonic() + ttl_s, scope, group)
+        self._held[holder, group] += len(items)
         return lease_id
+
+    def held(self, holder: str, group: str = "") -> int:
+        """Items ``holder``'s live leases of ``group`` hold (those taken, released or expired no longer count)."""
+        return self._held[holder, group]
+
+    def _ended(self, lease: Lease[T]) -> None:
+        del self._leases[lease.lease_id]
+        key = (lease.holder, lease.group)
+        self._held[key] -= len(lease.items)
+        if self._held[key] <= 0:
+            del self._held[key]
 
     def take(self, lease_id: str, holder: str, scope: str) -> Lease[T] | None:
         """Ends the lease and returns it, so its items stay pinned for the caller (who unpins them); None,
@@ -57,7 +72,7 @@ class LeaseTable(Generic[T]):
         if lease is None or lease.holder != holder or lease.scope != scope \
                 or lease.expires_at <= self._clock.monotonic():  # expired: the sweep unpins it
             return None
-        del self._leases[lease_id]
+        self._ended(lease)
         return lease
 
     def release(self, lease_id: str, holder: str | None = None) -> list[T]:
@@ -66,14 +81,14 @@ class LeaseTable(Generic[T]):
         lease = self._leases.get(lease_id)
         if lease is None or (holder is not None and lease.holder != holder):
             return []
-        del self._leases[lease_id]
+        self._ended(lease)
         return lease.items
 
     def expire(self) -> list[Lease[T]]:
         now = self._clock.monotonic()
         expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in expired:
-            del self._leases[lease.lease_id]
+            self._ended(lease)
         return expired
 
     def __len__(self) -> int:

@@ -229,6 +229,12 @@ class MemoryTier:
             self._free.append(block.slot)
         return True
 
+    def peer_pin_share(self) -> int:
+        """The most of one tenant's blocks one peer may hold pinned here: an equal share of the slots between
+        the tenants holding blocks, and never more than half (a newcomer's fair share). Within it, every tenant
+        over its share keeps unpinned blocks a newcomer may evict (data_plane.fair_share)."""
+        return self.region.num_slots // max(2, sum(1 for n in self._per_tenant.values() if n > 0))
+
     def pin(self, block: Block) -> None:
         self._expect(block, BlockState.COMMITTED)
         block.pins += 1

@@ -100,16 +100,18 @@ class _Memcpy:
 
 
 async def _fill_source(client: DataPlaneClient, tier: SharedTier, n: int, first: bool) -> list[bytes]:
-    """Commits n blocks under fresh hashes (first time: writes distinct bytes into every slot)."""
+    """Commits n blocks under fresh hashes (first time: writes distinct bytes into every slot; every time, each
+    block's index into its first 8 bytes and last byte: the tier is larger than n, so the slots move)."""
     hashes = [os.urandom(32) for _ in range(n)]
     slots = await client.reserve(NS, hashes)
     if -1 in slots:
         raise RuntimeError("the source refused a reservation")
-    if first:
-        for i, slot in enumerate(slots):
-            view = tier.slot(slot)
+    for i, slot in enumerate(slots):
+        view = tier.slot(slot)
+        if first:
             view[:] = i % 251
-            view[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+        view[-1] = i % 251
+        view[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
     await client.commit(NS, hashes)
     return hashes
 
@@ -123,8 +125,10 @@ async def _case(name: str, block_bytes: int, n: int, rounds: int, shm_dir: Path,
                  max_hashes_per_request=max(n, 4096), grant_public_key=base64.b64encode(signer.public_key).decode())
     # Two sources in one run, pulled from alternately: the default one WRITEs what the grant covers (gated),
     # the other hands out its NIXL metadata and is READ one-sided (serve_peer_reads, ungated).
-    sources = {"gated": DataPlaneProcess(f"bench-src-{name}", {**flags, "api_key": new_key()[1]}),
-               "ungated": DataPlaneProcess(f"bench-srcr-{name}", {**flags, "api_key": new_key()[1]},
+    # a source twice the pull: one peer pins at most half a node's slots of a tenant's blocks (data_plane.tier)
+    served = {**flags, "capacity_bytes": 2 * block_bytes * n}
+    sources = {"gated": DataPlaneProcess(f"bench-src-{name}", {**served, "api_key": new_key()[1]}),
+               "ungated": DataPlaneProcess(f"bench-srcr-{name}", {**served, "api_key": new_key()[1]},
                                            env={"KVMESH_DP_SERVE_PEER_READS": "true"})}
     dst = DataPlaneProcess(f"bench-dst-{name}", {**flags, "api_key": new_key()[1]})
     src = sources["gated"]

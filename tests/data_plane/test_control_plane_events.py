@@ -45,7 +45,8 @@ async def holders(address: str, key: str, ns, hashes: list[bytes]) -> dict[str, 
 async def test_commit_pull_and_eviction_are_published(control_plane, local_node, ns, block_bytes, admin_key):
     cp = f"127.0.0.1:{control_plane.port}"
     keys = {n: (await control_plane.core.tenants.issue_key(Role.NODE, node_id=n))[1] for n in ("cp-a", "cp-b", "cp-x")}
-    node = dict(control_plane_address=cp, capacity_bytes=4 * block_bytes, grant_public_key="")
+    # 6 slots: a peer pulls 3 (one peer pins at most half a node's slots), and 4 more evict one of them
+    node = dict(control_plane_address=cp, capacity_bytes=6 * block_bytes, grant_public_key="")
     a = await local_node(node_id="cp-a", api_key=keys["cp-a"], **node)
     b = await local_node(node_id="cp-b", api_key=keys["cp-b"], **node)
     x = await local_node(node_id="cp-x", api_key=keys["cp-x"], **node)  # outside the tenant's policy
@@ -62,7 +63,7 @@ async def test_commit_pull_and_eviction_are_published(control_plane, local_node,
         assert (await cx.pull(ns, hashes, "cp-a", a.address)).pulled == 0  # no grant for cp-x: MISS, no error
         assert await a.publisher.flush(5.0) and await b.publisher.flush(5.0)
         assert await holders(cp, admin_key, ns, hashes) == {"cp-a": 3, "cp-b": 3}
-        await ca.reserve(ns, [os.urandom(32) for _ in range(2)])  # evicts hashes[0] (LRU) on a
+        await ca.reserve(ns, [os.urandom(32) for _ in range(4)])  # evicts hashes[0] (LRU) on a
         assert await a.publisher.flush(5.0)
         assert await holders(cp, admin_key, ns, hashes) == {"cp-b": 3}
         snapshot = list(a.core.snapshot())

@@ -64,7 +64,7 @@ class World:
         proc = await asyncio.to_thread(DataPlaneProcess, node_id, dict(
             listen="127.0.0.1:0", shm_dir=self.shm_dir, block_bytes=BLOCK, capacity_bytes=SLOTS * BLOCK,
             api_key=await self.key(role=tpb.ROLE_NODE, node_id=node_id), control_plane_address=self.address,
-            metrics_listen="127.0.0.1:0", lease_sweep_ms=50, **flags))
+            metrics_listen="127.0.0.1:0", lease_sweep_ms=50) | flags)
         self.nodes[node_id] = proc
         await asyncio.to_thread(wait_transfers_ready, proc)  # a loaded host starts the NIXL agent late
         for _ in range(200):  # registration is asynchronous
@@ -88,7 +88,8 @@ async def world(redis_server, key_prefix, admin_key):
     await w.admin("CreateTenant", tpb.CreateTenantRequest(tenant_id=NS_A.tenant))
     await w.admin("CreateTenant", tpb.CreateTenantRequest(tenant_id=NS_B.tenant, policy=tpb.TenantPolicy(
         allowed_nodes=["src", "dst"])))  # B's blocks may live on src and dst, never on far
-    await w.start("src")
+    # src serves pulls of up to 3 x 24 blocks: one peer pins at most half a node's slots of a tenant's blocks
+    await w.start("src", capacity_bytes=4 * SLOTS * BLOCK)
     await w.start("dst", prefetch_use_window_ms=USE_WINDOW_MS, prefetch_timeout_ms=PREFETCH_TIMEOUT_MS,
                   prefetch_max_inflight_bytes=CAP_BLOCKS * BLOCK)
     yield w
