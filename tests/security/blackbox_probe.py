@@ -836,6 +836,47 @@ class Judge:
             self.row(area, f"Route of {quarter} demo blocks on dp2 to dp1's own engine (positive control)",
                      "an order for dp1, started, the blocks on dp1", f"{got}; on dp1: {landed}", landed)
 
+    async def probe_peer_pins(self) -> None:
+        """dp1's key, with a demo grant on dp2, pins dp2's demo blocks under leases of the longest life (60 s), twice.
+        Eviction never takes a pinned block and nothing bounded one peer's pins: all of a tenant's blocks pinned,
+        renewed before expiry, kept every other tenant out of dp2. One peer now pins at most an equal share of dp2's
+        slots of one tenant's blocks, and the victim's engine evicts the rest. Control: the leading share is served."""
+        area = "peer pins on dp2, dp1 key"
+        dp2 = self.dps["dp2"]
+        async with DataPlaneClient(dp2, key=self.key["dp2"], tls=self.tls["engine-dp2"]) as engine:
+            tier = SharedTier.open(await engine.describe_tier())  # dp2's engine fills its tier with demo blocks
+            slots = tier.num_slots
+            wanted = hashes_of(300, slots)
+            reserved = await engine.reserve(self.demo_ns, wanted)
+            hashes = [h for h, slot in zip(wanted, reserved) if slot >= 0]  # the victim's 3 are kept (fair share)
+            for slot in reserved:
+                if slot >= 0:
+                    tier.slot(slot)[:] = np.uint8(3)
+            tier.close()
+            await engine.commit(self.demo_ns, hashes)
+        async with self.attacker_cp() as ch:
+            grant = (await cp_grpc.ControlPlaneStub(ch).IssuePullGrant(cp_pb.IssuePullGrantRequest(
+                namespace=self.demo_ns.to_proto(), source_node_id="dp2",
+                consumer_public_key=self.identity.public_key), timeout=10)).token
+        leases, pinned = [], 0
+        for part in (hashes, hashes[slots // 4:]):  # a second lease on the rest: nothing past the share
+            got = await self.peer(dp2, "Lookup", dp_pb.LookupRequest(
+                namespace=self.demo_ns.to_proto(), block_hashes=part, consumer_node_id="dp1", lease_ms=60_000), grant)
+            if got[0] == OK:
+                pinned += sum(1 for s in got[2].statuses if s == dp_pb.BLOCK_STATUS_HIT)
+                leases.append(got[2].lease_id)
+        self.row(area, f"peer Lookups of {len(hashes)} demo blocks on dp2 ({slots} slots), 60 s leases",
+                 f"1 to {slots // 2} pinned (half the slots at most)", f"{pinned} pinned", 0 < pinned <= slots // 2)
+        async with DataPlaneClient(dp2, key=self.key["dp2"], tls=self.tls["engine-dp2"]) as engine:
+            fresh = hashes_of(400, slots // 8)
+            reserved = await engine.reserve(self.victim_ns, fresh)
+            await engine.abort(self.victim_ns, fresh)
+        given = sum(1 for slot in reserved if slot >= 0)
+        self.row(area, f"victim's engine reserves {len(fresh)} blocks on dp2 meanwhile (the tier full of demo's)",
+                 f"{len(fresh)} slots", f"{given} slots", given == len(fresh))
+        for lease_id in filter(None, leases):
+            await self.peer(dp2, "Release", dp_pb.ReleaseRequest(lease_id=lease_id), grant)
+
     async def map_shows(self, cp: cp_grpc.ControlPlaneStub, hashes: list[bytes], node_id: str) -> bool:
         """Waits (10 s at most) until the block map names ``node_id`` holding all of ``hashes`` (demo's)."""
         for _ in range(100):
@@ -927,6 +968,7 @@ class Judge:
         await self.probe_churn()
         await self.probe_figures_share()
         await self.probe_prefetch_orders()
+        await self.probe_peer_pins()
         if heavy:
             await self.probe_huge_requests()
             await self.probe_faults()
