@@ -131,10 +131,23 @@ async def test_the_new_tenant_gets_nothing_of_the_old_one_and_the_tiers_let_go(w
         assert await eventually(lambda: acquired(source, hashes), 0)
         assert await eventually(lambda: acquired(consumer, hashes), 0)
         assert (await on_consumer.pull(NS, hashes, "dp-src", source.address)).pulled == 0
-        # The source's tier no longer holds them: the new tenant has its whole limit again.
+        # The source's tier no longer holds them: the new tenant has its whole limit again (within a refresh
+        # period: a refresh between the deletion and the creation leaves the source knowing the tenant as
+        # deleted until its next one, and a Reserve meanwhile is PERMISSION_DENIED; old blocks still held
+        # past the bound would keep it RESOURCE_EXHAUSTED).
         fresh = [bytes([i]) * 32 for i in range(1, N + 1)]
-        assert all(slot >= 0 for slot in await on_source.reserve(NS, fresh))
-        await on_source.abort(NS, fresh)
+
+        async def reserved_all() -> bool:
+            try:
+                slots = await on_source.reserve(NS, fresh)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise
+                return False
+            await on_source.abort(NS, fresh)
+            return all(slot >= 0 for slot in slots)
+
+        assert await eventually(reserved_all, True)
 
 
 async def test_a_node_the_tenant_stops_allowing_drops_its_blocks_and_cannot_tell_that_from_no_tenant(world):
