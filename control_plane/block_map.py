@@ -63,9 +63,10 @@ class BlockMap(ABC):
         """(entries ``ns`` has, how many of ``block_hashes`` it lacks); for quotas."""
 
     @abstractmethod
-    async def node_entries(self, node_id: str) -> int:
+    async def node_entries(self, node_id: str, tenant: str | None = None) -> int:
         """How many blocks the node's current incarnation holds in the map (on any tier; 0 when it holds none
-        or is not registered): what its batches stored and have not removed or cleared; for its bound."""
+        or is not registered), of every tenant or of ``tenant``'s namespaces: what its batches stored and have
+        not removed or cleared; for its bound, and its part of the tenant's quota."""
 
     @abstractmethod
     async def lookup_prefix(self, ns: Namespace, block_hashes: list[bytes], tiers: int) -> PrefixMatch:

@@ -159,19 +159,31 @@ class ControlPlane:
         self._node_entries[batch.node_id] = (read_at, held + stored)  # counted as if every block were new
 
     async def _check_quota(self, principal: Principal, batch: EventBatch) -> None:
+        """The tenant's max_index_entries, of which one node holds at most half (unless the policy allows that
+        node alone): one node's key would otherwise fill the quota with made-up blocks and refuse every other
+        node's batches of the tenant."""
         tenant = await self.authz.tenant(batch.namespace.tenant)
         limit = tenant.policy.max_index_entries if tenant else 0
         stored = [h for e in batch.events if isinstance(e, Stored) for h in e.block_hashes]
         if not limit or not stored:
             return
+        policy = tenant.policy
+        share = limit if policy.allowed_nodes == (batch.node_id,) and not policy.allowed_pools else limit // 2
         total = await self.tenants.index_entries(tenant.tenant_id)
-        if total + len(stored) <= limit:
+        held = await self.block_map.node_entries(batch.node_id, tenant.tenant_id)
+        if total + len(stored) <= limit and held + len(stored) <= share:
             return
         _, new = await self.block_map.count_new(batch.namespace, stored)
         if total + new > limit:
             raise BatchRefused(ResourceExhausted(
                 f"tenant {tenant.tenant_id!r} would exceed its quota of {limit} index entries "
                 f"({total} stored, {new} new); nothing of this batch was applied"))
+        if held + new > share:
+            raise BatchRefused(ResourceExhausted(
+                f"node {batch.node_id!r} holds {held} of tenant {tenant.tenant_id!r}'s index entries and this batch "
+                f"adds {new}: one node holds at most half of the tenant's quota of {limit} ({share}), so that no "
+                "node fills it for the others; nothing of this batch was applied (blocks it removes make room; an "
+                "admin raises max_index_entries, or allows this node alone in allowed_nodes)"))
 
     # -- lookups and grants ---------------------------------------------------------
 

@@ -77,8 +77,8 @@ class MeteredBlockMap(BlockMap):
     async def claim_namespace(self, node_id, ns, limit):
         return await self._inner.claim_namespace(node_id, ns, limit)
 
-    async def node_entries(self, node_id):
-        return await self._inner.node_entries(node_id)
+    async def node_entries(self, node_id, tenant=None):
+        return await self._inner.node_entries(node_id, tenant)
 
     async def count_new(self, ns, block_hashes):
         return await self._inner.count_new(ns, block_hashes)

@@ -255,7 +255,7 @@ class RedisBlockMap(BlockMap):
                 f"(every {GC_HINT}); try again later")
         if int(slot) < 0:
             raise errors.ResourceExhausted(f"no free node slot: {MAX_SLOTS} node incarnations are live or unswept")
-        await self._redis.hdel(k.slot_entries, int(slot))  # a fresh slot holds nothing
+        await self._forget_slots(int(slot))  # a fresh slot holds nothing
         await self._fenced()
         return Registration(incarnation=int(inc), lease_ms=self._lease_ms)
 
@@ -338,7 +338,7 @@ class RedisBlockMap(BlockMap):
         if status != "apply":
             self._raise_for(reply, batch.node_id)
         if reset:  # a fresh slot: it holds nothing
-            await self._redis.hdel(self._keys.slot_entries, int(reply[1]))
+            await self._forget_slots(int(reply[1]))
             await self._fenced()
         return int(reply[1])
 
@@ -354,6 +354,7 @@ class RedisBlockMap(BlockMap):
         runs: list = []
         seq = 0
         held: collections.Counter[int] = collections.Counter()  # blocks each slot newly holds (or no longer: < 0)
+        ours: collections.Counter[int] = collections.Counter()  # the same, of this namespace (its tenant's count)
 
         async def apply(slot: int) -> None:
             nonlocal seq, runs
@@ -361,6 +362,7 @@ class RedisBlockMap(BlockMap):
                                                           [slot, hash_len, *runs], tenant)
             seq, runs = applied or seq, []
             held[slot] += int(added) - int(dropped)
+            ours[slot] += int(added) - int(dropped)
 
         for event in batch.events:
             if isinstance(event, Cleared):
@@ -377,21 +379,33 @@ class RedisBlockMap(BlockMap):
             await apply(slot)
         if self.replica is not None and seq:
             await self.replica.wait_applied(ns_key, int(seq), REPLICA_WAIT_S)
-        counts = [x for slot, n in held.items() if n for x in (slot, n)]
-        await self._eval("end_batch", [k.node(batch.node_id), k.slot_entries], [batch.incarnation, batch.seq, *counts])
+        changed = [s for s in held.keys() | ours.keys() if held[s] or ours[s]]
+        await self._eval("end_batch", [k.node(batch.node_id), k.slot_entries, *map(k.slot_tenant_entries, changed)],
+                         [batch.incarnation, batch.seq, tenant, *(x for s in changed for x in (s, held[s], ours[s]))])
         return Ack(batch.seq, AckStatus.APPLIED, blocks_applied=batch.block_count)
 
-    async def node_entries(self, node_id: str) -> int:
+    async def node_entries(self, node_id: str, tenant: str | None = None) -> int:
         k = self._keys
         slot = _s(await self._redis.hget(k.node(node_id), "slot") or "")
-        return int(await self._redis.hget(k.slot_entries, slot) or 0) if slot else 0
+        if not slot:
+            return 0
+        if tenant is None:
+            return int(await self._redis.hget(k.slot_entries, slot) or 0)
+        return int(await self._redis.hget(k.slot_tenant_entries(slot), tenant) or 0)
+
+    async def _forget_slots(self, *slots: int) -> None:
+        """The entry counts of slots handed out fresh, or freed: they hold nothing."""
+        k = self._keys
+        await self._redis.hdel(k.slot_entries, *slots)
+        await self._redis.delete(*map(k.slot_tenant_entries, slots))
 
     async def skip_batch(self, batch: EventBatch) -> Ack:
         decided = await self._begin(batch, reset=False)
         if isinstance(decided, Ack):
             return decided
         k = self._keys
-        await self._eval("end_batch", [k.node(batch.node_id), k.slot_entries], [batch.incarnation, batch.seq])
+        await self._eval("end_batch", [k.node(batch.node_id), k.slot_entries],
+                         [batch.incarnation, batch.seq, batch.namespace.tenant])
         return Ack(batch.seq, AckStatus.APPLIED)
 
     async def _clear(self, node_id: str, slot: int, medium: Medium | None) -> tuple[int, int]:
@@ -404,12 +418,15 @@ class RedisBlockMap(BlockMap):
                     f"node {node_id!r} retired too many slots: they await garbage collection (every {GC_HINT})")
             if new_slot < 0:
                 raise errors.ResourceExhausted(f"no free node slot for node {node_id!r}")
-            await self._redis.hdel(self._keys.slot_entries, new_slot)
+            await self._forget_slots(new_slot)
             await self._fenced()
             return new_slot, 0
         dropped = 0
         async for ns_key in self._redis.sscan_iter(self._keys.node_namespaces(node_id)):
-            dropped += await self._sweep(_s(ns_key), {slot: medium.bit})
+            lost = await self._sweep(_s(ns_key), {slot: medium.bit})
+            if lost:
+                await self._redis.hincrby(self._keys.slot_tenant_entries(slot), Keys.tenant_of(_s(ns_key)), -lost)
+            dropped += lost
         return slot, -dropped
 
     async def _sweep(self, ns_key: str, clear: dict[int, int]) -> int:
@@ -502,7 +519,7 @@ class RedisBlockMap(BlockMap):
         async for ns_key in self._redis.sscan_iter(k.namespaces):
             await self._sweep(_s(ns_key), clear)
             await self._redis.pexpire(k.gc_lock, GC_LOCK_MS)
-        await self._redis.hdel(k.slot_entries, *dead)  # before the slots can be handed out again
+        await self._forget_slots(*dead)  # before the slots can be handed out again
         await self._redis.srem(k.dead_slots, *dead)
         pipe = self._redis.pipeline(transaction=False)
         for node_id in await self._redis.smembers(k.nodes):  # their retired slots are swept: allow more

@@ -68,6 +68,11 @@ class Keys:
         """Hash: node slot -> how many blocks that slot holds in the block map (a node's entry count, bounded)."""
         return f"{self._reg}:slot-entries"
 
+    def slot_tenant_entries(self, slot: int | str) -> str:
+        """Hash: tenant -> how many of its blocks node slot ``slot`` holds in the block map (one node's part of
+        its tenant's max_index_entries, bounded to half)."""
+        return f"{self._reg}:slot-tenant-entries:{slot}"
+
     def node_namespaces(self, node_id: str) -> str:
         """Set of the namespace block-map keys a node has written (for per-tier clears)."""
         return f"{self._reg}:node-ns:{node_id}"

@@ -216,9 +216,11 @@ class RedisTenantStore:
         async for _, value in self._redis.hscan_iter(ns_key, count=1000):
             held.update(slot for slot, _tiers in decode_value(value))
         if held:
+            tenant = Keys.tenant_of(ns_key)
             pipe = self._redis.pipeline(transaction=False)
             for slot, n in held.items():
                 pipe.hincrby(self._map_keys.slot_entries, slot, -n)
+                pipe.hincrby(self._map_keys.slot_tenant_entries(slot), tenant, -n)
             await pipe.execute()
 
     async def delete_tenant(self, tenant_id: str) -> None:

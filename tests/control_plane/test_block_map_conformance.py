@@ -345,8 +345,14 @@ async def test_long_prompts_across_read_chunks(block_map, ns):
 async def test_a_nodes_entry_count_follows_what_it_stores_removes_and_clears(block_map, ns):
     """node_entries (what max_entries_per_node bounds): the blocks the node's current incarnation holds, across its
     namespaces, a block on two tiers once; another node's blocks are not counted; a clear of every tier, a reset
-    batch or a new incarnation of the node (each a new slot) starts again from 0."""
+    batch or a new incarnation of the node (each a new slot) starts again from 0. The same per tenant (a node's
+    part of its tenant's max_index_entries)."""
     other = Namespace(ns.tenant, "other-model", "v1", ns.cache_config)
+    theirs = Namespace(f"{ns.tenant}-b", "tiny-llama", "v1", ns.cache_config)
+
+    async def counts(node_id: str) -> tuple[int, int, int]:
+        return (await block_map.node_entries(node_id), await block_map.node_entries(node_id, ns.tenant),
+                await block_map.node_entries(node_id, theirs.tenant))
     p1, p2 = await Publisher(block_map, ns, 1).register(), await Publisher(block_map, ns, 2).register()
     n1 = p1.node.node_id
     hs = hashes(10)
@@ -356,21 +362,23 @@ async def test_a_nodes_entry_count_follows_what_it_stores_removes_and_clears(blo
     await p2.store(hs)
     p1.ns = other
     await p1.store(hashes(5, "other"))
-    assert await block_map.node_entries(n1) == 15
+    p1.ns = theirs
+    await p1.store(hashes(3, "theirs"), Medium.DISK)
+    assert await counts(n1) == (18, 15, 3)
     p1.ns = ns
     await p1.send(Removed(tuple(hs[:2]), None))  # two blocks gone from every tier
     await p1.send(Removed(tuple(hs[2:4]), Medium.CPU))  # two still on disk
     await p1.store(hs[5:7])  # stored again: already held
-    assert await block_map.node_entries(n1) == 13
-    await p1.send(Cleared(Medium.DISK))  # hs[2:4] lose their last tier
-    assert await block_map.node_entries(n1) == 11
+    assert await counts(n1) == (16, 13, 3)
+    await p1.send(Cleared(Medium.DISK))  # hs[2:4] lose their last tier, and the other tenant's blocks theirs
+    assert await counts(n1) == (11, 11, 0)
     await p1.send(Cleared(None))
-    assert await block_map.node_entries(n1) == 0
+    assert await counts(n1) == (0, 0, 0)
     await p1.store(hs[:3])
-    assert await block_map.node_entries(n1) == 3 and await block_map.node_entries(p2.node.node_id) == 10
+    assert await counts(n1) == (3, 3, 0) and await counts(p2.node.node_id) == (10, 10, 0)
     await block_map.collect_garbage()
-    assert await block_map.node_entries(n1) == 3
+    assert await counts(n1) == (3, 3, 0)
     await p1.send(Stored(tuple(hs[:2]), Medium.CPU, ns.cache_config.block_size), reset=True)  # a new slot
-    assert await block_map.node_entries(n1) == 2
+    assert await counts(n1) == (2, 2, 0)
     await p1.register()
-    assert await block_map.node_entries(n1) == 0 and await block_map.node_entries("never-registered") == 0
+    assert await counts(n1) == (0, 0, 0) and await counts("never-registered") == (0, 0, 0)

@@ -186,7 +186,7 @@ async def test_shared_namespace_is_opt_in(fleet):
 
 
 async def test_quota_breach_is_resource_exhausted_and_loses_nothing(fleet):
-    await fleet.tenant("tenant-a", max_index_entries=10)
+    await fleet.tenant("tenant-a", max_index_entries=10, allowed_nodes=["node-a"])  # its sole node: all 10 its own
     hs = BlockHasher().block_hashes(list(range(32 * 14)), 32)
     cp, reg, batch = await publish_as_node(fleet, "node-a", "tenant-a", hs[:8])
     assert (await cp.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
@@ -206,3 +206,47 @@ async def test_quota_breach_is_resource_exhausted_and_loses_nothing(fleet):
     assert ack.status == pb.ACK_STATUS_REFUSED and "RESOURCE_EXHAUSTED" in ack.detail
     tenant = await fleet.admin.GetTenant(tpb.GetTenantRequest(tenant_id="tenant-a"))
     assert tenant.index_entries == 8
+
+
+async def test_one_node_cannot_fill_its_tenants_index_quota_for_the_others(fleet):
+    """One node's key (the tenant allows every node, the default) published made-up blocks up to the tenant's
+    max_index_entries, and every other node's batches of the tenant were then refused (RESOURCE_EXHAUSTED) for as
+    long as it liked. Now one node holds at most half of the quota, counted per node and tenant in Redis."""
+    await fleet.tenant("tenant-a", max_index_entries=10)
+    made_up = BlockHasher().block_hashes(list(range(10_000, 10_000 + 32 * 10)), 32)
+    cp_x, reg_x, flood = await publish_as_node(fleet, "node-x", "tenant-a", made_up)
+
+    def batch(seq, *events):
+        return pb.EventBatch(node_id="node-x", incarnation=reg_x.incarnation, seq=seq, namespace=ns_pb("tenant-a"),
+                             events=list(events))
+
+    await expect(cp_x.PublishEvents(flood), grpc.StatusCode.RESOURCE_EXHAUSTED, "at most half of the tenant's quota")
+    # (a unary batch refused consumes no seq)
+    half = batch(1, pb.KvEvent(stored=pb.BlockStored(block_hashes=made_up[:5], block_size=32,
+                                                     medium=common_pb2.MEDIUM_CPU)))
+    assert (await cp_x.PublishEvents(half)).status == pb.ACK_STATUS_APPLIED
+    one_more = batch(2, pb.KvEvent(stored=pb.BlockStored(block_hashes=made_up[5:6], block_size=32,
+                                                         medium=common_pb2.MEDIUM_CPU)))
+    await expect(cp_x.PublishEvents(one_more), grpc.StatusCode.RESOURCE_EXHAUSTED, "holds 5 of tenant 'tenant-a'")
+
+    # The tenant's other node still indexes its blocks (red before: the quota was full of node-x's).
+    cp_a, _, honest = await publish_as_node(fleet, "node-a", "tenant-a", hashes(5))
+    assert (await cp_a.PublishEvents(honest)).status == pb.ACK_STATUS_APPLIED
+    reply = await fleet.admin_cp.LookupPrefix(pb.LookupPrefixRequest(namespace=ns_pb("tenant-a"),
+                                                                      block_hashes=hashes(5)))
+    assert [(h.node_id, h.leading_blocks) for h in reply.holders] == [("node-a", 5)]
+
+    # Blocks a node removes, or a tier it clears, give it room again; re-storing what it holds adds nothing.
+    def stored(seq, blocks):
+        return batch(seq, pb.KvEvent(stored=pb.BlockStored(block_hashes=blocks, block_size=32,
+                                                           medium=common_pb2.MEDIUM_CPU)))
+
+    removed = batch(2, pb.KvEvent(removed=pb.BlockRemoved(block_hashes=made_up[:2], medium=common_pb2.MEDIUM_CPU)))
+    assert (await cp_x.PublishEvents(removed)).status == pb.ACK_STATUS_APPLIED
+    assert (await cp_x.PublishEvents(stored(3, made_up[2:7]))).status == pb.ACK_STATUS_APPLIED  # 2 new
+    await expect(cp_x.PublishEvents(stored(4, made_up[7:8])), grpc.StatusCode.RESOURCE_EXHAUSTED)  # full: 5 + 5
+    cleared = batch(4, pb.KvEvent(cleared=pb.AllBlocksCleared(medium=common_pb2.MEDIUM_CPU)))
+    assert (await cp_x.PublishEvents(cleared)).status == pb.ACK_STATUS_APPLIED
+    assert (await cp_x.PublishEvents(stored(5, made_up[5:10]))).status == pb.ACK_STATUS_APPLIED
+    tenant = await fleet.admin.GetTenant(tpb.GetTenantRequest(tenant_id="tenant-a"))
+    assert tenant.index_entries == 10  # node-a's 5, node-x's last 5

@@ -306,8 +306,9 @@ async def test_a_node_key_holds_no_more_blocks_in_the_map_than_its_limit(redis_s
 
 
 async def test_a_deleted_tenants_blocks_leave_the_entry_counts_of_the_nodes_that_held_them(fleet, control_plane):
-    """Deleting a tenant drops its block maps; the nodes' entry counts (max_entries_per_node) drop with them, so a
-    node that held a deleted tenant's blocks is not refused for them later. Control: the other tenant's stay."""
+    """Deleting a tenant drops its block maps; the nodes' entry counts (max_entries_per_node, and the per-tenant
+    ones of the index quota) drop with them, so a node that held a deleted tenant's blocks is not refused for them
+    later (nor when the tenant is created again). Control: the other tenant's stay."""
     await fleet.tenant("gone")
     await fleet.tenant("kept")
     node = await Node.start(fleet, "node-d")
@@ -318,6 +319,7 @@ async def test_a_deleted_tenants_blocks_leave_the_entry_counts_of_the_nodes_that
                               namespace=ns(tenant, "m"), events=[event])
         assert (await node.cp.PublishEvents(batch, timeout=10)).status == pb.ACK_STATUS_APPLIED
         node.seq += 1
-    assert await control_plane.core.block_map.node_entries("node-d") == 500
+    block_map = control_plane.core.block_map
+    assert [await block_map.node_entries("node-d", t) for t in (None, "gone", "kept")] == [500, 300, 200]
     await fleet.admin.DeleteTenant(tpb.DeleteTenantRequest(tenant_id="gone"))
-    assert await control_plane.core.block_map.node_entries("node-d") == 200
+    assert [await block_map.node_entries("node-d", t) for t in (None, "gone", "kept")] == [200, 0, 200]
