@@ -150,7 +150,9 @@ class DataPlaneConfig(BaseSettings):
     prefetch_timeout_ms: int = Field(10_000, ge=1, description="bound of a prefetch's pull: by then its slots are "
                                      "settled (committed as ordinary evictable cache, or freed)")
     prefetch_max_inflight_bytes: int = Field(0, ge=0, description="most bytes of prefetches running at once on this "
-                                             "node (0: a quarter of capacity_bytes); beyond: OVER_CAP, not started")
+                                             "node (0: a quarter of capacity_bytes); beyond: OVER_CAP, not started; "
+                                             "one tenant takes at most an equal share among the tenants asking "
+                                             "(alone: all)")
     prefetch_use_window_ms: int = Field(30_000, ge=1, description="prefetched bytes no local engine acquired within "
                                         "this long after they landed are counted wasted (they stay ordinary cache)")
 

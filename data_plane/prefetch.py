@@ -11,6 +11,11 @@ Bounds:
 
 * at most ``prefetch_cap_bytes`` of prefetches run at once on the node (more: OVER_CAP, nothing started); the
   same blocks twice: IN_FLIGHT, nothing new;
+* one tenant's prefetches take at most an equal share of that cap among the tenants contending for it: those with
+  prefetches running, or refused within the last 2 x ``prefetch_timeout_ms``. Alone, a tenant has the whole cap;
+  once another asks, its running prefetches end within ``prefetch_timeout_ms`` and it starts no more past its share
+  while the other asks again within the next ``prefetch_timeout_ms``, so
+  no tenant (a scheduler whose sources stall) keeps the node's prefetches from another;
 * a prefetch holds slots only while its pull runs (``prefetch_timeout_ms``); then its blocks are ordinary,
   unpinned, evictable cache, or were never reserved;
 * its bytes that no local engine acquired within ``prefetch_use_window_ms`` after they landed are counted
@@ -110,6 +115,8 @@ class Prefetcher:
         self._records: dict[tuple[str, str], Prefetch] = {}  # (namespace fingerprint, blocks digest) -> record
         self._by_block: dict[tuple[str, bytes], Prefetch] = {}  # (namespace fingerprint, block hash) -> its record
         self._inflight_bytes = 0
+        self._tenant_bytes: dict[str, int] = {}  # tenant -> bytes of its prefetches running (none: absent)
+        self._refused_at: dict[str, float] = {}  # tenant -> when a prefetch of its was last refused OVER_CAP
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
 
@@ -137,6 +144,7 @@ class Prefetcher:
         self._records[(ns.fingerprint, prefetch_blocks_digest(hashes))] = record
         self._by_block.update({(ns.fingerprint, h): record for h in hashes})
         self._inflight_bytes += reserved
+        self._tenant_bytes[ns.tenant] = self._tenant_bytes.get(ns.tenant, 0) + reserved
         self.metrics.inflight.set(self._inflight_bytes)
         task = asyncio.get_running_loop().create_task(self._run(record, ticket))
         self._tasks.add(task)
@@ -150,7 +158,13 @@ class Prefetcher:
             return PrefetchStatus.DISABLED
         if (ns.fingerprint, prefetch_blocks_digest(hashes)) in self._records:
             return PrefetchStatus.IN_FLIGHT
-        if self._inflight_bytes + len(hashes) * self._block_bytes > self._cap_bytes:
+        need = len(hashes) * self._block_bytes
+        now = self._clock()
+        self._refused_at = {t: at for t, at in self._refused_at.items() if now - at < 2 * self._timeout_ms / 1000}
+        contending = self._tenant_bytes.keys() | self._refused_at.keys() | {ns.tenant}
+        share = self._cap_bytes // len(contending)
+        if self._inflight_bytes + need > self._cap_bytes or self._tenant_bytes.get(ns.tenant, 0) + need > share:
+            self._refused_at[ns.tenant] = now
             return PrefetchStatus.OVER_CAP
         return PrefetchStatus.STARTED
 
@@ -169,6 +183,9 @@ class Prefetcher:
             record.span.set_attributes({tracing.ATTR.BYTES: moved,
                                         tracing.ATTR.OUTCOME: "pulled" if moved else "miss"})
         self._inflight_bytes -= record.reserved_bytes
+        left = self._tenant_bytes.pop(record.ns.tenant) - record.reserved_bytes
+        if left:
+            self._tenant_bytes[record.ns.tenant] = left
         self.metrics.inflight.set(self._inflight_bytes)
         here = result is not None and bool(result.statuses) and result.statuses[0] is LookupStatus.HIT
         self.metrics.prefetches.labels("landed" if moved else "joined" if here else "failed").inc()

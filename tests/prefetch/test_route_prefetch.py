@@ -372,6 +372,35 @@ async def test_a_frozen_source_neither_delays_the_request_past_its_deadline_nor_
         os.kill(src.proc.pid, signal.SIGCONT)
 
 
+async def test_a_tenant_whose_sources_stall_cannot_keep_another_tenants_prefetches_off_a_node(world):
+    """B's scheduler routed B's prompts from a source that stalls to dst whenever dst's prefetch cap had room: each
+    prefetch held its bytes for prefetch_timeout_ms, and A's orders to dst answered OVER_CAP for as long as B went
+    on. Now one tenant takes at most an equal share of the cap among the tenants asking for it (running, or refused
+    within prefetch_timeout_ms). Controls: alone, B has the whole cap; B keeps its half; A's prefetch lands."""
+    src, dst = world.nodes["src"], world.nodes["dst"]
+    await world.start("a-src", capacity_bytes=4 * SLOTS * BLOCK)
+    a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
+    b_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_B.tenant)
+    a_blocks = [await store(world, "a-src", NS_A, 8) for _ in range(2)]
+    b_blocks = [await store(world, "src", NS_B, CAP_BLOCKS) for _ in range(2)]
+    os.kill(src.proc.pid, signal.SIGSTOP)  # B's source stalls
+    try:
+        assert (await route(world, NS_B, b_key, b_blocks[0])).prefetch_status == "STARTED"  # the whole cap
+        assert (await route(world, NS_A, a_key, a_blocks[0])).prefetch_status == "OVER_CAP"  # A asks: contends
+        t0 = time.monotonic()
+        while metric(dst, "kvmesh_dp_prefetch_inflight_bytes") > 0:  # B's prefetch gives up
+            assert time.monotonic() - t0 < PREFETCH_TIMEOUT_MS / 1000 + 2.0, "the prefetch outlived its bound"
+            await asyncio.sleep(0.05)
+        # B asks first again, as soon as the cap frees: its whole cap again would leave A refused (red before)
+        assert (await route(world, NS_B, b_key, b_blocks[1])).prefetch_status == "OVER_CAP"
+        assert (await route(world, NS_A, a_key, a_blocks[1])).prefetch_status == "STARTED"
+        half = b_blocks[1][:CAP_BLOCKS // 2]
+        assert (await route(world, NS_B, b_key, half)).prefetch_status == "STARTED"  # B keeps its half
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
+    await prefetch_bytes_reach(dst, "prefetched", 8 * BLOCK, PREFETCH_TIMEOUT_MS / 1000 + 2.0, "A's never landed")
+
+
 async def test_a_prefetch_that_fails_leaves_the_request_to_pull_itself_within_its_deadline(world):
     src, dst = world.nodes["src"], world.nodes["dst"]
     a_key = await world.key(role=tpb.ROLE_SCHEDULER, tenant_id=NS_A.tenant)
