@@ -32,6 +32,7 @@ from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall
 from control_plane.config import ControlPlaneConfig
 from control_plane.server import serve as serve_control_plane
 from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.auth import KEY_RECHECK_S
 from kvmesh_apps.dp_process import DataPlaneProcess
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -218,13 +219,29 @@ async def test_with_require_route_token_only_sources_route_signed_are_pulled(wor
         assert ok.pulled == 3 and not ok.refused  # positive control
 
 
+async def locked_out(local: DataPlaneClient, hashes: list[bytes], within_s: float = 20.0) -> bool:
+    """Whether the node's local API refuses its own key within ``within_s`` (it learns of the control plane's
+    refusal on its next control-plane call: a reservation's limits)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await local.reserve(NS, [os.urandom(32)])
+            await local.lookup(NS, hashes)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc.details()
+            assert "refuses this node's key" in exc.details()
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+
+
 async def test_a_revoked_node_key_no_longer_opens_its_own_data_planes_local_api(world):
     """Found in review: a data plane checked its own key against its configured hash only, and took the control
     plane's refusal of that key for an outage (last known limits, fail open): a leaked node key, revoked, still
     opened the node's local API (every tenant's blocks there looked up, pinned, slots reserved). Now the control
     plane's UNAUTHENTICATED to the node's key closes the local API to it. Control: the key works before the
     revocation."""
-    import grpc as grpc_module
     from tenancy import api_keys
     proc = await world.data_plane("dp-rev", KVMESH_DP_CONTROL_PLANE_REFRESH_MS="300")
     hashes = await store(proc, 2)
@@ -232,17 +249,44 @@ async def test_a_revoked_node_key_no_longer_opens_its_own_data_planes_local_api(
         assert [s.name for s in (await local.lookup(NS, hashes))[0].statuses] == ["HIT", "HIT"]  # control: not revoked
         async with channel(world.address, world.admin_key) as ch:
             await tpb_grpc.TenantAdminStub(ch).RevokeKey(tpb.RevokeKeyRequest(key_id=api_keys.parse(proc.api_key)[0]))
-        deadline = time.monotonic() + 20
-        while True:  # the data plane learns of it on its next control-plane call (a reservation's limits)
-            try:
-                await local.reserve(NS, [os.urandom(32)])
-                await local.lookup(NS, hashes)
-            except grpc_module.aio.AioRpcError as exc:
-                assert exc.code() == grpc_module.StatusCode.UNAUTHENTICATED, exc.details()
-                assert "refuses this node's key" in exc.details()
-                break
-            assert time.monotonic() < deadline, "the revoked node key still opens the local API"
-            await asyncio.sleep(0.2)
-        with pytest.raises(grpc_module.aio.AioRpcError) as again:
+        assert await locked_out(local, hashes), "the revoked node key still opens the local API"
+        with pytest.raises(grpc.aio.AioRpcError) as again:
             await local.lookup(NS, hashes)
-        assert again.value.code() == grpc_module.StatusCode.UNAUTHENTICATED
+        assert again.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await asyncio.sleep(KEY_RECHECK_S + 1)  # the background recheck finds the key still refused
+        with pytest.raises(grpc.aio.AioRpcError) as still:
+            await local.lookup(NS, hashes)
+        assert still.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_node_key_the_control_plane_takes_again_reopens_the_local_api(world, redis_server, key_prefix):
+    """The lock's other side: a control plane that refused the node's key for a reason that passes (here its Redis
+    lost the key's record, then got it back, as from a backup) takes it again, and the node's local API reopens
+    within KEY_RECHECK_S (the data plane puts its key to the control plane in the background), with nothing
+    restarted. Control: closed while the record is gone."""
+    import redis.asyncio as aioredis
+    from tenancy import api_keys
+    from tenancy.keys import TenantKeys
+    proc = await world.data_plane("dp-back", KVMESH_DP_CONTROL_PLANE_REFRESH_MS="300")
+    hashes = await store(proc, 2)
+    record = TenantKeys(key_prefix).api_key(api_keys.parse(proc.api_key)[0])
+    redis = aioredis.from_url(redis_server.url)
+    try:
+        dumped = await redis.dump(record)
+        assert dumped is not None, record
+        async with DataPlaneClient(proc.address, key=proc.api_key) as local:
+            await redis.delete(record)
+            assert await locked_out(local, hashes), "a key the control plane refuses still opens the local API"
+            await redis.restore(record, 0, dumped)
+            deadline = time.monotonic() + KEY_RECHECK_S + 5.0
+            while True:
+                try:
+                    statuses = (await local.lookup(NS, hashes))[0].statuses
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc.details()
+                    assert time.monotonic() < deadline, "the key the control plane takes again stays locked out"
+                    await asyncio.sleep(0.2)
+            assert [s.name for s in statuses] == ["HIT", "HIT"]
+    finally:
+        await redis.aclose()
