@@ -826,15 +826,27 @@ class Judge:
             decision = await route_to("dp1", theirs)
             order = decision.prefetch if decision.HasField("prefetch") else None
             got = f"no order ({cp_pb.SourceDecision.Name(decision.source_decision)})"
-            if order is not None:
-                async with channel(self.dps["dp1"], self.key["dp1"], self.tls["dp1"]) as to_dp1:
-                    reply = await outcome(dp_grpc.DataPlaneStub(to_dp1).Prefetch(dp_pb.PrefetchRequest(
+            if order is not None:  # handed over as a scheduler does: no API key, the ticket is the authority
+                async with channel(self.dps["dp1"], None, self.tls["dp1"]) as to_dp1:
+                    dp1 = dp_grpc.DataPlaneStub(to_dp1)
+                    forged = await outcome(dp1.Prefetch(dp_pb.PrefetchRequest(
+                        namespace=self.demo_ns.to_proto(), block_hashes=order.block_hashes,
+                        ticket=order.ticket[:-4] + ("BBBB" if order.ticket.endswith("AAAA") else "AAAA")),
+                        timeout=10))
+                    self.row(area, "keyless Prefetch to dp1 with the order's ticket, signature altered",
+                             "PERMISSION_DENIED", forged[0], forged[0] == "PERMISSION_DENIED")
+                    looked = await outcome(dp1.Lookup(dp_pb.LookupRequest(
+                        namespace=self.demo_ns.to_proto(), block_hashes=theirs[:1]), timeout=10))
+                    self.row(area, "keyless Lookup on dp1 (only Prefetch is taken without a key)",
+                             "UNAUTHENTICATED", looked[0], looked[0] == "UNAUTHENTICATED")
+                    reply = await outcome(dp1.Prefetch(dp_pb.PrefetchRequest(
                         namespace=self.demo_ns.to_proto(), block_hashes=order.block_hashes, ticket=order.ticket),
                         timeout=10))
                 got = reply[0] if reply[0] != OK else dp_pb.PrefetchStatus.Name(reply[2].status)
             landed = got == "PREFETCH_STATUS_STARTED" and await self.map_shows(cp, theirs, "dp1")
-            self.row(area, f"Route of {quarter} demo blocks on dp2 to dp1's own engine (positive control)",
-                     "an order for dp1, started, the blocks on dp1", f"{got}; on dp1: {landed}", landed)
+            self.row(area, f"Route of {quarter} demo blocks on dp2 to dp1's own engine, the order handed over with "
+                     "no key (positive control)", "an order for dp1, started, the blocks on dp1",
+                     f"{got}; on dp1: {landed}", landed)
 
     async def probe_peer_pins(self) -> None:
         """dp1's key, with a demo grant on dp2, pins dp2's demo blocks under leases of the longest life (60 s), twice.
