@@ -54,14 +54,19 @@ _RECORD_FIELDS = (b"t", b"ms", b"s", b"hl")  # a namespace record's fields other
 SCAN_COUNT = 10_000  # hash fields per HSCAN while loading
 CLOSE_WAIT_S = 2.0
 RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # backoff after a failed read or load
-# Namespaces a lookup or a watch may start following (each holds a blocking Redis read, so a Redis connection, for
-# good): past this, lookups of namespaces not followed yet are answered from Redis. Unbounded, lookups of made-up
-# models held one Redis connection each (Redis serves 10,000 clients at most, for the whole fleet); lookups now
-# follow only namespaces that hold blocks (the block map's namespace set), a watch any it may read.
+# Namespaces a lookup or a watch may start following (each holds a blocking Redis read, so a Redis connection, until
+# the block map releases it: RELEASE_CHECK_S): past this, lookups of namespaces not followed yet are answered from
+# Redis. Unbounded, lookups of made-up models held one Redis connection each (Redis serves 10,000 clients at most,
+# for the whole fleet); lookups now follow only namespaces that hold blocks (the block map's namespace set), a watch
+# any it may read.
 MAX_FOLLOWED_NAMESPACES = 1024
 # Of which one tenant's lookups and watches may take this many: a tenant following made-up (or many) namespaces
 # takes its own share, never the other tenants' (theirs would all go to Redis).
 MAX_FOLLOWED_PER_TENANT = 128
+# A followed namespace the block map no longer lists (released once empty, after namespace_release_after_s, or its
+# tenant deleted) and nobody watches is given up: its follow counts again for its tenant. Checked this often, only
+# while the namespace is empty here (or its follower fails: a deleted tenant's reads do).
+RELEASE_CHECK_S = 10.0
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 ClientFor = Callable[[str], Awaitable[object]]  # tenant -> the Redis client to read its keys with
@@ -102,6 +107,7 @@ class _Namespace(_Stream):
     tenant: str = ""
     table: BlockTable | None = None
     subscribers: list[asyncio.Queue] = field(default_factory=list)
+    release_checked: float = 0.0  # when it was last asked whether the block map still lists this namespace
 
 
 class BlockMapReplica:
@@ -328,6 +334,9 @@ class BlockMapReplica:
                 failures = 0
                 if not reply:
                     await self._idle(client, stream)
+                    if isinstance(stream, _Namespace) and stream.table is not None and not len(stream.table) and \
+                            await self._given_up(stream):
+                        return
                     continue
                 slice_ends = time.perf_counter() + REPLAY_SLICE_S
                 for _key, records in reply:
@@ -359,8 +368,31 @@ class BlockMapReplica:
                     log.warning("change stream %s: %s; resyncing", stream.key, exc,
                                 exc_info=not isinstance(exc, _TRANSIENT))
                 self._out_of_sync(stream)
+                if isinstance(stream, _Namespace) and await self._given_up(stream):
+                    return
                 await asyncio.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
                 failures += 1
+
+    async def _given_up(self, state: _Namespace) -> bool:
+        """Stops following ``state``'s namespace if the block map no longer lists it and nobody watches it (asked at
+        most every RELEASE_CHECK_S): it then counts for nothing, and a lookup follows it again once it holds
+        blocks. The caller, its follower, returns when True."""
+        now = time.monotonic()
+        if state.subscribers or now - state.release_checked < RELEASE_CHECK_S:
+            return False
+        state.release_checked = now
+        try:
+            listed = await self._redis.sismember(self._keys.namespaces, state.blocks_key)
+        except Exception:  # noqa: BLE001 - Redis unreachable: keep following, ask again later
+            return False
+        if listed or state.subscribers or self._namespaces.get(state.blocks_key) is not state:
+            return False
+        del self._namespaces[state.blocks_key]
+        self._followed_of[state.tenant] -= 1
+        if self._followed_of[state.tenant] <= 0:
+            del self._followed_of[state.tenant]
+        log.info("namespace %s is no longer in the block map: not followed any more", state.blocks_key)
+        return True
 
     def _stopping(self) -> bool:
         """Closed, or this follower's task cancelled: a cancellation that lands inside a Redis call can come

@@ -179,6 +179,63 @@ async def test_one_tenant_takes_only_its_share_of_the_followed_namespaces(fleet,
         assert [h.node_id for h in (await fleet.admin_cp.LookupPrefix(query)).holders] == ["node-h"]
 
 
+async def test_a_released_namespace_gives_its_follow_back_to_its_tenant(redis_server, key_prefix, admin_key,
+                                                                       monkeypatch):
+    """A namespace the replica followed kept its follow for the process's life, even once the block map released
+    it (empty, unclaimed for namespace_release_after_s): a tenant rolling out a new weight version each day ran out
+    of its MAX_FOLLOWED_PER_TENANT in that many days, and its new models' lookups went to Redis until a restart
+    (red before: m2 not followed). Now an empty, released namespace nobody watches is given up. Control: a namespace
+    holding blocks stays followed."""
+    from control_plane import replica as replica_module
+    from control_plane.config import ControlPlaneConfig
+    from control_plane.server import serve
+    from tests.tenancy.conftest import Fleet
+    monkeypatch.setattr(replica_module, "MAX_FOLLOWED_PER_TENANT", 2, raising=False)
+    monkeypatch.setattr(replica_module, "RELEASE_CHECK_S", 0.2, raising=False)
+    running = await serve(ControlPlaneConfig(
+        listen="127.0.0.1:0", redis_url=redis_server.url, key_prefix=key_prefix, admin_key=admin_key,
+        policy_ttl_s=0, gc_interval_s=0.2, namespace_release_after_s=1.0))
+    fleet = Fleet(f"127.0.0.1:{running.port}", admin_key)
+    try:
+        await fleet.tenant("roll")
+        node = await Node.start(fleet, "node-r")
+        block_map = running.core.block_map
+        replica = block_map.replica
+
+        async def followed(model: str) -> bool:
+            await node.publish(ns("roll", model))
+            query = pb.LookupPrefixRequest(namespace=ns("roll", model), block_hashes=[BLOCK])
+            assert [h.node_id for h in (await fleet.admin_cp.LookupPrefix(query)).holders] == ["node-r"]
+            return replica.follows(await block_map.blocks_key(Namespace.from_proto(ns("roll", model))))
+
+        assert await followed("m0") and await followed("m1")
+        removed = pb.EventBatch(node_id=node.node_id, incarnation=node.reg.incarnation, seq=node.seq,
+                                namespace=ns("roll", "m0"), events=[pb.KvEvent(removed=pb.BlockRemoved(
+                                    block_hashes=[BLOCK], medium=common_pb2.MEDIUM_CPU))])
+        assert (await node.cp.PublishEvents(removed, timeout=10)).status == pb.ACK_STATUS_APPLIED
+        node.seq += 1
+        m0 = await block_map.blocks_key(Namespace.from_proto(ns("roll", "m0")))
+        m1 = await block_map.blocks_key(Namespace.from_proto(ns("roll", "m1")))
+        for _ in range(100):  # released after 1 s unclaimed (the collector every 0.2 s), given up 0.2 s later
+            if not replica.follows(m0):
+                break
+            await asyncio.sleep(0.1)
+        assert not replica.follows(m0), "the released namespace is still followed"
+        assert replica.follows(m1)  # control: it holds a block
+        assert await followed("m2"), "the tenant's new namespace was left to Redis"
+        # A deleted tenant's namespaces go from the block map with it: given up too (their follower's reads, as the
+        # tenant's Redis user, fail from then on).
+        await fleet.admin.DeleteTenant(tpb.DeleteTenantRequest(tenant_id="roll"))
+        for _ in range(100):
+            if not replica.follows(m1):
+                break
+            await asyncio.sleep(0.1)
+        assert not replica.follows(m1), "the deleted tenant's namespace is still followed"
+    finally:
+        await fleet.close()
+        await running.stop()
+
+
 async def test_a_node_naming_made_up_engines_and_links_leaves_the_other_nodes_their_figures(
         fleet, control_plane, monkeypatch):
     from control_plane.routing import stats
