@@ -456,10 +456,11 @@ class DataPlaneCore:
 
     async def lookup(self, ns: Namespace, hashes: list[bytes], *, consumer: str = "", pending_wait_ms: int = 0,
                      lease_ms: int = 0, media: frozenset[Medium] = frozenset(Medium),
-                     holder: str = "", grant_epoch: str | None = None) -> LookupAnswer:
+                     holder: str = "", grant_epoch: str | None = None, peer_node: str = "") -> LookupAnswer:
         """Per hash HIT (pinned under the returned lease) or MISS; pending writes are awaited, bounded.
         Only blocks stored under ``grant_epoch`` (a peer's grant's) or, for a local caller (None), under the
-        tenant's current epoch are HITs."""
+        tenant's current epoch are HITs. ``peer_node``: a peer's node (its grant's consumer), whose pins of the
+        tenant's blocks are bounded, whatever peer keys it proves with."""
         hashes = self.check(ns, hashes)
         n = len(hashes)
         blocks: list[Block | None] = [None] * n
@@ -502,8 +503,9 @@ class DataPlaneCore:
             self.metrics.pending_wait(time.monotonic() - started)
         holder = holder or consumer or "peer"
         pinned = blocks if len(in_cpu) == n else [b for b in blocks if b is not None]
-        if grant_epoch is not None and pinned:  # a peer: its pins of the tenant's blocks, at most its share
-            room = max(0, self.tier.peer_pin_share() - self.leases.held(holder, ns.tenant))
+        pins_of = f"{peer_node or holder}\x1f{ns.tenant}" if grant_epoch is not None else ""
+        if pins_of and pinned:  # a peer: its node's pins of the tenant's blocks, at most its share
+            room = max(0, self.tier.peer_pin_share() - self.leases.held(pins_of))
             if len(pinned) > room:
                 self.tier.unpin_all(pinned[room:])
                 cut = {id(b) for b in pinned[room:]}
@@ -511,7 +513,7 @@ class DataPlaneCore:
                 pinned = pinned[:room]
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
-        lease_id = self._lease(holder, pinned, lease_ms, lease_scope(ns, epoch), group=ns.tenant)
+        lease_id = self._lease(holder, pinned, lease_ms, lease_scope(ns, epoch), group=pins_of)
         base, bb = self.region.base_addr, self.block_bytes
         if len(pinned) == n:  # every block a HIT: the answer's columns in native loops
             return LookupAnswer([LookupStatus.HIT] * n,

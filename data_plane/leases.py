@@ -38,31 +38,33 @@ class Lease(Generic[T]):
     items: list[T]
     expires_at: float
     scope: str = ""  # what the items belong to (the namespace fingerprint of a Lookup's pins)
-    group: str = ""  # what the holder's items are counted under (a peer's pins: the tenant), see LeaseTable.held
+    group: str = ""  # what its items are counted under (a peer's pins: its node and the tenant), see LeaseTable.held
 
 
 class LeaseTable(Generic[T]):
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._leases: dict[str, Lease[T]] = {}
-        self._held: collections.Counter[tuple[str, str]] = collections.Counter()  # (holder, group) -> items
+        self._held: collections.Counter[str] = collections.Counter()  # group -> items of its live leases
 
     def grant(self, holder: str, items: list[T], ttl_s: float, scope: str = "", group: str = "") -> str:
         lease_id = secrets.token_hex(16)
         self._leases[lease_id] = Lease(lease_id, holder, items, self._clock.monotonic() + ttl_s, scope, group)
-        self._held[holder, group] += len(items)
+        if group:
+            self._held[group] += len(items)
         return lease_id
 
-    def held(self, holder: str, group: str = "") -> int:
-        """Items ``holder``'s live leases of ``group`` hold (those taken, released or expired no longer count)."""
-        return self._held[holder, group]
+    def held(self, group: str) -> int:
+        """Items the live leases granted under ``group`` hold, whoever holds them (those taken, released or expired
+        no longer count)."""
+        return self._held[group]
 
     def _ended(self, lease: Lease[T]) -> None:
         del self._leases[lease.lease_id]
-        key = (lease.holder, lease.group)
-        self._held[key] -= len(lease.items)
-        if self._held[key] <= 0:
-            del self._held[key]
+        if lease.group:
+            self._held[lease.group] -= len(lease.items)
+            if self._held[lease.group] <= 0:
+                del self._held[lease.group]
 
     def take(self, lease_id: str, holder: str, scope: str) -> Lease[T] | None:
         """Ends the lease and returns it, so its items stay pinned for the caller (who unpins them); None,

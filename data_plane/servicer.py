@@ -82,7 +82,8 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             ns, hashes,
             consumer=request.consumer_node_id, pending_wait_ms=request.pending_wait_ms,
             lease_ms=request.lease_ms, media=wire.media_from_pb(request.media),
-            holder=lease_holder(grant), grant_epoch=None if grant is None else grant.tenant_epoch)
+            holder=lease_holder(grant), grant_epoch=None if grant is None else grant.tenant_epoch,
+            peer_node="" if grant is None else grant.consumer_node_id)
         return wire.lookup_response(answer, self._core.block_bytes)
 
     @grpc_errors
