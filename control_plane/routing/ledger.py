@@ -12,12 +12,20 @@ queue: an engine starts a pull when its scheduler first examines the request). T
 cost model adds the wait to a pull's transfer time. Only routes this replica made
 are known; the ledger forgets a link once its pulls should have finished.
 
+A route's pull size and queue are figures its caller gives (candidates' backlogs, KV
+bytes per token), and the ledger is every tenant's: it books no link further than
+``MAX_AHEAD_S`` ahead. Unbounded, one Route naming a made-up candidate with a huge
+backlog booked the source's NIC for 10^14 s, and every tenant's pull from it was
+``RECOMPUTE_CHEAPER`` until the control plane restarted.
+
 Threading model: plain methods, one event loop; per replica, in memory.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Hashable
+
+MAX_AHEAD_S = 30.0  # no link is booked further ahead (a pull waiting longer is better recomputed anyway)
 
 
 class PullLedger:
@@ -44,7 +52,7 @@ class PullLedger:
     def add(self, source_node: str, dest_node: str, seconds: float, after_s: float = 0.0) -> None:
         """A pull of ``seconds`` on the wire, starting ``after_s`` from now at the earliest, was routed now."""
         now = self._clock()
-        end = now + after_s + self.wait_s(source_node, dest_node, after_s) + seconds
+        end = min(now + after_s + self.wait_s(source_node, dest_node, after_s) + seconds, now + MAX_AHEAD_S)
         for link in self._links(source_node, dest_node):
             self._free_at[link] = max(self._free_at.get(link, 0.0), end)
         if len(self._free_at) > 10_000:

@@ -14,6 +14,9 @@ from kvmesh.namespace import Namespace
 from control_plane.model import Medium, validate_node_id
 
 MAX_CANDIDATES = 1024
+# Bytes of KV cache per token, at most: 16x a 405B-parameter model's in 16 bits (126 layers x 8 KV heads x 128 x 2 x 2
+# bytes = 504 KiB). A figure past it is a mistake, or made up to make every pull look costly.
+MAX_KV_BYTES_PER_TOKEN = 16 << 20
 MAX_REPORT_SAMPLES = 10_000
 
 
@@ -112,6 +115,10 @@ class RouteRequest:
             raise InvalidArgument(
                 f"prompt_tokens {self.prompt_tokens} is shorter than the {covered} tokens its "
                 f"{len(self.block_hashes)} full blocks cover")
+        if self.kv_bytes_per_token > MAX_KV_BYTES_PER_TOKEN:
+            raise InvalidArgument(f"kv_bytes_per_token {self.kv_bytes_per_token} is more than {MAX_KV_BYTES_PER_TOKEN} "
+                                  "(16 MiB): give the model's KV bytes per token (layers x KV heads x head size x 2 x "
+                                  "bytes per element), or 0 for the server's default")
         if self.kv_request_id and len(self.kv_request_id) > 256:
             raise InvalidArgument("kv_request_id is longer than 256 characters")
         return self

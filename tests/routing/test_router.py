@@ -107,6 +107,39 @@ async def test_the_ledger_queues_a_second_pull_behind_the_first_on_the_same_nic(
     assert (await r.route(request(cands, Policy.COST_AWARE), holders)).estimate.transfer_ms == pytest.approx(wire)
 
 
+async def test_a_route_with_a_made_up_backlog_books_a_source_for_everyone_at_most_briefly():
+    """Found in review: the ledger is every tenant's, and booked a pull after the chosen engine's queue, a figure
+    the caller gives: one Route naming a made-up candidate with a backlog of 2^62 tokens booked the source's NIC
+    for ~10^14 s, and every other tenant's pull from it was RECOMPUTE_CHEAPER until a restart. Now no link is
+    booked past MAX_AHEAD_S (30 s). Control: the victim pulls before, and its pull waits while the booking lasts."""
+    from control_plane.routing.ledger import MAX_AHEAD_S
+    clock = Clock()
+    r = router(clock, route_speculative_ttl_ms=0)
+    holders = lookup_of([held("a", cpu=64)])
+    victim = Namespace("victim", "m", "v1", CacheConfig(block_size=B)).validate()
+
+    def victims_route() -> RouteRequest:
+        return RouteRequest(victim, (Candidate("b", "b"),), block_hashes=tuple(HASHES), policy=Policy.COST_AWARE,
+                            kv_bytes_per_token=KV)
+
+    assert (await r.route(victims_route(), holders)).source_decision is SourceDecision.PULL  # control
+    clock.now += 1.0
+    made_up = RouteRequest(NS, (Candidate("x", "x", 0, 2**62),), block_hashes=tuple(HASHES),
+                           policy=Policy.LOAD_AWARE, kv_bytes_per_token=KV)
+    assert (await r.route(made_up, holders)).source_decision is SourceDecision.PULL  # booked a's NIC
+    assert r.ledger.wait_s("a", "b") <= MAX_AHEAD_S
+    clock.now += MAX_AHEAD_S + 1.0
+    assert (await r.route(victims_route(), holders)).source_decision is SourceDecision.PULL, \
+        "a made-up backlog still keeps every tenant from pulling from the source"
+
+
+async def test_a_kv_size_past_any_model_is_refused_in_one_line():
+    from kvmesh.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="kv_bytes_per_token 17000000 is more than"):
+        RouteRequest(NS, tuple(CANDS), block_hashes=tuple(HASHES), kv_bytes_per_token=17_000_000).validate()
+    RouteRequest(NS, tuple(CANDS), block_hashes=tuple(HASHES), kv_bytes_per_token=16 << 20).validate()  # control
+
+
 @pytest.mark.parametrize("bandwidth", [1e6, 3e6, 1e7, 3e7, 1e8, 3e8, 1e9, 3e9, 1e10])
 async def test_cost_aware_never_pulls_below_break_even(bandwidth):
     """One idle engine, a peer holding 48 of 64 blocks: pull exactly when lookup + wire + promotion of the 1,536
