@@ -794,23 +794,10 @@ class Judge:
             cp = cp_grpc.ControlPlaneStub(ch)
 
             async def route_to(node_id: str, hashes: list[bytes]):
-                return await cp.Route(cp_pb.RouteRequest(
-                    namespace=self.demo_ns.to_proto(), block_hashes=hashes, policy=cp_pb.ROUTE_POLICY_LOAD_AWARE,
-                    kv_bytes_per_token=1,  # a pull always pays (the cost model): an order whenever one may be given
-                    candidates=[cp_pb.EngineCandidate(engine_id=node_id, node_id=node_id)]), timeout=10)
+                return await self.route(cp, hashes, cp_pb.EngineCandidate(engine_id=node_id, node_id=node_id))
 
             async def saved(node_id: str, tls: str, seed: int) -> list[bytes]:
-                """A quarter of the node's tier of demo blocks saved there with its key (its engine's part)."""
-                async with DataPlaneClient(self.dps[node_id], key=self.key[node_id], tls=self.tls[tls]) as dp:
-                    tier = SharedTier.open(await dp.describe_tier())
-                    hashes = hashes_of(seed, tier.num_slots // 4)
-                    for slot in await dp.reserve(self.demo_ns, hashes):
-                        if slot >= 0:
-                            tier.slot(slot)[:] = np.uint8(seed % 256)
-                    tier.close()
-                    await dp.commit(self.demo_ns, hashes)
-                await self.map_shows(cp, hashes, node_id)
-                return hashes
+                return await self.saved(cp, node_id, tls, seed)
 
             hashes = await saved("dp1", "dp1", 100)
             quarter = len(hashes)
@@ -848,6 +835,49 @@ class Judge:
                      "no key (positive control)", "an order for dp1, started, the blocks on dp1",
                      f"{got}; on dp1: {landed}", landed)
 
+    async def route(self, cp: cp_grpc.ControlPlaneStub, hashes: list[bytes], *candidates: cp_pb.EngineCandidate):
+        return await cp.Route(cp_pb.RouteRequest(
+            namespace=self.demo_ns.to_proto(), block_hashes=hashes, policy=cp_pb.ROUTE_POLICY_LOAD_AWARE,
+            kv_bytes_per_token=1,  # a pull always pays (the cost model): an order whenever one may be given
+            candidates=list(candidates)), timeout=10)
+
+    async def saved(self, cp: cp_grpc.ControlPlaneStub, node_id: str, tls: str, seed: int) -> list[bytes]:
+        """A quarter of the node's tier of demo blocks saved there with its key (its engine's part)."""
+        async with DataPlaneClient(self.dps[node_id], key=self.key[node_id], tls=self.tls[tls]) as dp:
+            tier = SharedTier.open(await dp.describe_tier())
+            hashes = hashes_of(seed, tier.num_slots // 4)
+            for slot in await dp.reserve(self.demo_ns, hashes):
+                if slot >= 0:
+                    tier.slot(slot)[:] = np.uint8(seed % 256)
+            tier.close()
+            await dp.commit(self.demo_ns, hashes)
+        await self.map_shows(cp, hashes, node_id)
+        return hashes
+
+    async def probe_pull_ledger(self) -> None:
+        """dp1's key routes demo blocks dp2 holds to a made-up engine whose backlog is 2^62 tokens: the pull ledger
+        (every tenant's) booked dp2's NIC until its queue ended, ~10^14 s, and every pull from dp2 then looked
+        that much slower (RECOMPUTE_CHEAPER). No link is booked more than 30 s ahead now. Control: the route was a
+        pull from dp2 (it booked the ledger)."""
+        area = "pull ledger, dp1 key"
+        async with self.attacker_cp() as ch:
+            cp = cp_grpc.ControlPlaneStub(ch)
+            hashes = await self.saved(cp, "dp2", "engine-dp2", 500)
+            made_up = await self.route(cp, hashes, cp_pb.EngineCandidate(engine_id="made-up", node_id="made-up",
+                                                                         running_tokens=2**62))
+            source = made_up.kv_source.node_id if made_up.HasField("kv_source") else "none"
+            self.row(area, "Route of demo blocks on dp2 to a made-up engine with a 2^62-token backlog",
+                     "a pull from dp2 (booked)", f"source {source}", source == "dp2")
+            after = await self.route(cp, hashes, cp_pb.EngineCandidate(engine_id="dp1", node_id="dp1"))
+            wait_ms = after.estimate.transfer_ms
+            self.row(area, "the next pull from dp2's estimated transfer (ledger wait included)", "<= 30,000 ms",
+                     f"{wait_ms:,.0f} ms", wait_ms <= 30_000 + 1_000)
+            huge = await outcome(cp.Route(cp_pb.RouteRequest(
+                namespace=self.demo_ns.to_proto(), block_hashes=hashes, kv_bytes_per_token=1 << 40,
+                candidates=[cp_pb.EngineCandidate(engine_id="dp1", node_id="dp1")]), timeout=10))
+            self.row(area, "Route with kv_bytes_per_token of 1 TiB", "INVALID_ARGUMENT", huge[0],
+                     huge[0] == "INVALID_ARGUMENT")
+
     async def probe_peer_pins(self) -> None:
         """dp1's key, with a demo grant on dp2, pins dp2's demo blocks under leases of the longest life (60 s), twice.
         Eviction never takes a pinned block and nothing bounded one peer's pins: all of a tenant's blocks pinned,
@@ -866,19 +896,26 @@ class Judge:
                     tier.slot(slot)[:] = np.uint8(3)
             tier.close()
             await engine.commit(self.demo_ns, hashes)
+        second = NodeIdentity()  # a made-up peer key: the control plane grants any key a node key names
+        grants = []
         async with self.attacker_cp() as ch:
-            grant = (await cp_grpc.ControlPlaneStub(ch).IssuePullGrant(cp_pb.IssuePullGrantRequest(
-                namespace=self.demo_ns.to_proto(), source_node_id="dp2",
-                consumer_public_key=self.identity.public_key), timeout=10)).token
+            for identity in (self.identity, second):
+                grants.append((await cp_grpc.ControlPlaneStub(ch).IssuePullGrant(cp_pb.IssuePullGrantRequest(
+                    namespace=self.demo_ns.to_proto(), source_node_id="dp2",
+                    consumer_public_key=identity.public_key), timeout=10)).token)
         leases, pinned = [], 0
-        for part in (hashes, hashes[slots // 4:]):  # a second lease on the rest: nothing past the share
-            got = await self.peer(dp2, "Lookup", dp_pb.LookupRequest(
-                namespace=self.demo_ns.to_proto(), block_hashes=part, consumer_node_id="dp1", lease_ms=60_000), grant)
+        # a second lease on the rest, under the second peer key: nothing past the node's share either way
+        for part, identity, grant in zip((hashes, hashes[slots // 4:]), (self.identity, second), grants):
+            request = dp_pb.LookupRequest(namespace=self.demo_ns.to_proto(), block_hashes=part,
+                                          consumer_node_id="dp1", lease_ms=60_000)
+            got = await self.peer(dp2, "Lookup", request, grant,
+                                  identity.proof(grant, PeerCall.of("Lookup", request), "dp2"))
             if got[0] == OK:
                 pinned += sum(1 for s in got[2].statuses if s == dp_pb.BLOCK_STATUS_HIT)
-                leases.append(got[2].lease_id)
-        self.row(area, f"peer Lookups of {len(hashes)} demo blocks on dp2 ({slots} slots), 60 s leases",
-                 f"1 to {slots // 2} pinned (half the slots at most)", f"{pinned} pinned", 0 < pinned <= slots // 2)
+                leases.append((got[2].lease_id, identity, grant))
+        self.row(area, f"peer Lookups of {len(hashes)} demo blocks on dp2 ({slots} slots), 60 s leases, two peer "
+                 "keys", f"1 to {slots // 2} pinned (half the slots at most)", f"{pinned} pinned",
+                 0 < pinned <= slots // 2)
         async with DataPlaneClient(dp2, key=self.key["dp2"], tls=self.tls["engine-dp2"]) as engine:
             fresh = hashes_of(400, slots // 8)
             reserved = await engine.reserve(self.victim_ns, fresh)
@@ -886,8 +923,11 @@ class Judge:
         given = sum(1 for slot in reserved if slot >= 0)
         self.row(area, f"victim's engine reserves {len(fresh)} blocks on dp2 meanwhile (the tier full of demo's)",
                  f"{len(fresh)} slots", f"{given} slots", given == len(fresh))
-        for lease_id in filter(None, leases):
-            await self.peer(dp2, "Release", dp_pb.ReleaseRequest(lease_id=lease_id), grant)
+        for lease_id, identity, grant in leases:
+            if lease_id:
+                request = dp_pb.ReleaseRequest(lease_id=lease_id)
+                await self.peer(dp2, "Release", request, grant,
+                                identity.proof(grant, PeerCall.of("Release", request), "dp2"))
 
     async def map_shows(self, cp: cp_grpc.ControlPlaneStub, hashes: list[bytes], node_id: str) -> bool:
         """Waits (10 s at most) until the block map names ``node_id`` holding all of ``hashes`` (demo's)."""
@@ -980,6 +1020,7 @@ class Judge:
         await self.probe_churn()
         await self.probe_figures_share()
         await self.probe_prefetch_orders()
+        await self.probe_pull_ledger()
         await self.probe_peer_pins()
         if heavy:
             await self.probe_huge_requests()
