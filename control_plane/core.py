@@ -312,10 +312,13 @@ class ControlPlane:
 
     async def route(self, principal: Principal, request: RouteRequest) -> RouteDecision:
         """Where to run a prompt; sees the block map through the caller's lookup rights. A named source
-        carries a route token (data planes with require_route_token pull only from such sources)."""
+        carries a route token (data planes with require_route_token pull only from such sources). A node key's
+        routes are not recorded as speculative holdings: a node key may read every tenant that allows it, and
+        its routes of a tenant's prompts to an engine of its choice would steer that tenant's next requests."""
         may_read = (await self.authz.tenant(request.namespace.tenant) is not None
                     and await self.authz.may_read(principal, request.namespace.tenant))
-        decision = await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read)
+        decision = await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read,
+                                           records=principal.role is not Role.NODE)
         if decision.source is None:
             return decision
         source = decision.source

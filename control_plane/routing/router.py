@@ -76,10 +76,12 @@ class Router:
         self.speculative = SpeculativeIndex(settings.route_speculative_ttl_ms / 1000.0, clock)
         self.ledger = PullLedger(clock, zone_of)
 
-    async def route(self, request: RouteRequest, lookup: Lookup, may_read: bool = True) -> RouteDecision:
+    async def route(self, request: RouteRequest, lookup: Lookup, may_read: bool = True,
+                    records: bool = True) -> RouteDecision:
         """``lookup`` is the core's (authorized, validating) prefix lookup for the caller; ``may_read``: may the
         caller learn what is cached in the namespace? If not, routes it has not seen (speculative state, built
-        from other callers' decisions) neither inform nor record this one."""
+        from other callers' decisions) neither inform nor record this one. ``records``: False, this route is
+        not recorded as a speculative holding (a caller who is not the tenant's scheduler)."""
         request.validate()
         match = await lookup(request.namespace, list(request.block_hashes), list(request.token_ids),
                                    request.extras, ALL_TIERS)
@@ -98,8 +100,8 @@ class Router:
         policy = request.policy or self._default_policy
         placement = POLICIES[policy].choose(ctx)
         chosen = placement.candidate
-        if may_read:
-            self.speculative.record(scope, chosen.node_id, hashes)
+        if may_read and records:
+            self.speculative.record(scope, chosen.node_id, hashes, owner=request.namespace.tenant)
         source = None
         if placement.source is not None:
             host, port = _split_address(placement.source.address)

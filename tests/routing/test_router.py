@@ -83,6 +83,29 @@ async def test_speculative_entries_keep_back_to_back_requests_together_until_the
     assert later.engine_id != first.engine_id and later.local_cached_tokens == 0
 
 
+async def test_one_tenant_routing_huge_prompts_keeps_only_its_share_of_the_speculative_entries():
+    """Found in review: the speculative entries are every tenant's, 200,000 at most, oldest out: one tenant's five
+    routes of 60,000-block prompts pushed every other tenant's out, and their back-to-back requests scattered. One
+    tenant's routes now hold at most MAX_ENTRIES_PER_OWNER (50,000), its own oldest going first. Control: the
+    flooding tenant's own latest prompt is still remembered."""
+    from control_plane.routing.speculative import MAX_ENTRIES_PER_OWNER
+    clock = Clock()
+    r = router(clock, route_speculative_ttl_ms=2000)
+    nobody = lookup_of([])
+    first = await r.route(request(CANDS, Policy.AFFINITY), nobody)  # tenant acme's prompt
+    flooder = Namespace("flood", "m", "v1", CacheConfig(block_size=B)).validate()
+    for i in range(5):
+        huge = tuple(i.to_bytes(2, "big") + j.to_bytes(4, "big") + bytes(26) for j in range(60_000))
+        await r.route(RouteRequest(flooder, (Candidate("c", "c"),), block_hashes=huge, policy=Policy.AFFINITY,
+                                   kv_bytes_per_token=KV), nobody)
+    busier = [Candidate(c.engine_id, c.node_id, waiting_requests=1 if c.engine_id == first.engine_id else 0)
+              for c in CANDS]
+    again = await r.route(request(busier, Policy.AFFINITY), nobody)
+    assert again.engine_id == first.engine_id, "another tenant's routes pushed this tenant's entries out"
+    assert r.speculative.leading_blocks((flooder, RouteRequest(flooder, (), block_hashes=huge).extras), ["c"],
+                                        list(huge)) == {"c": MAX_ENTRIES_PER_OWNER}
+
+
 async def test_without_speculative_entries_back_to_back_requests_scatter():
     clock = Clock()
     r = router(clock, route_speculative_ttl_ms=0)

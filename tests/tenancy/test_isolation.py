@@ -250,3 +250,28 @@ async def test_one_node_cannot_fill_its_tenants_index_quota_for_the_others(fleet
     assert (await cp_x.PublishEvents(stored(5, made_up[5:10]))).status == pb.ACK_STATUS_APPLIED
     tenant = await fleet.admin.GetTenant(tpb.GetTenantRequest(tenant_id="tenant-a"))
     assert tenant.index_entries == 10  # node-a's 5, node-x's last 5
+
+
+async def test_a_node_key_cannot_steer_a_tenants_next_requests_with_its_routes(fleet):
+    """Found in review: a Route records where it sent the prompt as a speculative GPU holding (for
+    route_speculative_ttl_ms), so the tenant's back-to-back requests stay together. A node key may read, and so
+    route, every tenant that allows it (the default): its routes of the tenant's prompts to an engine of its choosing
+    drew the tenant's next requests there. A node key's routes are answered but not recorded now. Control: the
+    tenant's own scheduler's routes are."""
+    await fleet.tenant("tenant-a")
+    _, node_key = await fleet.key("node", node_id="node-x")
+    _, scheduler = await fleet.key("scheduler", tenant_id="tenant-a")
+
+    async def route(key: str, tokens: list[int], *candidates: tuple[str, int]) -> str:
+        reply = await fleet.cp(key).Route(pb.RouteRequest(
+            namespace=ns_pb("tenant-a"), token_ids=tokens, policy=pb.ROUTE_POLICY_AFFINITY,
+            candidates=[pb.EngineCandidate(engine_id=f"engine-{n}", node_id=f"node-{n}", waiting_requests=w)
+                        for n, w in candidates]))
+        return reply.engine_id
+
+    assert await route(node_key, TOKENS, ("x", 0)) == "engine-x"  # the node key's route: answered
+    assert await route(scheduler, TOKENS, ("x", 1), ("y", 0)) == "engine-y", \
+        "the node key's route drew the tenant's request to its engine"  # red before: engine-x
+    other = list(range(9_000, 9_000 + 32 * 8))  # control: the scheduler's own route keeps its next one together
+    assert await route(scheduler, other, ("z", 0)) == "engine-z"
+    assert await route(scheduler, other, ("z", 1), ("w", 0)) == "engine-z"
