@@ -16,7 +16,7 @@ from typing import AsyncIterator, Sequence
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvmesh.hashing import Extras
-from kvmesh.namespace import Namespace
+from kvmesh.namespace import Namespace, validate_tenant
 from tenancy.authz import Authorizer
 from tenancy.grants import Grant, GrantSigner, RouteToken
 from tenancy.peer_proof import encode_public_key
@@ -288,6 +288,7 @@ class ControlPlane:
         if principal.role not in (Role.ADMIN, Role.NODE):
             raise await self.authz.deny(principal, "GetTenantLimits", tenant_id,
                                         "GetTenantLimits needs a node or admin key")
+        validate_tenant(tenant_id)
         tenant = await self.authz.tenant(tenant_id)
         if principal.role is Role.NODE and (tenant is None or not tenant.policy.allows_node(principal.node_id,
                                                                                            principal.pool)):

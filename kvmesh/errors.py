@@ -45,3 +45,9 @@ class Unavailable(KvmeshError):
 
 class DeadlineExceeded(KvmeshError):
     """A bounded wait ran out."""
+
+
+def clipped(text: str, limit: int = 256) -> str:
+    """``text`` as it goes into a message or an audit entry: cut to ``limit`` characters, saying how long it was
+    (a caller's string is bounded only by the request size, 16 MiB, and would otherwise be echoed and stored whole)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"

@@ -13,7 +13,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, clipped
 from kvmesh.hashing import BlockHasher, HashAlgo
 from kvmesh.v1 import common_pb2 as pb
 
@@ -35,10 +35,14 @@ _ALGO_TO_PB = {
 }
 
 
+def valid_tenant(tenant: object) -> bool:
+    return isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant) is not None
+
+
 def validate_tenant(tenant: str) -> str:
-    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+    if not valid_tenant(tenant):
         raise InvalidArgument(
-            f"tenant {tenant!r} is not a valid tenant id: 1-63 characters of a-z, 0-9, '_', '.', '-', "
+            f"tenant {clipped(repr(tenant), 80)} is not a valid tenant id: 1-63 characters of a-z, 0-9, '_', '.', '-', "
             "starting with a letter or digit"
         )
     return tenant
@@ -47,7 +51,7 @@ def validate_tenant(tenant: str) -> str:
 def validate_node_id(node_id: str) -> str:
     if not _NODE_ID_RE.fullmatch(node_id):
         raise InvalidArgument(
-            f"node_id {node_id!r} is not valid: 1-128 characters of letters, digits, '_', '.', ':', '-'"
+            f"node_id {clipped(repr(node_id), 140)} is not valid: 1-128 characters of letters, digits, '_', '.', ':', '-'"
         )
     return node_id
 

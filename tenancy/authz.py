@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 
-from kvmesh.errors import PermissionDenied
+from kvmesh.errors import PermissionDenied, clipped
+from kvmesh.namespace import valid_tenant
 from tenancy.auth import AuditSink
 from tenancy.model import AuditEntry, Principal, Role, Tenant
 from tenancy.store import RedisTenantStore
@@ -35,6 +36,9 @@ class Authorizer:
         self._cache: dict[str, tuple[float, Tenant | None]] = {}
 
     async def tenant(self, tenant_id: str) -> Tenant | None:
+        """The tenant (None: no such tenant, or not a valid tenant id: not looked up, not cached)."""
+        if not valid_tenant(tenant_id):
+            return None
         hit = self._cache.get(tenant_id)
         now = time.monotonic()
         if hit and now - hit[0] < self._ttl:
@@ -51,7 +55,7 @@ class Authorizer:
     async def deny(self, principal: Principal, action: str, target: str, reason: str) -> PermissionDenied:
         await self._audit(AuditEntry(int(time.time() * 1000), principal.key_id, f"denied:{action}", target,
                                      "PERMISSION_DENIED", reason))
-        return PermissionDenied(reason)
+        return PermissionDenied(clipped(reason, 512))
 
     async def require_admin(self, principal: Principal, action: str, target: str = "") -> None:
         if principal.role is not Role.ADMIN:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, clipped
 from kvmesh.namespace import validate_node_id, validate_tenant
 
 MAX_LIST = 256
@@ -94,6 +94,9 @@ class Principal:
         return cls(key.key_id, key.role, key.tenant_id, key.node_id, key.pool, key.secret_hash)
 
 
+AUDIT_FIELD_CHARS = 512
+
+
 @dataclass(frozen=True, slots=True)
 class AuditEntry:
     unix_ms: int
@@ -102,3 +105,11 @@ class AuditEntry:
     target: str
     outcome: str
     detail: str = ""
+
+    def __post_init__(self) -> None:
+        """Each field at most AUDIT_FIELD_CHARS: a caller's ids and the reasons quoting them are strings of up to
+        the request size (16 MiB), and the stream is every tenant's Redis (and what `kvmesh admin audit` reads)."""
+        for name in ("actor", "action", "target", "outcome", "detail"):
+            value = getattr(self, name)
+            if len(value) > AUDIT_FIELD_CHARS:
+                object.__setattr__(self, name, clipped(value, AUDIT_FIELD_CHARS))

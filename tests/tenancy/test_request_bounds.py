@@ -167,3 +167,35 @@ async def test_made_up_engine_names_fill_no_more_than_the_figures_table(fleet, c
     held = await store._redis.hgetall(store.engine_key)
     assert len(held) <= 100, f"{len(held)} engine figures held"
     assert 100.0 < float(held[b"n1"]) < 200.0  # the node's real engine still folds its samples
+
+
+async def test_huge_ids_are_neither_stored_nor_echoed(fleet, control_plane, redis_server, key_prefix):
+    """Found in review: a node key's GetTenantLimits of a 1 MiB made-up tenant id was looked up, cached by the
+    authorizer (4,096 entries, any size: up to 64 GiB), audited twice over (as the target and inside the reason) and
+    echoed in the error; a scheduler key's RevokeKey of a 1 MiB key id the same. Redis (every tenant's, no
+    maxmemory in compose) grew ~32 MiB a second, and `kvmesh admin audit` failed past the 64 MiB send limit. Ids are
+    now checked before they are used, and every audit field and refusal is cut to a few hundred characters.
+    Control: the audit stream still says who was refused what."""
+    import redis.asyncio as aioredis
+    from kvmesh.v1 import tenant_admin_pb2 as tpb
+    from tenancy.keys import TenantKeys
+    await fleet.tenant("t1")
+    _, node_key = await fleet.key("node", node_id="n1")
+    _, scheduler_key = await fleet.key("scheduler", tenant_id="t1")
+    for i in range(25):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fleet.cp(node_key).GetTenantLimits(pb.GetTenantLimitsRequest(tenant=f"t{i}-" + "x" * (1 << 20)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(refused.value.details()) < 1_000, "the made-up id came back whole"
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fleet.tenant_admin(scheduler_key).RevokeKey(tpb.RevokeKeyRequest(key_id="k" * (1 << 20)))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and len(refused.value.details()) < 1_000
+    assert max(map(len, control_plane.core.authz._cache), default=0) <= 63  # nothing made up was cached
+    entries = (await fleet.admin.ListAudit(tpb.ListAuditRequest(limit=100))).entries
+    assert max(len(e.target) + len(e.detail) for e in entries) < 2_000
+    assert any(e.action == "denied:RevokeKey" and e.target.startswith("kkk") for e in entries)  # control
+    redis = aioredis.from_url(redis_server.url)
+    try:
+        assert await redis.memory_usage(TenantKeys(key_prefix).audit) < 1 << 20
+    finally:
+        await redis.aclose()
