@@ -51,7 +51,8 @@ def validate_tenant(tenant: str) -> str:
 def validate_node_id(node_id: str) -> str:
     if not _NODE_ID_RE.fullmatch(node_id):
         raise InvalidArgument(
-            f"node_id {clipped(repr(node_id), 140)} is not valid: 1-128 characters of letters, digits, '_', '.', ':', '-'"
+            f"node_id {clipped(repr(node_id), 140)} is not valid: 1-128 characters of letters, digits, '_', '.', ':', "
+            "'-'"
         )
     return node_id
 
