@@ -32,6 +32,8 @@ class WorkdirLock:
 
     def __init__(self, workdir: Path) -> None:
         workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for place in (workdir, workdir / "secrets"):
+            _own(place)
         path = workdir / LOCK_FILE
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -45,6 +47,20 @@ class WorkdirLock:
                                      "still stopping); stop that one, or give another --workdir") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _own(place: Path) -> None:
+    """Refuses a work directory (or its secrets) another user owns or may write to: whoever can write there plants
+    the fleet's admin key and the secrets it starts with."""
+    try:
+        st = os.lstat(place)
+    except FileNotFoundError:
+        return
+    if not os.path.isdir(place) or os.path.islink(place) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise FailedPrecondition(
+            f"{place} is not a directory of this user's that only it may write to (owner uid {st.st_uid}, mode "
+            f"{st.st_mode & 0o777:o}): kvmesh up keeps the fleet's secrets there; give a --workdir of your own "
+            "(the default is ~/.local/state/kvmesh/up), or `chmod go-w` it if it is yours")
 
 
 def admin_key(workdir: Path, from_env: str | None) -> str:

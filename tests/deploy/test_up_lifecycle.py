@@ -185,6 +185,23 @@ def test_another_admin_key_on_a_restart_is_refused_in_one_line(tmp_path, ups) ->
     assert (tmp_path / "secrets" / "admin.key").read_text() == first and not (tmp_path / "redis").exists()
 
 
+def test_a_workdir_others_may_write_to_is_refused_in_one_line(tmp_path, ups) -> None:
+    """Found in review: `kvmesh up --workdir D` took D as it found it, so whoever could write to D (another user's
+    /tmp/kvm made in advance) planted `secrets/admin.key`, and the fleet started with an admin key of their choosing.
+    A work directory, and its secrets, must now be the user's own and writable by nobody else. (Every other test
+    here starts in a directory of its own, mode 0700: the control.)"""
+    shared = tmp_path / "shared"
+    (shared / "secrets").mkdir(parents=True, mode=0o700)
+    write_secret(shared / "secrets" / "admin.key", api_keys.new_key()[1])
+    for loose in (shared, shared / "secrets"):
+        loose.chmod(0o777)
+        refused = _run_up(ups, "--workdir", str(shared))
+        assert refused.returncode != 0 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "Traceback" not in refused.stderr and f"{loose} is not a directory of this user's" in refused.stderr
+        assert not (shared / "redis").exists() and not (shared / "up.lock").exists()
+        loose.chmod(0o700)
+
+
 def _pid_of(up_pid: int, victim: str) -> int:
     # each service's subcommand and first flag (data planes name the control plane too: --tls-server-name)
     marks = {"data plane dp1": " data-plane --node-id dp1 ", "control plane": " control-plane --listen ",
