@@ -65,7 +65,8 @@ MAX_FOLLOWED_NAMESPACES = 1024
 MAX_FOLLOWED_PER_TENANT = 128
 # A followed namespace the block map no longer lists (released once empty, after namespace_release_after_s, or its
 # tenant deleted) and nobody watches is given up: its follow counts again for its tenant. Checked this often, only
-# while the namespace is empty here (or its follower fails: a deleted tenant's reads do).
+# while the namespace is empty here (or its follower fails: a deleted tenant's reads do); given up when two checks in
+# a row find it unlisted (a Redis that lost its data lists nothing until its writers claim their namespaces again).
 RELEASE_CHECK_S = 10.0
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
@@ -108,6 +109,7 @@ class _Namespace(_Stream):
     table: BlockTable | None = None
     subscribers: list[asyncio.Queue] = field(default_factory=list)
     release_checked: float = 0.0  # when it was last asked whether the block map still lists this namespace
+    unlisted: bool = False  # the last time asked, it did not
 
 
 class BlockMapReplica:
@@ -334,9 +336,11 @@ class BlockMapReplica:
                 failures = 0
                 if not reply:
                     await self._idle(client, stream)
-                    if isinstance(stream, _Namespace) and stream.table is not None and not len(stream.table) and \
-                            await self._given_up(stream):
-                        return
+                    if isinstance(stream, _Namespace) and stream.table is not None:
+                        if len(stream.table):
+                            stream.unlisted = False  # holds blocks: a check before does not count
+                        elif await self._given_up(stream):
+                            return
                     continue
                 slice_ends = time.perf_counter() + REPLAY_SLICE_S
                 for _key, records in reply:
@@ -374,9 +378,9 @@ class BlockMapReplica:
                 failures += 1
 
     async def _given_up(self, state: _Namespace) -> bool:
-        """Stops following ``state``'s namespace if the block map no longer lists it and nobody watches it (asked at
-        most every RELEASE_CHECK_S): it then counts for nothing, and a lookup follows it again once it holds
-        blocks. The caller, its follower, returns when True."""
+        """Stops following ``state``'s namespace if the block map did not list it at two checks in a row and nobody
+        watches it (asked at most every RELEASE_CHECK_S): it then counts for nothing, and a lookup follows it again
+        once it holds blocks. The caller, its follower, returns when True."""
         now = time.monotonic()
         if state.subscribers or now - state.release_checked < RELEASE_CHECK_S:
             return False
@@ -385,7 +389,10 @@ class BlockMapReplica:
             listed = await self._redis.sismember(self._keys.namespaces, state.blocks_key)
         except Exception:  # noqa: BLE001 - Redis unreachable: keep following, ask again later
             return False
-        if listed or state.subscribers or self._namespaces.get(state.blocks_key) is not state:
+        if listed or not state.unlisted:
+            state.unlisted = not listed
+            return False
+        if state.subscribers or self._namespaces.get(state.blocks_key) is not state:
             return False
         del self._namespaces[state.blocks_key]
         self._followed_of[state.tenant] -= 1

@@ -216,7 +216,7 @@ async def test_a_released_namespace_gives_its_follow_back_to_its_tenant(redis_se
         node.seq += 1
         m0 = await block_map.blocks_key(Namespace.from_proto(ns("roll", "m0")))
         m1 = await block_map.blocks_key(Namespace.from_proto(ns("roll", "m1")))
-        for _ in range(100):  # released after 1 s unclaimed (the collector every 0.2 s), given up 0.2 s later
+        for _ in range(100):  # released after 1 s unclaimed (the collector every 0.2 s), given up 0.4 s later
             if not replica.follows(m0):
                 break
             await asyncio.sleep(0.1)
