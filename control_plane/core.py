@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Iterable, Sequence
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvmesh.hashing import Extras
@@ -43,9 +43,12 @@ NODE_ENTRIES_TTL_S = 1.0
 GC_STOP_WAIT_S = 5.0  # close() waits this long for a collection in flight (its Redis calls are bounded too)
 
 
-def owns_engine(node_id: str, engine_id: str) -> bool:
-    """Engines of a node are named after it: ``<node id>`` or ``<node id>:<name>``."""
-    return engine_id == node_id or engine_id.startswith(node_id + ":")
+def owns_engine(node_id: str, engine_id: str, others: Iterable[str] = ()) -> bool:
+    """Engines of a node are named after it: ``<node id>`` or ``<node id>:<name>``, unless a longer id among the
+    ``others`` (the registered nodes: node ids may hold ':') names it too: ``a:b`` is node ``a:b``'s, not ``a``'s."""
+    def names(node: str) -> bool:
+        return engine_id == node or engine_id.startswith(node + ":")
+    return names(node_id) and not any(len(o) > len(node_id) and names(o) for o in others)
 
 
 class BatchRefused(Exception):
@@ -343,12 +346,14 @@ class ControlPlane:
         if principal.role is Role.NODE and any(s.dest_node_id != principal.node_id for s in report.links):
             raise await self.authz.deny(principal, "ReportStats", principal.node_id,
                                         "a node reports the bandwidth of pulls into itself only")
-        if principal.role is Role.NODE and not all(owns_engine(principal.node_id, e.engine_id)
-                                                   for e in report.engines):
-            raise await self.authz.deny(principal, "ReportStats", principal.node_id,
-                                        "a node reports its own engines only (engine id = node id, or "
-                                        "'<node id>:<name>')")
-        await self.router.report(report)
+        if principal.role is Role.NODE and report.engines:
+            others = [s.node.node_id for s in await self.block_map.list_nodes()
+                      if s.node.node_id.startswith(principal.node_id + ":")]
+            if not all(owns_engine(principal.node_id, e.engine_id, others) for e in report.engines):
+                raise await self.authz.deny(principal, "ReportStats", principal.node_id,
+                                            "a node reports its own engines only (engine id = node id, or "
+                                            "'<node id>:<name>' that names no other registered node)")
+        await self.router.report(report, principal.node_id if principal.role is Role.NODE else "")
 
     # -- background --------------------------------------------------------------
 

@@ -121,9 +121,10 @@ class Router:
             source=source,
         )
 
-    async def report(self, report: StatsReport) -> None:
+    async def report(self, report: StatsReport, reporter: str = "") -> None:
+        """``reporter``: the node whose share of the figures the report's engines count against (see StatsStore)."""
         report.validate()
-        await self._stats.report(report)
+        await self._stats.report(report, reporter)
         for pull in report.pulls:
             self.counters.pulls_reported += 1
             self.counters.stale_pulls += pull.stale

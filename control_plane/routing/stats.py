@@ -33,8 +33,9 @@ MAX_FIGURES = 16_384
 
 class StatsStore(ABC):
     @abstractmethod
-    async def report(self, report: StatsReport) -> None:
-        """Folds a validated report's link and engine samples into the averages."""
+    async def report(self, report: StatsReport, reporter: str = "") -> None:
+        """Folds a validated report's link and engine samples into the averages; ``reporter``: the node whose
+        share of the figures its engines count against (default: the node each engine id names)."""
 
     @abstractmethod
     async def figures(self) -> Figures:
@@ -74,13 +75,13 @@ class RedisStatsStore(StatsStore):
             self._sha = await self._redis.script_load(_EWMA_LUA)
             await self._redis.evalsha(self._sha, *args)
 
-    async def report(self, report: StatsReport) -> None:
+    async def report(self, report: StatsReport, reporter: str = "") -> None:
         links: list = []
         for s in report.links:
             links += [f"{s.source_node_id}{_LINK_SEP}{s.dest_node_id}", repr(float(s.bytes_per_s)), s.dest_node_id]
         engines: list = []
         for e in report.engines:  # engine ids are "<node id>" or "<node id>:<name>" (control_plane.core.owns_engine)
-            engines += [e.engine_id, repr(float(e.prefill_tokens_per_s)), e.engine_id.split(":", 1)[0]]
+            engines += [e.engine_id, repr(float(e.prefill_tokens_per_s)), reporter or e.engine_id.split(":", 1)[0]]
         await self._fold(self.link_key, links)
         await self._fold(self.engine_key, engines)
         self._cached = None  # this replica sees its own report at once

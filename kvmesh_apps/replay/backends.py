@@ -73,7 +73,7 @@ class _MemoryStats(StatsStore):
         old = table.get(key)
         table[key] = value if old is None else old + self._alpha * (value - old)
 
-    async def report(self, report: StatsReport) -> None:
+    async def report(self, report: StatsReport, reporter: str = "") -> None:
         for s in report.links:
             self._fold(self._links, (s.source_node_id, s.dest_node_id), s.bytes_per_s)
         for e in report.engines:

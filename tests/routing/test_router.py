@@ -23,7 +23,7 @@ class FixedStats(StatsStore):
     def __init__(self, figures: Figures = Figures()) -> None:
         self.f = figures
 
-    async def report(self, report) -> None:
+    async def report(self, report, reporter="") -> None:
         pass
 
     async def figures(self) -> Figures:

@@ -120,6 +120,24 @@ async def test_a_node_reports_stats_for_its_own_engines_only(fleet):
             "its own engines")
 
 
+async def test_a_node_cannot_report_for_a_registered_node_its_id_prefixes(fleet):
+    """Found in review: node ids may hold ':', and an engine id "<node>:<name>" counted as that node's: node "rack1"'s
+    key reported figures for "rack1:gpu0", the engine (and id) of the registered node "rack1:gpu0", and steered every
+    tenant's routing towards it or away. An engine id that names a longer registered node is that node's now.
+    Control: "rack1" still reports its own "rack1:gpu1", and "rack1:gpu0" its own."""
+    _, short_key = await fleet.key("node", node_id="rack1")
+    _, long_key = await fleet.key("node", node_id="rack1:gpu0")
+    await fleet.cp(long_key).RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(
+        node_id="rack1:gpu0", data_plane_address="127.0.0.1:7001")))
+    await expect(fleet.cp(short_key).ReportStats(pb.ReportStatsRequest(engines=[
+        pb.EngineSample(engine_id="rack1:gpu0", prefill_tokens_per_s=1e9)])), grpc.StatusCode.PERMISSION_DENIED,
+        "names no other registered node")
+    await fleet.cp(short_key).ReportStats(pb.ReportStatsRequest(engines=[
+        pb.EngineSample(engine_id="rack1:gpu1", prefill_tokens_per_s=1000.0)]))
+    await fleet.cp(long_key).ReportStats(pb.ReportStatsRequest(engines=[
+        pb.EngineSample(engine_id="rack1:gpu0", prefill_tokens_per_s=1000.0)]))
+
+
 async def test_list_nodes_is_not_open_to_tenant_schedulers(fleet):
     await fleet.tenant("tenant-a")
     await publish_as_node(fleet, "node-a", "tenant-a", hashes(1))
