@@ -47,7 +47,7 @@ class SpeculativeIndex:
 
     def _purge(self, now: float, owner: str) -> None:
         for name in list(self._order):
-            while name in self._order and self._order[name][0][0] <= now:
+            while self._order.get(name) and self._order[name][0][0] <= now:
                 self._drop_oldest(name)
         while owner in self._order and len(self._order[owner]) > MAX_ENTRIES_PER_OWNER:
             self._drop_oldest(owner)
@@ -56,7 +56,7 @@ class SpeculativeIndex:
 
     def record(self, scope: Hashable, node_id: str, block_hashes: list[bytes], owner: str = "") -> None:
         """``node_id`` will hold ``block_hashes`` (a prefix) soon; ``owner``: whose entries they are (the tenant)."""
-        if self._ttl <= 0:
+        if self._ttl <= 0 or not block_hashes:
             return
         now = self._clock()
         expiry = now + self._ttl
