@@ -14,8 +14,8 @@ Bounds:
 * one tenant's prefetches take at most an equal share of that cap among the tenants contending for it: those with
   prefetches running, or refused within the last 2 x ``prefetch_timeout_ms``. Alone, a tenant has the whole cap;
   once another asks, its running prefetches end within ``prefetch_timeout_ms`` and it starts no more past its share
-  while the other asks again within the next ``prefetch_timeout_ms``, so
-  no tenant (a scheduler whose sources stall) keeps the node's prefetches from another;
+  while the other asks again within the next ``prefetch_timeout_ms``, so no tenant (a scheduler whose sources
+  stall) keeps the node's prefetches from another;
 * a prefetch holds slots only while its pull runs (``prefetch_timeout_ms``); then its blocks are ordinary,
   unpinned, evictable cache, or were never reserved;
 * its bytes that no local engine acquired within ``prefetch_use_window_ms`` after they landed are counted
