@@ -318,11 +318,15 @@ class ControlPlane:
         """Where to run a prompt; sees the block map through the caller's lookup rights. A named source
         carries a route token (data planes with require_route_token pull only from such sources). A node key's
         routes are not recorded as speculative holdings: a node key may read every tenant that allows it, and
-        its routes of a tenant's prompts to an engine of its choice would steer that tenant's next requests."""
+        its routes of a tenant's prompts to an engine of its choice would steer that tenant's next requests; and
+        its pulls are booked in the ledger as its own, not the tenant's (one booker at most doubles another's
+        estimated wait: routing.ledger)."""
         may_read = (await self.authz.tenant(request.namespace.tenant) is not None
                     and await self.authz.may_read(principal, request.namespace.tenant))
+        node_key = principal.role is Role.NODE
+        booker = ("node", principal.node_id) if node_key else None
         decision = await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read,
-                                           records=principal.role is not Role.NODE)
+                                           records=not node_key, booker=booker)
         if decision.source is None:
             return decision
         source = decision.source

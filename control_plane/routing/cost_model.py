@@ -39,9 +39,10 @@ class CostModel:
     """Converts tokens into time for one request (one model's KV bytes per token)."""
 
     def __init__(self, figures: Figures, settings: RoutingSettings, kv_bytes_per_token: int,
-                 pull_wait_s: Callable[[str, str, float], float] = lambda source, dest, after_s: 0.0) -> None:
-        """``pull_wait_s(source, dest, after_s)``: how long a pull starting ``after_s`` from now queues behind the
-        pulls routed before it (the ledger)."""
+                 pull_wait_s: Callable[[str, str, float, float], float] = lambda source, dest, after_s, s: 0.0,
+                 ) -> None:
+        """``pull_wait_s(source, dest, after_s, seconds)``: how long a pull of ``seconds`` on the wire starting
+        ``after_s`` from now queues behind the pulls routed before it (the ledger)."""
         self._figures = figures
         self._s = settings
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -70,8 +71,8 @@ class CostModel:
     def transfer_ms(self, source_node: str, dest_node: str, tokens: int, after_ms: float = 0.0) -> float:
         """Waiting behind the pulls already routed over either NIC, then the bytes on the wire (the pull starts
         ``after_ms`` from now, when the engine reaches the request)."""
-        wait_s = self._pull_wait_s(source_node, dest_node, after_ms / 1000.0)
-        return 1000.0 * wait_s + self.wire_ms(source_node, dest_node, tokens)
+        wire_ms = self.wire_ms(source_node, dest_node, tokens)
+        return 1000.0 * self._pull_wait_s(source_node, dest_node, after_ms / 1000.0, wire_ms / 1000.0) + wire_ms
 
     def recompute(self, c: Candidate, prompt: int, local: int, local_gpu: int) -> Estimate:
         """Run on ``c`` with what its own tiers hold: promote the non-GPU part, prefill the rest."""

@@ -12,11 +12,16 @@ queue: an engine starts a pull when its scheduler first examines the request). T
 cost model adds the wait to a pull's transfer time. Only routes this replica made
 are known; the ledger forgets a link once its pulls should have finished.
 
-A route's pull size and queue are figures its caller gives (candidates' backlogs, KV
-bytes per token), and the ledger is every tenant's: it books no link further than
-``MAX_AHEAD_S`` ahead. Unbounded, one Route naming a made-up candidate with a huge
-backlog booked the source's NIC for 10^14 s, and every tenant's pull from it was
-``RECOMPUTE_CHEAPER`` until the control plane restarted.
+A link serves the pulls of different bookers (a tenant's schedulers, one node key) side by
+side, as flows share a NIC: a pull waits in full for the pulls its own booker routed
+before it, and for each other booker's at most as long as its own wait and transfer
+(while both last, each has at least an equal share). So one booker at most doubles
+another's estimate, however much it books: a route's pull size and queue are figures
+its caller gives (candidates' backlogs, KV bytes per token), and when one booker's
+bookings delayed every other's in full, one scheduler routing made-up backlogs kept
+every tenant's pulls from the nodes it named ``RECOMPUTE_CHEAPER``. No link is booked
+further than ``MAX_AHEAD_S`` ahead either (unbounded, one made-up backlog of 2^62
+tokens booked a source's NIC for 10^14 s).
 
 Threading model: plain methods, one event loop; per replica, in memory.
 """
@@ -33,7 +38,8 @@ class PullLedger:
         """``zone_of``: a node's zone; pulls between two zones share that direction's uplink (None: NICs only)."""
         self._clock = clock
         self._zone_of = zone_of
-        self._free_at: dict[Hashable, float] = {}   # link -> when it is free of routed pulls (clock seconds)
+        # link -> booker -> when the pulls that booker routed over the link are done (clock seconds)
+        self._free_at: dict[Hashable, dict[Hashable, float]] = {}
 
     def _links(self, source_node: str, dest_node: str) -> list[Hashable]:
         links: list[Hashable] = [("out", source_node), ("in", dest_node)]
@@ -43,17 +49,30 @@ class PullLedger:
                 links.append(("up", source_zone, dest_zone))
         return links
 
-    def wait_s(self, source_node: str, dest_node: str, after_s: float = 0.0) -> float:
-        """How long a pull from ``source_node`` into ``dest_node`` that starts ``after_s`` from now waits for the
-        pulls routed before it on any link of its path."""
+    def wait_s(self, source_node: str, dest_node: str, after_s: float = 0.0, seconds: float = 0.0,
+               booker: Hashable = None) -> float:
+        """How long a pull of ``seconds`` on the wire from ``source_node`` into ``dest_node``, starting ``after_s``
+        from now and routed for ``booker``, waits for the pulls routed before it on the busiest link of its path."""
         start = self._clock() + after_s
-        return max([0.0] + [self._free_at.get(link, start) - start for link in self._links(source_node, dest_node)])
-
-    def add(self, source_node: str, dest_node: str, seconds: float, after_s: float = 0.0) -> None:
-        """A pull of ``seconds`` on the wire, starting ``after_s`` from now at the earliest, was routed now."""
-        now = self._clock()
-        end = min(now + after_s + self.wait_s(source_node, dest_node, after_s) + seconds, now + MAX_AHEAD_S)
+        worst = 0.0
         for link in self._links(source_node, dest_node):
-            self._free_at[link] = max(self._free_at.get(link, 0.0), end)
+            bookings = self._free_at.get(link, {})
+            own = max(0.0, bookings.get(booker, start) - start)
+            others = sum(min(end - start, own + seconds) for who, end in bookings.items()
+                         if who != booker and end > start)
+            worst = max(worst, own + others)
+        return worst
+
+    def add(self, source_node: str, dest_node: str, seconds: float, after_s: float = 0.0,
+            booker: Hashable = None) -> None:
+        """A pull of ``seconds`` on the wire, starting ``after_s`` from now at the earliest, was routed now for
+        ``booker``."""
+        now = self._clock()
+        wait = self.wait_s(source_node, dest_node, after_s, seconds, booker)
+        end = min(now + after_s + wait + seconds, now + MAX_AHEAD_S)
+        for link in self._links(source_node, dest_node):
+            bookings = self._free_at.setdefault(link, {})
+            bookings[booker] = max(bookings.get(booker, 0.0), end)
         if len(self._free_at) > 10_000:
-            self._free_at = {k: v for k, v in self._free_at.items() if v > now}
+            self._free_at = {link: live for link, bookings in self._free_at.items()
+                             if (live := {who: end for who, end in bookings.items() if end > now})}

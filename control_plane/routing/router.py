@@ -8,9 +8,10 @@ delegate to. It owns the per-replica counters the metrics exporter reads
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Hashable
 
 from kvmesh.hashing import Extras
 from kvmesh.namespace import Namespace
@@ -77,11 +78,12 @@ class Router:
         self.ledger = PullLedger(clock, zone_of)
 
     async def route(self, request: RouteRequest, lookup: Lookup, may_read: bool = True,
-                    records: bool = True) -> RouteDecision:
+                    records: bool = True, booker: Hashable = None) -> RouteDecision:
         """``lookup`` is the core's (authorized, validating) prefix lookup for the caller; ``may_read``: may the
         caller learn what is cached in the namespace? If not, routes it has not seen (speculative state, built
         from other callers' decisions) neither inform nor record this one. ``records``: False, this route is
-        not recorded as a speculative holding (a caller who is not the tenant's scheduler)."""
+        not recorded as a speculative holding (a caller who is not the tenant's scheduler). ``booker``: whose
+        pulls the ledger counts this route's among (see ledger; None: the namespace's tenant's)."""
         request.validate()
         match = await lookup(request.namespace, list(request.block_hashes), list(request.token_ids),
                                    request.extras, ALL_TIERS)
@@ -91,8 +93,9 @@ class Router:
         if may_read:
             match = _with_speculative(
                 match, self.speculative.leading_blocks(scope, [c.node_id for c in request.candidates], hashes))
+        booker = request.namespace.tenant if booker is None else booker
         cost = CostModel(await self._stats.figures(), s, request.kv_bytes_per_token or s.route_kv_bytes_per_token,
-                         self.ledger.wait_s)
+                         functools.partial(self.ledger.wait_s, booker=booker))
         ctx = RouteContext(request.candidates, request.prompt_length, request.namespace.cache_config.block_size,
                            match, cost, request.p2p, request.min_cached_token_delta or s.route_min_cached_token_delta,
                            (s.route_tier_weight_cpu, s.route_tier_weight_disk), s.route_affinity_spill_waiting,
@@ -111,7 +114,7 @@ class Router:
             self.counters.routed_pull_tokens += pulled
             self.ledger.add(source.node_id, chosen.node_id,
                             cost.wire_ms(source.node_id, chosen.node_id, pulled) / 1000.0,
-                            placement.estimate.queue_ms / 1000.0)
+                            placement.estimate.queue_ms / 1000.0, booker)
         self.counters.decisions[(policy.label, placement.reason.name)] += 1
         self.counters.source_decisions[placement.source_decision.name] += 1
         return RouteDecision(

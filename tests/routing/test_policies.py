@@ -22,7 +22,7 @@ def holder(node: str, gpu: int = 0, cpu: int = 0, disk: int = 0) -> NodePrefix:
 
 
 def ctx(candidates, holders, *, prompt=64 * B, p2p=True, delta=8 * B, figures=Figures(),
-        pull_wait=lambda source, dest, after_s: 0.0, spill=4, **settings) -> RouteContext:
+        pull_wait=lambda source, dest, after_s, seconds: 0.0, spill=4, **settings) -> RouteContext:
     s = RoutingSettings(route_prefill_tokens_per_s=10_000, route_link_bytes_per_s=10e9,
                         route_promotion_bytes_per_s=50e9, route_lookup_ms=1.0, **settings)
     match = PrefixMatch(prompt // B, sorted(holders, key=lambda h: -h.leading_blocks))
@@ -104,7 +104,7 @@ def test_cost_aware_sources_away_from_nics_busy_with_routed_pulls():
     holders = [holder("a", cpu=60), holder("c", cpu=58)]
     assert choose(Policy.COST_AWARE, ctx(cands, holders)).source.node_id == "a"
     busy = {"a": 0.5}  # a's NIC is busy with pulls routed earlier for another 500 ms
-    p = choose(Policy.COST_AWARE, ctx(cands, holders, pull_wait=lambda s, d, after: busy.get(s, 0.0)))
+    p = choose(Policy.COST_AWARE, ctx(cands, holders, pull_wait=lambda s, d, after, seconds: busy.get(s, 0.0)))
     assert p.candidate.engine_id == "b" and p.source.node_id == "c"
 
 

@@ -150,10 +150,33 @@ async def test_a_route_with_a_made_up_backlog_books_a_source_for_everyone_at_mos
     made_up = RouteRequest(NS, (Candidate("x", "x", 0, 2**62),), block_hashes=tuple(HASHES),
                            policy=Policy.LOAD_AWARE, kv_bytes_per_token=KV)
     assert (await r.route(made_up, holders)).source_decision is SourceDecision.PULL  # booked a's NIC
-    assert r.ledger.wait_s("a", "b") <= MAX_AHEAD_S
+    assert 0 < r.ledger.wait_s("a", "b", booker=NS.tenant) <= MAX_AHEAD_S
     clock.now += MAX_AHEAD_S + 1.0
     assert (await r.route(victims_route(), holders)).source_decision is SourceDecision.PULL, \
         "a made-up backlog still keeps every tenant from pulling from the source"
+
+
+async def test_one_tenant_routing_made_up_backlogs_at_most_doubles_another_tenants_pull():
+    """Found in review (stop 36's residue): the ledger delayed every tenant's pull in full behind every route's
+    booking, so a scheduler routing made-up backlogs (each booking up to MAX_AHEAD_S) kept every other tenant's
+    pulls from the nodes it named RECOMPUTE_CHEAPER for as long as it went on. Now a pull waits in full for its own
+    booker's pulls only, and for each other booker's at most its own wait and transfer (a shared link's fair share).
+    Control: the attacker's own pulls wait behind its bookings in full."""
+    clock = Clock()
+    r = router(clock, route_speculative_ttl_ms=0)
+    holders = lookup_of([held("a", cpu=64)])
+    victim = Namespace("victim", "m", "v1", CacheConfig(block_size=B)).validate()
+    wire_ms = 1000.0 * 64 * B * KV / 10e9
+    for _ in range(5):
+        made_up = RouteRequest(NS, (Candidate("x", "x", 0, 2**62),), block_hashes=tuple(HASHES),
+                               policy=Policy.LOAD_AWARE, kv_bytes_per_token=KV)
+        assert (await r.route(made_up, holders)).source_decision is SourceDecision.PULL
+        clock.now += 1.0
+    got = await r.route(RouteRequest(victim, (Candidate("b", "b"),), block_hashes=tuple(HASHES),
+                                     policy=Policy.COST_AWARE, kv_bytes_per_token=KV), holders)
+    assert got.source_decision is SourceDecision.PULL, "one tenant's made-up backlogs keep another from pulling"
+    assert wire_ms < got.estimate.transfer_ms <= 2 * wire_ms + 1e-6
+    assert r.ledger.wait_s("a", "b", seconds=wire_ms / 1000.0, booker=NS.tenant) > 20.0   # control: its own
 
 
 async def test_a_kv_size_past_any_model_is_refused_in_one_line():
