@@ -33,8 +33,7 @@ from typing import Callable, Iterable
 
 import grpc
 
-from kvmesh.channels import ClientTLS
-from kvmesh.grpc_server import channel_options
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.namespace import Namespace
 from kvmesh.v1 import control_plane_pb2 as pb, control_plane_pb2_grpc as pb_grpc
 
@@ -162,9 +161,7 @@ class EventPublisher:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake, self._idle = asyncio.Event(), asyncio.Event()
-        self._channel = (grpc.aio.insecure_channel(self._address, options=channel_options()) if self._tls is None
-                         else grpc.aio.secure_channel(self._address, self._tls.credentials(),
-                                                      options=self._tls.options(channel_options())))
+        self._channel = channel(self._address, None, self._tls)
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self._tasks = [asyncio.create_task(self._run(), name="kvmesh-publisher"),
                        asyncio.create_task(self._heartbeats(), name="kvmesh-heartbeat")]

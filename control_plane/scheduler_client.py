@@ -49,8 +49,7 @@ from typing import Literal, Sequence
 
 import grpc
 
-from kvmesh.channels import ClientTLS
-from kvmesh.grpc_server import channel_options
+from kvmesh.channels import ClientTLS, channel
 from kvmesh.hashing import Extras, HashAlgo
 from kvmesh.namespace import VLLM_DEFAULT_HASH_ALGO, Namespace, engine_namespace
 from kvmesh import tracing
@@ -58,7 +57,7 @@ from kvmesh.v1 import common_pb2, control_plane_pb2 as pb, control_plane_pb2_grp
 from kvmesh.v1 import data_plane_pb2 as dp_pb, data_plane_pb2_grpc as dp_grpc
 
 from control_plane import wire as cp_wire
-from control_plane.watch import ReplicaView
+from control_plane.watch import ReplicaView, block_map_update
 from control_plane.model import Medium, PrefixMatch, tier_mask
 from control_plane.routing import wire
 from control_plane.routing.types import (
@@ -89,7 +88,7 @@ class SchedulerClient:
             raise TypeError(f"namespace must be a kvmesh.namespace.Namespace (SchedulerClient.namespace_for) or a "
                             f"kvmesh.v1.Namespace message, not {type(namespace).__name__}")
         self.namespace = namespace.validate()
-        self._channel = _open_channel(address, tls)
+        self._channel = channel(address, None, tls)
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout = timeout_s
@@ -147,7 +146,7 @@ class SchedulerClient:
             tls = self._tls
             if tls is not None:
                 tls = dataclasses.replace(tls, server_name=order.node_id if self._peer_tls_name == "node-id" else None)
-            ch = self._data_planes[where] = _open_channel(order.data_plane_address, tls)
+            ch = self._data_planes[where] = channel(order.data_plane_address, None, tls)
         request = dp_pb.PrefetchRequest(namespace=self.namespace.to_proto(), block_hashes=order.block_hashes,
                                         ticket=order.ticket)
         try:
@@ -225,7 +224,7 @@ class SchedulerClient:
         while True:
             try:
                 async for msg in self._stub.WatchBlockMap(request, metadata=self._metadata):
-                    view.apply(cp_wire.block_map_update(msg))
+                    view.apply(block_map_update(msg))
                     delay = 0.1
                     if view.synced and not first.done():
                         first.set_result(None)
@@ -256,14 +255,6 @@ class SchedulerClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-def _open_channel(address: str, tls: ClientTLS | None) -> grpc.aio.Channel:
-    """A channel that carries the trace context (when tracing is on), over TLS when ``tls`` is given."""
-    options, interceptors = channel_options(), tracing.client_interceptors()
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, tls.credentials(), options=tls.options(options), interceptors=interceptors)
 
 
 class _Unanswered(Exception):

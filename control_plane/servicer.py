@@ -14,6 +14,7 @@ from control_plane import wire
 from control_plane.core import BatchRefused, ControlPlane
 from control_plane.model import tier_mask
 from control_plane.routing import wire as routing_wire
+from control_plane.watch import block_map_update_to_pb
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
@@ -166,7 +167,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def WatchBlockMap(self, request, context):
         ns = wire.namespace(request.namespace, request.HasField("namespace"))
         async for update in self._core.watch_block_map(current_principal(), ns):
-            yield wire.block_map_update_to_pb(update)
+            yield block_map_update_to_pb(update)
 
     async def Ping(self, request, context):
         return common_pb2.PingResponse()

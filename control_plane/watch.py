@@ -20,6 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unavailable
+from kvmesh.v1 import control_plane_pb2 as pb
 
 from control_plane.model import ALL_TIERS, PrefixMatch
 from control_plane.replica import BlockMapReplica, Change
@@ -259,3 +260,25 @@ class ReplicaView:
     def node_ids(self) -> set[str]:
         """The nodes this replica knows hold blocks (for tests and diagnostics)."""
         return {r.node_id for r in self._slots.values()}
+
+
+# -- wire: BlockMapUpdate <-> control_plane.proto (the servicer's last step, the subscriber's first) --------
+
+def block_map_update_to_pb(update: BlockMapUpdate) -> pb.BlockMapUpdate:
+    reply = pb.BlockMapUpdate(reset=update.reset, synced=update.synced, keys=update.keys, values=update.values,
+                              value_index=update.value_index, server_time_unix_ms=update.server_time_ms)
+    for h in update.holders:
+        if h.record is None:
+            reply.holders.add(slot=h.slot, removed=True)
+        else:
+            reply.holders.add(slot=h.slot, node_id=h.record.node_id, data_plane_address=h.record.address,
+                              lease_until_unix_ms=h.record.lease_until_ms)
+    return reply
+
+
+def block_map_update(msg: pb.BlockMapUpdate) -> BlockMapUpdate:
+    holders = tuple(Holder(h.slot, None if h.removed else SlotRecord(h.node_id, 0, h.lease_until_unix_ms,
+                                                                      h.data_plane_address))
+                    for h in msg.holders)
+    return BlockMapUpdate(msg.reset, msg.synced, holders, msg.keys, tuple(msg.values), msg.value_index,
+                          msg.server_time_unix_ms).validate()

@@ -8,8 +8,6 @@ from kvmesh.namespace import Namespace
 from kvmesh.repeated import at_most
 from kvmesh.v1 import common_pb2, control_plane_pb2 as pb
 
-from control_plane.replica_table import SlotRecord
-from control_plane.watch import BlockMapUpdate, Holder
 from control_plane.model import (
     MAX_CLEARS_PER_BATCH, Ack, AckStatus, Cleared, EventBatch, Event, Medium, NodeInfo, NodePrefix, NodeStatus,
     PackedHashes, PrefixMatch, Removed, Stored,
@@ -21,7 +19,6 @@ _ACK_TO_PB = {
     AckStatus.RESYNC_REQUIRED: pb.ACK_STATUS_RESYNC_REQUIRED,
     AckStatus.REFUSED: pb.ACK_STATUS_REFUSED,
 }
-_ACK_FROM_PB = {v: k for k, v in _ACK_TO_PB.items()}
 
 
 def medium_or_none(value: int, what: str) -> Medium | None:
@@ -141,12 +138,6 @@ def event_to_pb(event: Event) -> pb.KvEvent:
     return pb.KvEvent(cleared=pb.AllBlocksCleared(medium=int(event.medium or 0)))
 
 
-def event_batch_to_pb(batch: EventBatch) -> pb.EventBatch:
-    return pb.EventBatch(node_id=batch.node_id, incarnation=batch.incarnation, seq=batch.seq,
-                         namespace=batch.namespace.to_proto(), reset=batch.reset,
-                         events=[event_to_pb(e) for e in batch.events])
-
-
 def ack_to_pb(ack: Ack) -> pb.EventAck:
     return pb.EventAck(seq=ack.seq, status=_ACK_TO_PB[ack.status], expected_seq=ack.expected_seq,
                        blocks_applied=ack.blocks_applied, detail=ack.detail)
@@ -214,23 +205,3 @@ def lookup_request_to_pb(ns: Namespace, block_hashes, token_ids, extras_: Extras
                                                                lora_path=extras_.lora_path,
                                                                cache_salt=extras_.cache_salt),
                                   media=[int(m) for m in media])
-
-
-def block_map_update_to_pb(update: BlockMapUpdate) -> pb.BlockMapUpdate:
-    reply = pb.BlockMapUpdate(reset=update.reset, synced=update.synced, keys=update.keys, values=update.values,
-                              value_index=update.value_index, server_time_unix_ms=update.server_time_ms)
-    for h in update.holders:
-        if h.record is None:
-            reply.holders.add(slot=h.slot, removed=True)
-        else:
-            reply.holders.add(slot=h.slot, node_id=h.record.node_id, data_plane_address=h.record.address,
-                              lease_until_unix_ms=h.record.lease_until_ms)
-    return reply
-
-
-def block_map_update(msg: pb.BlockMapUpdate) -> BlockMapUpdate:
-    holders = tuple(Holder(h.slot, None if h.removed else SlotRecord(h.node_id, 0, h.lease_until_unix_ms,
-                                                                      h.data_plane_address))
-                    for h in msg.holders)
-    return BlockMapUpdate(msg.reset, msg.synced, holders, msg.keys, tuple(msg.values), msg.value_index,
-                          msg.server_time_unix_ms).validate()

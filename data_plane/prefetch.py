@@ -121,10 +121,6 @@ class Prefetcher:
         self._sweeper: asyncio.Task | None = None
 
     @property
-    def inflight_bytes(self) -> int:
-        return self._inflight_bytes
-
-    @property
     def pending(self) -> int:
         """Prefetches not settled yet (running, or landed and within the use window)."""
         return len(self._records)

@@ -81,6 +81,19 @@ positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positi
 non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
+def subset(known: list[str]) -> Callable[[str], list[str]]:
+    """A comma-separated subset of ``known``, in the order given; refused when it names an unknown one or none."""
+    def check(text: str) -> list[str]:
+        out = [n for n in text.split(",") if n]
+        unknown = [n for n in out if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
+        if not out:
+            raise argparse.ArgumentTypeError("names none")
+        return out
+    return check
+
+
 def host_port(text: str) -> str:
     """``host:port`` or ``[v6]:port`` with a port in 1..65535 (a bare host would make gRPC dial port 443)."""
     host, _, port = text.rpartition(":")

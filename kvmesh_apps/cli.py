@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from kvmesh.command_line import run_command
+from kvmesh.command_line import UsageError, report, run_command
 
 # name -> (module, function, help). The function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -54,14 +54,12 @@ def _usage() -> str:
 def _run(table: dict[str, tuple[str, str, str]], prog: str, name: str, argv: list[str]) -> int:
     if name not in table:
         what, lister = ("benchmark", "kvmesh bench --help") if table is BENCHMARKS else ("command", "kvmesh --help")
-        print(f"{prog.rsplit(' ', 1)[0]}: error: unknown {what} {name!r}; `{lister}` lists them", file=sys.stderr)
-        return 2
+        return report(prog.rsplit(' ', 1)[0], UsageError(f"unknown {what} {name!r}; `{lister}` lists them"))
     module, func, _ = table[name]
     try:
         entry = getattr(importlib.import_module(module), func)
     except ImportError as exc:
-        print(f"{prog}: error: not available in this install ({exc}); run `make setup`", file=sys.stderr)
-        return 2
+        return report(prog, UsageError(f"not available in this install ({exc}); run `make setup`"))
     return run_command(prog, entry, argv)
 
 
@@ -76,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                             + _bench_usage()[1:]))
             return 0
         if len(argv) < 2:
-            print("kvmesh bench: error: no benchmark named; `kvmesh bench --help` lists them", file=sys.stderr)
-            return 2
+            return report("kvmesh bench", UsageError("no benchmark named; `kvmesh bench --help` lists them"))
         return _run(BENCHMARKS, f"kvmesh bench {argv[1]}", argv[1], argv[2:])
     return _run(COMMANDS, f"kvmesh {argv[0]}", argv[0], argv[1:])
 

@@ -42,7 +42,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from kvmesh_apps.fleet import DEFAULT_BLOCK_BYTES, Fleet
 from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
-from kvmesh_apps.cli_args import Parser, fail
+from kvmesh.command_line import Parser
 from kvmesh_apps.procs import Tether
 from kvmesh_apps.up_workdir import WorkdirLock, admin_key, default_workdir
 
@@ -231,11 +231,8 @@ def _supervise(fleet: Fleet) -> str:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        args = _parser().parse_args(argv)
-        slots = resolve_slots(args)
-    except ValueError as exc:  # UsageError and KVShapeError included
-        return fail("kvmesh up", exc)
+    args = _parser().parse_args(argv)  # bad input (UsageError, KVShapeError) is run_command's one line, exit 2
+    slots = resolve_slots(args)
     workdir = Path(args.workdir).expanduser().resolve() if args.workdir else default_workdir()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_signal)

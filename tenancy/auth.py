@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from kvmesh.errors import PermissionDenied, Unauthenticated
+from kvmesh.errors import Unauthenticated
 from kvmesh.grpc_server import rewrap_handler
 from kvmesh.request_gate import client_streaming
 from tenancy import api_keys
@@ -212,10 +212,3 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                                          method, outcome, detail))
         except Exception:  # noqa: BLE001 - auditing must not turn a denial into a crash
             log.warning("could not audit a denial", exc_info=True)
-
-
-def require_role(*roles: Role) -> Principal:
-    principal = current_principal()
-    if principal.role not in roles:
-        raise PermissionDenied(f"this call needs the {' or '.join(r.name.lower() for r in roles)} role")
-    return principal

@@ -223,10 +223,6 @@ class GrantVerifier:
     def set_keys(self, public_keys: list[bytes]) -> None:
         self._keys = {key_id(k): Ed25519PublicKey.from_public_bytes(k) for k in public_keys}
 
-    @property
-    def key_ids(self) -> frozenset[str]:
-        return frozenset(self._keys)
-
     def verify(self, token: bytes, *, namespace_fingerprint: str | None, now_ms: int | None = None) -> Grant:
         """``namespace_fingerprint`` None: any namespace (calls that name none, e.g. the NIXL handshake).
         Who presents it is checked by the caller: a proof of possession of ``consumer_public_key``."""

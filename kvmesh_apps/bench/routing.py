@@ -65,13 +65,13 @@ import numpy as np
 from control_plane.routing.config import RoutingSettings
 from control_plane.routing.types import Candidate, EngineSample, LinkSample, Policy
 from control_plane.scheduler_client import SchedulerClient
+from kvmesh.command_line import Parser, UsageError, non_negative_float, positive_float, positive_int, \
+    subset
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.bench.figures import interval, load_report, progress
 from kvmesh_apps.bench.shaped_fleet import ShapedFleet
 from kvmesh_apps.bench.conversation_windows import ConversationWindow, conversation_window
 from kvmesh_apps.bench.sim_to_real import Prompts, paired_verdicts, sign_agreement
-from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_float, positive_float, positive_int, \
-    subset
 from kvmesh_apps.engine_host import BLOCK_SIZE, DTYPE, EngineProcess
 from kvmesh_apps.kv_shape import KVShape
 from kvmesh_apps.replay.backends import InProcessBackend
@@ -79,7 +79,7 @@ from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import pct, threshold_tokens
 from kvmesh_apps.replay.sim import Simulation, Variant
-from kvmesh_apps.replay.trace import BlockHashes, TraceError, TraceRequest, scan, select_windows
+from kvmesh_apps.replay.trace import BlockHashes, TraceRequest, scan, select_windows
 from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 PROG = "kvmesh bench routing"
@@ -460,21 +460,18 @@ def _parser() -> Parser:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        args = _parser().parse_args(argv)
-        if args.quick:
-            args.repetitions, args.paces, args.requests = 2, args.paces[-1:], min(args.requests, 10)
-        if args.nodes < 2:
-            raise UsageError("--nodes: at least 2")
-        if os.geteuid() != 0:
-            raise UsageError("network namespaces need root: run it as root")
-        info = scan(Path(args.trace))   # every window its own stretch of the trace: as many as --repetitions
-        horizon = max(1, min(args.horizon, info.requests // args.repetitions))
-        plan = select_windows(info, 0, args.repetitions, horizon, spacing=horizon)
-        windows = [conversation_window(Path(args.trace), start, plan.requests, args.requests, args.block_tokens,
-                                       args.max_prompt) for start in plan.starts]
-    except (UsageError, TraceError) as exc:
-        return fail(PROG, exc)
+    args = _parser().parse_args(argv)  # bad input (UsageError, TraceError) is run_command's one line, exit 2
+    if args.quick:
+        args.repetitions, args.paces, args.requests = 2, args.paces[-1:], min(args.requests, 10)
+    if args.nodes < 2:
+        raise UsageError("--nodes: at least 2")
+    if os.geteuid() != 0:
+        raise UsageError("network namespaces need root: run it as root")
+    info = scan(Path(args.trace))   # every window its own stretch of the trace: as many as --repetitions
+    horizon = max(1, min(args.horizon, info.requests // args.repetitions))
+    plan = select_windows(info, 0, args.repetitions, horizon, spacing=horizon)
+    windows = [conversation_window(Path(args.trace), start, plan.requests, args.requests, args.block_tokens,
+                                   args.max_prompt) for start in plan.starts]
     started = time.monotonic()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvmesh-routing-") as tmp:

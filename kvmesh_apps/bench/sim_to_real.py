@@ -43,17 +43,17 @@ from control_plane.routing.config import RoutingSettings
 from control_plane.routing.types import Candidate, EngineSample, LinkSample
 from control_plane.scheduler_client import SchedulerClient
 from engine_connector.config import KV_LAYOUT
+from kvmesh.command_line import Parser, non_negative_int, positive_float, positive_int, subset
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh_apps.engine_host import BLOCK_SIZE, DTYPE, EngineProcess
 from kvmesh_apps.fleet import Fleet
 from kvmesh_apps.kv_shape import KVShape
-from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_int, positive_float, positive_int, subset
 from kvmesh_apps.replay.backends import InProcessBackend
 from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import mean_ci, pct
 from kvmesh_apps.replay.sim import Simulation, variants
-from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, BlockHashes, TraceError, TraceRequest, load_window, scan, \
+from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, BlockHashes, TraceRequest, load_window, scan, \
     select_windows
 from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
 from tenancy.api_keys import new_key
@@ -255,11 +255,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--load", type=positive_float, default=0.7, help="arrival rate over the two engines' capacity")
     parser.add_argument("--policies", type=subset(known), default=list(POLICIES))
     parser.add_argument("--json", action="store_true")
-    try:   # all input, the whole trace included, checked before a model, a fleet or an engine starts
-        args = parser.parse_args(argv)
-        plan = select_windows(scan(Path(args.trace)), args.start, 1, args.requests)
-    except (UsageError, TraceError) as exc:
-        return fail(PROG, exc)
+    # all input, the whole trace included, checked before a model, a fleet or an engine starts (bad input:
+    # run_command's one line, exit 2)
+    args = parser.parse_args(argv)
+    plan = select_windows(scan(Path(args.trace)), args.start, 1, args.requests)
     started = time.monotonic()
     window = scaled_window(Path(args.trace), plan.starts[0], plan.requests, args.block_tokens, args.max_prompt,
                            args.max_tokens)

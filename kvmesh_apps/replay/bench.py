@@ -24,13 +24,13 @@ from pathlib import Path
 import grpc
 
 from control_plane.scheduler_client import SchedulerClient
+from kvmesh.command_line import Parser, UsageError, non_negative_float, non_negative_int, positive_float, \
+    positive_int, subset
 from kvmesh.grpc_server import channel_options
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import control_plane_pb2_grpc as pb_grpc, tenant_admin_pb2, tenant_admin_pb2_grpc
 from kvmesh_apps.procs import ServiceProcess
 from kvmesh_apps.redis_server import RedisServer
-from kvmesh_apps.cli_args import Parser, UsageError, fail, non_negative_float, non_negative_int, positive_float, \
-    positive_int, subset
 from kvmesh_apps.replay.backends import ControlPlaneBackend
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import BASELINE, RunSpec, baseline_settings, combine, paired, run_many, summarize
@@ -137,23 +137,22 @@ def _ci(value: float | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    try:   # every input checked (the whole trace too) before any run starts
-        args = _parser().parse_args(argv)
-        info = scan(Path(args.trace))
-        plan = select_windows(info, args.start, args.windows, args.requests)
-        sweep_plan = None if args.no_sweep else select_windows(info, args.start, args.sweep_windows,
-                                                               args.sweep_requests)
-        for s in sweep_plan.starts if sweep_plan else ():   # the load curve is in multiples of each one's rate
-            if load_window(Path(args.trace), s, sweep_plan.requests)[-1].arrival_ms == 0:
-                raise TraceError(f"{args.trace}: requests {s} to {s + sweep_plan.requests - 1} all arrive at one "
-                                 f"time, so the sweep's arrival rates are undefined (--no-sweep: the default point "
-                                 f"only; or more --sweep-requests)")
-        out = Path(args.out)
+    # every input checked (the whole trace too) before any run starts (bad input: run_command's one line, exit 2)
+    args = _parser().parse_args(argv)
+    info = scan(Path(args.trace))
+    plan = select_windows(info, args.start, args.windows, args.requests)
+    sweep_plan = None if args.no_sweep else select_windows(info, args.start, args.sweep_windows,
+                                                           args.sweep_requests)
+    for s in sweep_plan.starts if sweep_plan else ():   # the load curve is in multiples of each one's rate
+        if load_window(Path(args.trace), s, sweep_plan.requests)[-1].arrival_ms == 0:
+            raise TraceError(f"{args.trace}: requests {s} to {s + sweep_plan.requests - 1} all arrive at one "
+                             f"time, so the sweep's arrival rates are undefined (--no-sweep: the default point "
+                             f"only; or more --sweep-requests)")
+    out = Path(args.out)
+    try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        return fail(PROG, f"--out {args.out}: {exc.strerror or exc}")
-    except (UsageError, TraceError) as exc:
-        return fail(PROG, exc)
+        raise UsageError(f"--out {args.out}: {exc.strerror or exc}") from None
     started = time.monotonic()
     d = Profile()
     profile = dataclasses.replace(d, speed=args.speed, inter_rack_bytes_per_s=args.inter_rack_gbytes_per_s * 1e9,

@@ -7,7 +7,6 @@ A run is a plain, picklable :class:`RunSpec`; :func:`run_many` spreads them over
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import multiprocessing
 import statistics
@@ -202,7 +201,3 @@ def max_slo_rate(points: list[tuple[float, float]]) -> float:
             best = r0 + (r1 - r0) * (a0 - SLO_ATTAINMENT) / max(1e-9, a0 - a1)
         break
     return round(best, 3)
-
-
-def with_profile(profile: Profile, **changes) -> Profile:
-    return dataclasses.replace(profile, **changes)

@@ -21,6 +21,7 @@ from kvmesh.namespace import CacheConfig, Namespace
 
 from data_plane.client import DataPlaneClient
 from kvmesh.channels import ClientTLS
+from kvmesh.command_line import run_command
 from kvmesh_apps import up
 
 
@@ -110,7 +111,7 @@ def _model(tmp_path: Path, config: dict | str = SHAPE, name: str = "model") -> P
 
 
 def _refused(argv: list[str], capsys) -> str:
-    code = up.main(argv)
+    code = run_command("kvmesh up", up.main, argv)   # as `kvmesh up` runs it
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.command_line import run_command
 from kvmesh_apps.bench import sim_to_real
 from kvmesh_apps.replay import bench
 from kvmesh_apps.replay.trace import TraceError, TraceInfo, load_window, parse_row, scan, select_windows
@@ -51,7 +52,7 @@ def trace_of(path: Path, n: int) -> Path:
 
 
 def one_line_error(main, argv: list[str], capsys, prog: str = "kvmesh bench replay") -> str:
-    assert main(argv) == 2
+    assert run_command(prog, main, argv) == 2   # as `kvmesh bench ...` runs it
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"{prog}: ") and "Traceback" not in err, err
     return err
