@@ -328,18 +328,22 @@ class DataPlaneCore:
         hashes = self.check(ns, hashes)
         pinned: list[Block] = []
         epoch = self.epochs.current(ns.tenant)
-        if self._known(ns) and epoch is not GONE:
-            fp = ns.fingerprint
-            for h in hashes:
-                block = self._resident(ns, BlockKey(fp, h), media, "local", epoch)
-                if block is None:
-                    break
-                self.tier.pin(block)
-                pinned.append(block)
-        fresh = set(map(id, checked))
-        unchecked = [i for i, b in enumerate(pinned) if id(b) not in fresh] if fresh else range(len(pinned))
-        bad = await self._checker.first_mismatch([pinned[i].slot for i in unchecked],
-                                                 [pinned[i].checksum for i in unchecked])
+        try:  # a call cancelled in its check (its deadline, its client) or a failed promotion keeps no pin
+            if self._known(ns) and epoch is not GONE:
+                fp = ns.fingerprint
+                for h in hashes:
+                    block = self._resident(ns, BlockKey(fp, h), media, "local", epoch)
+                    if block is None:
+                        break
+                    self.tier.pin(block)
+                    pinned.append(block)
+            fresh = set(map(id, checked))
+            unchecked = [i for i, b in enumerate(pinned) if id(b) not in fresh] if fresh else range(len(pinned))
+            bad = await self._checker.first_mismatch([pinned[i].slot for i in unchecked],
+                                                     [pinned[i].checksum for i in unchecked])
+        except BaseException:
+            self.tier.unpin_all(pinned)
+            raise
         intact = unchecked[bad] if bad < len(unchecked) else len(pinned)
         for block in pinned[intact:]:
             self.tier.unpin(block)
@@ -406,10 +410,16 @@ class DataPlaneCore:
                      "CPU tier on this node", key.block_hash.hex(), ns.tenant, limit)
             return None
         disk_block = self.disk.get(key)
-        block = self.tier.reserve(ns, key, disk_block.info, disk_block.epoch)
+        with self.disk.held(key):  # the reservation may evict a CPU block to a full disk: not onto this one
+            block = self.tier.reserve(ns, key, disk_block.info, disk_block.epoch)
         if block is None:
             return None
-        if self.disk.read_into(key, self.region.slot(block.slot)) is None:
+        try:
+            read = self.disk.read_into(key, self.region.slot(block.slot))
+        except OSError as exc:
+            log.error("reading block %s from the disk tier failed: %s", key.block_hash.hex(), exc)
+            read = None
+        if read is None:
             self.tier.abort(block)
             self.events.removed(ns, [key.block_hash], Medium.DISK)
             return None
@@ -467,40 +477,48 @@ class DataPlaneCore:
         pending: list[int] = []
         epoch = self.epochs.current(ns.tenant) if grant_epoch is None else grant_epoch
         in_cpu: list[Block] = []  # HITs already in the CPU tier: pinned and counted at once, below
-        if self._known(ns) and epoch is not GONE:
-            fp, arriving, committed = ns.fingerprint, self.pulls.arriving, BlockState.COMMITTED
-            keys = block_keys(fp, hashes)
-            held = 0  # of in_cpu, pinned already
-            for i, (key, current) in enumerate(zip(keys, self.tier.get_all(keys))):
-                if current is not None and current.state is committed and current.epoch == epoch \
-                        and key not in arriving:  # the usual case, in as few steps as it takes
-                    in_cpu.append(current)
-                    blocks[i] = current
-                elif (current is not None and not current.committed) or key in arriving:
-                    pending.append(i)
-                else:  # not in the CPU tier under this epoch: on disk, perhaps
-                    self.tier.pin_all(in_cpu[held:])  # before a promotion evicts to make room
-                    held = len(in_cpu)
-                    block = self._resident(ns, key, media, "peer", epoch)
-                    if block is not None:
-                        self.tier.pin(block)
-                        blocks[i] = block
-            self.tier.pin_all(in_cpu[held:])
-            self.metrics.found("peer", "cpu", len(in_cpu))
-            self.metrics.read_all(map(KEY, in_cpu))
-        if pending:
-            wait = self._bounded(pending_wait_ms, self.config.pending_wait_ms, self.config.max_pending_wait_ms)
-            started = time.monotonic()
-            deadline = started + wait
-            for i in pending:
-                key = BlockKey(fp, hashes[i])
-                current = await self.pulls.arrival(key, deadline)
-                if current is not None and self.epochs.serves(current.epoch, epoch):
-                    self.tier.pin(current)
-                    self.metrics.found("peer", "cpu")
-                    self.metrics.read(key)
-                    blocks[i] = current
-            self.metrics.pending_wait(time.monotonic() - started)
+        held = 0  # of in_cpu, pinned already
+        others: list[Block] = []  # pinned too: promoted from disk, arrived while waiting
+        try:  # a call cancelled while it waits (its deadline, its client) or a failed promotion keeps no pin
+            if self._known(ns) and epoch is not GONE:
+                fp, arriving, committed = ns.fingerprint, self.pulls.arriving, BlockState.COMMITTED
+                keys = block_keys(fp, hashes)
+                for i, (key, current) in enumerate(zip(keys, self.tier.get_all(keys))):
+                    if current is not None and current.state is committed and current.epoch == epoch \
+                            and key not in arriving:  # the usual case, in as few steps as it takes
+                        in_cpu.append(current)
+                        blocks[i] = current
+                    elif (current is not None and not current.committed) or key in arriving:
+                        pending.append(i)
+                    else:  # not in the CPU tier under this epoch: on disk, perhaps
+                        self.tier.pin_all(in_cpu[held:])  # before a promotion evicts to make room
+                        held = len(in_cpu)
+                        block = self._resident(ns, key, media, "peer", epoch)
+                        if block is not None:
+                            self.tier.pin(block)
+                            others.append(block)
+                            blocks[i] = block
+                self.tier.pin_all(in_cpu[held:])
+                held = len(in_cpu)
+                self.metrics.found("peer", "cpu", len(in_cpu))
+                self.metrics.read_all(map(KEY, in_cpu))
+            if pending:
+                wait = self._bounded(pending_wait_ms, self.config.pending_wait_ms, self.config.max_pending_wait_ms)
+                started = time.monotonic()
+                deadline = started + wait
+                for i in pending:
+                    key = BlockKey(fp, hashes[i])
+                    current = await self.pulls.arrival(key, deadline)
+                    if current is not None and self.epochs.serves(current.epoch, epoch):
+                        self.tier.pin(current)
+                        others.append(current)
+                        self.metrics.found("peer", "cpu")
+                        self.metrics.read(key)
+                        blocks[i] = current
+                self.metrics.pending_wait(time.monotonic() - started)
+        except BaseException:
+            self.tier.unpin_all(in_cpu[:held] + others)
+            raise
         holder = holder or consumer or "peer"
         pinned = blocks if len(in_cpu) == n else [b for b in blocks if b is not None]
         pins_of = f"{peer_node or holder}\x1f{ns.tenant}" if grant_epoch is not None else ""

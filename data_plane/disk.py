@@ -15,6 +15,7 @@ thread. Reads and writes are synchronous (one block at a time, page cache).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class DiskTier:
         self._blocks: dict[BlockKey, DiskBlock] = {}
         self._free = list(range(num_slots - 1, -1, -1))
         self._per_tenant: collections.Counter[str] = collections.Counter()  # blocks held, by tenant
+        self._held: set[BlockKey] = set()  # not evicted while held (being promoted)
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Scratch space: a file this user left behind (a crash) is replaced; anything else refused.
         self._fd = create_exclusive(self.path, stale=lambda _path: True)
@@ -61,6 +63,16 @@ class DiskTier:
 
     def get(self, key: BlockKey) -> DiskBlock | None:
         return self._blocks.get(key)
+
+    @contextlib.contextmanager
+    def held(self, key: BlockKey) -> Iterator[None]:
+        """``key`` is not evicted meanwhile (a promotion's reservation may evict a CPU block to this full disk, and
+        took the very block it was promoting: the read failed and left its CPU slot reserved for good)."""
+        self._held.add(key)
+        try:
+            yield
+        finally:
+            self._held.discard(key)
 
     def blocks(self) -> Iterator[DiskBlock]:
         return iter(self._blocks.values())
@@ -80,8 +92,8 @@ class DiskTier:
             return []
         evicted = []
         if not self._free:
-            candidates = evictable_by(map(self._blocks.__getitem__, self._policy.victims()), namespace.tenant,
-                                      self._per_tenant, self.num_slots)
+            candidates = evictable_by((self._blocks[k] for k in self._policy.victims() if k not in self._held),
+                                      namespace.tenant, self._per_tenant, self.num_slots)
             victim_key = next(map(attrgetter("key"), candidates), None)
             if victim_key is None:
                 return None
@@ -101,8 +113,10 @@ class DiskTier:
         return evicted
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> DiskBlock | None:
-        """Copies a block into ``out`` and verifies it; None (and the block dropped) if corrupt."""
-        block = self._blocks[key]
+        """Copies a block into ``out`` and verifies it; None if it is not here, or corrupt (then dropped)."""
+        block = self._blocks.get(key)
+        if block is None:
+            return None
         read = os.preadv(self._fd, [memoryview(out)], block.slot * self.block_bytes)
         if read != self.block_bytes or checksum(out) != block.checksum:
             log.error("disk block %s failed verification; dropped", key.block_hash.hex())
