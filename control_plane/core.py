@@ -316,17 +316,25 @@ class ControlPlane:
 
     async def route(self, principal: Principal, request: RouteRequest) -> RouteDecision:
         """Where to run a prompt; sees the block map through the caller's lookup rights. A named source
-        carries a route token (data planes with require_route_token pull only from such sources). A node key's
-        routes are not recorded as speculative holdings: a node key may read every tenant that allows it, and
-        its routes of a tenant's prompts to an engine of its choice would steer that tenant's next requests; and
-        its pulls are booked in the ledger as its own, not the tenant's (one booker at most doubles another's
-        estimated wait: routing.ledger)."""
+        carries a route token (data planes with require_route_token pull only from such sources).
+
+        Only the namespace's own tenant (its schedulers) or an admin acts *as* the tenant: its routes are recorded
+        as speculative holdings, its pulls booked in the ledger as the tenant's, and it gets prefetch orders.
+        Anyone else who may read the namespace routes as itself: a node key (it may read every tenant that allows
+        it) or another tenant's scheduler reading a namespace shared with it (``shared_with``). Their routes are
+        answered but not recorded (they would steer the tenant's next requests to engines of their choosing, and
+        fill the tenant's share of the speculative entries), their pulls are booked under their own node or
+        tenant (one booker at most doubles another's estimated wait: routing.ledger), and a sharee gets no
+        prefetch order (it would run against the tenant's share of the destination's prefetch cap; its engine
+        pulls when it runs); a node key's order is for its own node only."""
         may_read = (await self.authz.tenant(request.namespace.tenant) is not None
                     and await self.authz.may_read(principal, request.namespace.tenant))
         node_key = principal.role is Role.NODE
-        booker = ("node", principal.node_id) if node_key else None
+        as_tenant = principal.role is Role.ADMIN or (principal.role is Role.SCHEDULER
+                                                     and principal.tenant_id == request.namespace.tenant)
+        booker = ("node", principal.node_id) if node_key else None if as_tenant else principal.tenant_id
         decision = await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read,
-                                           records=not node_key, booker=booker)
+                                           records=as_tenant, booker=booker)
         if decision.source is None:
             return decision
         source = decision.source
@@ -334,7 +342,7 @@ class ControlPlane:
                                             int(time.time() * 1000) + self.config.grant_ttl_ms))
         source = dataclasses.replace(source, route_token=token.decode())
         order = None
-        if self.config.route_prefetch:  # route-time prefetch (control_plane.prefetch)
+        if self.config.route_prefetch and (as_tenant or node_key):  # route-time prefetch (control_plane.prefetch)
             tenant = await self.authz.tenant(request.namespace.tenant)
             order = await prefetch_order(
                 request, decision.engine_id, source, nodes=self.block_map.list_nodes, signer=self.signer,

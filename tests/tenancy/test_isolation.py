@@ -275,3 +275,41 @@ async def test_a_node_key_cannot_steer_a_tenants_next_requests_with_its_routes(f
     other = list(range(9_000, 9_000 + 32 * 8))  # control: the scheduler's own route keeps its next one together
     assert await route(scheduler, other, ("z", 0)) == "engine-z"
     assert await route(scheduler, other, ("z", 1), ("w", 0)) == "engine-z"
+
+
+async def test_a_sharee_routes_as_itself_not_as_the_sharing_tenant(fleet):
+    """Found in review: another tenant's scheduler that may read a namespace through ``shared_with`` routed in it
+    as its tenant: its routes were recorded as the tenant's speculative holdings (steering the tenant's next
+    requests), its made-up backlogs booked the ledger as the tenant's own pulls (every pull of the tenant's from
+    that source, private namespaces too, RECOMPUTE_CHEAPER), and its prefetch orders ran against the tenant's
+    share of the destination's prefetch cap. A sharee now routes as itself: answered, not recorded, booked as its
+    own tenant, no prefetch order. Controls: the tenant's own scheduler gets all three."""
+    await fleet.tenant("public", shared_with=["tenant-b"])
+    await fleet.tenant("tenant-b")
+    cp, _, batch = await publish_as_node(fleet, "node-a", "public", hashes())
+    assert (await cp.PublishEvents(batch)).status == pb.ACK_STATUS_APPLIED
+    await publish_as_node(fleet, "node-b", "public", [])  # registered and live: a prefetch destination
+    _, owner = await fleet.key("scheduler", tenant_id="public")
+    _, sharee = await fleet.key("scheduler", tenant_id="tenant-b")
+
+    async def route(key: str, *candidates: tuple[str, int, int], policy=pb.ROUTE_POLICY_AFFINITY, kv=0):
+        return await fleet.cp(key).Route(pb.RouteRequest(
+            namespace=ns_pb("public"), token_ids=TOKENS, policy=policy, kv_bytes_per_token=kv,
+            min_cached_token_delta=1, candidates=[pb.EngineCandidate(engine_id=f"engine-{n}", node_id=f"node-{n}", waiting_requests=w,
+                                           running_tokens=r) for n, w, r in candidates]))
+
+    assert (await route(sharee, ("x", 0, 0))).engine_id == "engine-x"  # answered
+    assert (await route(owner, ("x", 1, 0), ("y", 0, 0))).engine_id == "engine-y", \
+        "the sharee's route drew the tenant's request to its engine"  # red before: engine-x
+    pulls = {"policy": pb.ROUTE_POLICY_LOAD_AWARE, "kv": 1_000}
+    theirs = await route(sharee, ("b", 0, 0), **pulls)
+    assert theirs.kv_source.node_id == "node-a" and not theirs.HasField("prefetch"), "a sharee got a prefetch order"
+    mine = await route(owner, ("b", 0, 0), **pulls)
+    assert mine.kv_source.node_id == "node-a" and mine.HasField("prefetch")  # control: the tenant's own
+    for _ in range(3):  # the sharee books node-a's NIC with made-up backlogs
+        assert (await route(sharee, ("m", 0, 2**62), **pulls)).kv_source.node_id == "node-a"
+    after = await route(owner, ("c", 0, 0), **pulls)  # (engine-b holds the prompt now, speculatively)
+    assert after.source_decision == pb.SOURCE_DECISION_PULL and after.estimate.transfer_ms < 1_000, \
+        f"the sharee's bookings held the tenant's pulls: {after.estimate.transfer_ms:.0f} ms"
+    own = await route(sharee, ("c", 0, 0), **pulls)  # control: its own bookings hold the sharee's next pull
+    assert own.estimate.transfer_ms > 10_000 or own.source_decision != pb.SOURCE_DECISION_PULL
