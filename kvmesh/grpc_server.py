@@ -108,6 +108,9 @@ async def wait_for_signal() -> None:
 
 
 KEEPALIVE_MS = 2_000
+# A ping unanswered this long ends its connection (a frozen peer); more than KEEPALIVE_MS, so that a server on a
+# machine the engines keep busy is not dropped for answering late.
+PING_TIMEOUT_MS = 5_000
 # A connection that has not finished its TLS handshake and HTTP/2 preface by then is closed (gRPC's default, 120 s,
 # let anyone who reaches the port hold one of the service's file descriptors per connection for two minutes).
 HANDSHAKE_TIMEOUT_MS = 10_000
@@ -118,8 +121,8 @@ IDLE_CONNECTION_MS = 60_000
 
 def channel_options() -> list[tuple[str, int]]:
     """Every client channel: message limits, and HTTP/2 keepalive pings, so a connection whose packets are
-    dropped (a partition, a peer frozen or gone without a FIN) is declared dead within ~2 x KEEPALIVE_MS and
-    the next call reconnects, instead of waiting out TCP retransmission backoff (measured: > 10 s after a
+    dropped (a partition, a peer frozen or gone without a FIN) is declared dead within KEEPALIVE_MS +
+    PING_TIMEOUT_MS (~7 s) and the next call reconnects, instead of waiting out TCP retransmission backoff (measured: > 10 s after a
     partition healed, `kvmesh bench faults`). Reconnect attempts back off to at most KEEPALIVE_MS (gRPC's default
     grows to 120 s), so a long-lived channel is usable again within ~2 s of its server coming back."""
     return [
@@ -130,8 +133,8 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
         # how long a ping waits for its answer: keepalive_timeout_ms alone left it at gRPC's 60 s (measured: a call
-        # with no deadline on an open channel to a frozen server failed after 60 s; 4 s with this)
-        ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),
+        # with no deadline on an open channel to a frozen server failed after 60 s; ~7 s with this)
+        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
