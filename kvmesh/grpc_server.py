@@ -122,9 +122,10 @@ IDLE_CONNECTION_MS = 60_000
 def channel_options() -> list[tuple[str, int]]:
     """Every client channel: message limits, and HTTP/2 keepalive pings, so a connection whose packets are
     dropped (a partition, a peer frozen or gone without a FIN) is declared dead within KEEPALIVE_MS +
-    PING_TIMEOUT_MS (~7 s) and the next call reconnects, instead of waiting out TCP retransmission backoff (measured: > 10 s after a
-    partition healed, `kvmesh bench faults`). Reconnect attempts back off to at most KEEPALIVE_MS (gRPC's default
-    grows to 120 s), so a long-lived channel is usable again within ~2 s of its server coming back."""
+    PING_TIMEOUT_MS (~7 s) and the next call reconnects, instead of waiting out TCP retransmission backoff
+    (measured: > 10 s after a partition healed, `kvmesh bench faults`). Reconnect attempts back off to at most
+    KEEPALIVE_MS (gRPC's default grows to 120 s), so a long-lived channel is usable again within ~2 s of its
+    server coming back."""
     return [
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", KEEPALIVE_MS),
