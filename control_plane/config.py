@@ -7,9 +7,10 @@ import hmac
 import logging
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvmesh.addresses import check_address
 from kvmesh.metrics import METRICS_LISTEN_HELP, MetricsListen
 
 from control_plane.routing.config import RoutingSettings
@@ -25,6 +26,12 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVMESH_CP_", extra="forbid")
 
     listen: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds (port 0: any free port)")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        return check_address("listen", value, port="any")
+
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="block-map store: redis://host:port/db, or redis+cluster://host:port[,host:port...] for a "

@@ -11,22 +11,12 @@ from typing import Literal
 from pydantic import ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvmesh.addresses import check_address, split_host_port
 from kvmesh.channels import ClientTLS
 from kvmesh.metrics import METRICS_LISTEN_HELP, MetricsListen
 from tenancy import api_keys
 
 MIB = 1 << 20
-
-
-def split_host_port(address: str) -> tuple[str, int | None]:
-    """``"host:port"``, ``"[v6]:port"`` or a bare host."""
-    if address.startswith("["):
-        host, _, rest = address[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") else None
-    if address.count(":") == 1:
-        host, port = address.split(":")
-        return host, int(port)
-    return address, None
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -222,10 +212,12 @@ class DataPlaneConfig(BaseSettings):
                           ("pull_timeout_ms", "max_pull_timeout_ms")):
             if getattr(self, low) > getattr(self, high):
                 raise ValueError(f"{low} must not exceed {high}")
-        listen_host, listen_port = split_host_port(self.listen)
-        if listen_port is None:
-            raise ValueError(f"listen {self.listen!r} must be host:port")
-        self._check_advertised(listen_host)
+        check_address("listen", self.listen, port="any")
+        if self.advertise_address:
+            check_address("advertise_address", self.advertise_address, port="optional")
+        if self.control_plane_address:
+            check_address("control_plane_address", self.control_plane_address)
+        self._check_advertised(split_host_port(self.listen)[0])
         return self
 
     def _check_advertised(self, listen_host: str) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
+import os
 from typing import Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
@@ -38,12 +40,31 @@ def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_)
     args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    _refuse_unknown_environment(cls, prog)
     try:
         return cls(**args)
     except ValidationError as exc:  # field and reason only: an input value may be a secret
         prefix = cls.model_config.get("env_prefix", "")
         reasons = ", ".join(_reason(e, prefix) for e in exc.errors(include_input=False, include_url=False))
         raise UsageError(f"invalid configuration: {reasons}; fix the flag or environment variable named") from None
+
+
+# Names with a service's prefix that are not its settings: docker-compose.yml's published port, read by compose.
+NOT_SETTINGS = frozenset({"KVMESH_CP_PORT"})
+
+
+def _refuse_unknown_environment(cls: type[BaseSettings], prog: str) -> None:
+    """A variable with the settings' prefix that names no setting stops the start: pydantic-settings ignores it, and
+    a misspelled one (KVMESH_CP_TLS_CLIENT_CA for ..._FILE) left mutual TLS off without a word."""
+    prefix = cls.model_config.get("env_prefix", "").upper()
+    if not prefix:
+        return
+    known = {prefix + name.upper() for name in cls.model_fields}
+    unknown = sorted(n for n in os.environ if n.upper().startswith(prefix) and n.upper() not in known | NOT_SETTINGS)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0].upper(), sorted(known), n=1, cutoff=0.8)
+        hint = f"did you mean {close[0]}?" if close else f"`{prog} --help` lists the settings ({prefix}<SETTING>)"
+        raise UsageError(f"{unknown[0]} in the environment names no setting; {hint} (or unset it)")
 
 
 def _reason(error: dict, prefix: str) -> str:

@@ -159,6 +159,48 @@ def test_data_plane_bad_settings(tmp_path):
     fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "'rack:7' cannot be a certificate's DNS name")
 
 
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--listen", "127.0.0.1:99999", ["listen '127.0.0.1:99999'", "0 to 65535"]),  # served on 34463 before
+    ("--advertise-address", "127.0.0.1:99999", ["advertise_address", "0 to 65535"]),  # registered as given before
+    ("--advertise-address", "a:b:c", ["advertise_address 'a:b:c'", "brackets"]),
+    ("--advertise-address", "10.0.0.7:0", ["advertise_address", "port 0"]),
+    ("--control-plane-address", "notanaddress", ["control_plane_address", "needs a port"]),  # retried for ever before
+    ("--control-plane-address", "127.0.0.1:99999", ["control_plane_address", "0 to 65535"]),
+])
+def test_data_plane_addresses_out_of_range_or_malformed(tmp_path, flag, value, words):
+    """Found in review: ports above 65535 lost their high bits in getaddrinfo and gRPC (99999 served on 34463), and
+    a malformed control-plane address read as an outage and was retried for ever. Controls: every other data-plane
+    test starts on good addresses, IPv6 ones in brackets included (test_addresses_in_brackets_and_bare_hosts_pass)."""
+    out = kvmesh("data-plane", *dp_flags(tmp_path / "k"), flag, value)
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "invalid configuration", *words)
+
+
+def test_addresses_in_brackets_and_bare_hosts_pass():
+    from data_plane.config import DataPlaneConfig
+    from kvmesh.addresses import check_address
+
+    assert check_address("listen", "[::1]:0", port="any") == "[::1]:0"
+    assert check_address("advertise_address", "node-7.rack", port="optional") == "node-7.rack"
+    config = DataPlaneConfig(node_id="n1", api_key="k", listen="[::1]:0", advertise_address="[fd00::7]",
+                             control_plane_address="cp.internal:50051")
+    assert config.advertised(7100) == "[fd00::7]:7100"
+
+
+def test_a_misspelled_setting_in_the_environment_stops_the_start(secrets, tmp_path):
+    """Found in review: pydantic-settings ignores a variable with the prefix that names no setting, so
+    KVMESH_CP_TLS_CLIENT_CA (for ..._FILE) left mutual TLS off without a word, and KVMESH_DP_CAPACITY (for
+    ..._BYTES) pinned the 1 GiB default. Control: compose's KVMESH_CP_PORT is not a setting and is let through (the
+    start goes on to its next check)."""
+    out = kvmesh("control-plane", "--listen", "127.0.0.1:0", env={"KVMESH_CP_TLS_CLIENT_CA": "/ca.crt"})
+    fails_in_one_line(out, BAD_INPUT, "kvmesh control-plane", "KVMESH_CP_TLS_CLIENT_CA",
+                      "did you mean KVMESH_CP_TLS_CLIENT_CA_FILE?")
+    out = kvmesh("data-plane", *dp_flags(tmp_path / "k"), env={"KVMESH_DP_CAPACITY": "64MiB"})
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "did you mean KVMESH_DP_CAPACITY_BYTES?")
+    out = kvmesh("control-plane", "--listen", "127.0.0.1:0", "--redis-url", "redis://127.0.0.1:1/0",
+                 env={"KVMESH_CP_PORT": "127.0.0.1:50051"})
+    assert "KVMESH_CP_PORT" not in out.stderr and "no admin key" in out.stderr, out.stderr
+
 # ---- admin ----
 
 def admin(control_plane, *args: str, key: Path | None = None) -> subprocess.CompletedProcess:
