@@ -1,7 +1,8 @@
 """Fair share of a tier's slots between tenants: which blocks a tenant's reservation may evict.
 
 A tenant may evict its own blocks, and another tenant's only while that tenant holds more than an
-equal share of the slots (slots / tenants holding blocks, the asking one counted). So no tenant's
+equal share of the slots (slots / tenants holding blocks, the asking one counted); below its share, it takes
+those before its own. So no tenant's
 traffic (its engine's saves, its pulls, the prefetches its scheduler orders) crowds another out of
 its share of a node; a tenant alone has the whole tier. Used by the CPU tier (data_plane.tier) and
 the disk tier (data_plane.disk), over whatever order their eviction policy gives.
@@ -32,9 +33,25 @@ def evictable_by(candidates: Iterator[B], tenant: str, held: collections.Counter
 
 
 def _fair(candidates: Iterator[B], tenant: str, held: collections.Counter[str], share: int) -> Iterator[B]:
+    """While ``tenant`` holds less than its share, the others' blocks over theirs go before its own (each one it
+    takes is a slot it grows by), whatever the policy's order; then the policy's order. Found in review: a policy
+    that puts some blocks last (cost_aware's protected prefixes, which any request may ask for) kept a tenant over
+    its share for good, the newcomer evicting only its own blocks."""
     taken = collections.Counter[str]()  # taken in this pass, not yet subtracted from ``held``
+    room = share - held[tenant]
+    deferred: list[B] = []  # its own, met while it may still grow at the others' expense
     for block in candidates:
         owner = block.namespace.tenant
-        if owner == tenant or held[owner] - taken[owner] > share:
+        if owner == tenant:
+            if room > 0:
+                deferred.append(block)
+            else:
+                yield block
+        elif held[owner] - taken[owner] > share:
             taken[owner] += 1
+            room -= 1
             yield block
+            if room <= 0 and deferred:
+                yield from deferred
+                deferred.clear()
+    yield from deferred

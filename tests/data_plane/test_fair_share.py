@@ -65,6 +65,18 @@ def test_one_tenant_alone_has_the_whole_tier_and_a_newcomer_takes_its_share_from
     assert tier.tenant_slots(B.tenant) == 4 and resident(tier, A, 6, 2) == 2
 
 
+
+def test_a_newcomer_takes_its_share_from_blocks_the_policy_keeps_last(tier):
+    """Found in review: the fair share followed the policy's order, and cost_aware puts protected blocks (a request
+    may mark its prefix protected) after every other: with A's blocks all protected, newcomer B evicted only its own
+    and stayed at 2 of its 4 slots for good. Below its share a tenant now takes from those over theirs first."""
+    keys = [key(A, i) for i in range(SLOTS)]
+    tier.commit_written(tier.reserve_run(A, keys, [BlockInfo(protected=True)] * SLOTS), [0] * SLOTS)
+    for round_ in range(6):
+        store(tier, B, 2 * round_, 2)
+    assert tier.tenant_slots(B.tenant) == SLOTS // 2, f"B holds {tier.tenant_slots(B.tenant)} of its share of 4"
+    assert tier.tenant_slots(A.tenant) == SLOTS // 2  # and A keeps its own share (control)
+
 def test_pinned_blocks_count_and_are_never_taken(tier):
     assert store(tier, A, 0, 2) == 2
     assert store(tier, B, 0, 6) == 6
