@@ -65,7 +65,8 @@ class NodeLink:
             self._cp_channel = self.call(self._make(lambda: channel(control_plane_address, key,
                                                                            control_plane_tls or tls)))
             self._cp = cp_grpc.ControlPlaneStub(self._cp_channel)
-        self._node_ids: dict[str, str] = {}  # data-plane address -> node id (from ListNodes; loop thread only)
+        self._node_ids: dict[str, str] = {}  # data-plane address -> node id (from ListNodes; written on the loop)
+        self._listing = threading.Event()  # a background ListNodes of address_of's is running
 
     @staticmethod
     async def _make(factory):
@@ -168,7 +169,13 @@ class NodeLink:
         return self._node_ids.get(address, "")
 
     def address_of(self, node_id: str) -> str:
-        """The advertised data-plane address of ``node_id`` ("" when unknown)."""
-        if self._cp is not None and node_id not in self._node_ids.values():
-            self.call(self.node_at_async(""))
-        return next((a for a, n in self._node_ids.items() if n == node_id), "")
+        """The advertised data-plane address of ``node_id`` as last listed ("" when not known yet). It never waits
+        on the network (the engine's scheduler thread calls it, for each finished request a decoder pulls): an
+        unknown node starts one ListNodes in the background, for the calls after it. Found in review: a blocking
+        ListNodes stalled the engine's step up to rpc_timeout_s per finished request while the control plane
+        was frozen."""
+        found = next((a for a, n in list(self._node_ids.items()) if n == node_id), "")
+        if not found and self._cp is not None and not self._listing.is_set():
+            self._listing.set()
+            self.submit(self.node_at_async("")).add_done_callback(lambda _: self._listing.clear())
+        return found

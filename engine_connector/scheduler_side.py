@@ -113,6 +113,8 @@ class SchedulerSide:
         self._can_save = can_save
         self._clock = clock
         self._node_id = link.describe_tier().node_id
+        if link.has_control_plane:
+            link.address_of(self._node_id)  # learnt in the background, for the decoders of finished requests
         self._kv_cache_manager: "KVCacheManager | None" = None
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockLoad] = []

@@ -146,7 +146,12 @@ async def test_data_plane_tls_both_ways(cp_config, pki, admin_key, tmp_path):
         link = await asyncio.to_thread(NodeLink, dp.address, node_key, cp_address, 10.0, connector.tls())
         try:
             assert (await asyncio.to_thread(link.describe_tier)).node_id == node_id
-            assert await asyncio.to_thread(link.address_of, node_id) == dp.address
+            for _ in range(100):  # listed in the background (address_of never waits on the network)
+                if await asyncio.to_thread(link.address_of, node_id) == dp.address:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the connector never learnt its node's address over TLS")
         finally:
             await asyncio.to_thread(link.close)
     finally:
