@@ -18,7 +18,10 @@ A failed copy is reported through ``take_failed_block_ids`` no later than its re
 ``finished_recving`` and vLLM recomputes from the first failed block. The saves of a step with
 failed loads are dropped (a conservative rule from the synchronous design: nothing computed
 in this step attended to those blocks, but nothing is lost by waiting). A failed save RPC
-loses only future hits.
+loses only future hits; and since saves run inside the step (the forward waits), a data plane that does not
+answer costs the step one RPC bound, not one per request: the step's other saves are skipped, and so are all
+saves for a pause that doubles from ``SAVE_PAUSE_S`` to ``MAX_SAVE_PAUSE_S`` while it keeps failing (found in
+review: with the node's data plane frozen every step waited ``rpc_timeout_s`` per request that filled a block).
 
 ``misplace_one_block`` (a negative-control hook, never for serving) writes, for every request
 that loads two or more blocks, the middle block's bytes from the slot of the block before it:
@@ -46,6 +49,8 @@ from engine_connector.node_link import NodeLink
 
 logger = logging.getLogger(__name__)
 SLOW_SAVE_MS = 500.0
+SAVE_PAUSE_S = 1.0  # saves skipped this long after a save RPC failed, doubling while they keep failing
+MAX_SAVE_PAUSE_S = 60.0
 
 
 @dataclass(slots=True)
@@ -59,8 +64,11 @@ class _InFlight:
 
 class WorkerSide:
     def __init__(self, link: NodeLink, ns: Namespace, blocks: EngineBlocks, *,
-                 misplace_one_block: bool = False) -> None:
+                 misplace_one_block: bool = False, clock=time.monotonic) -> None:
         self._link = link
+        self._clock = clock
+        self._saves_resume_at = 0.0  # saves paused until then (clock seconds) after a save RPC failed
+        self._save_pause_s = 0.0
         self._ns = ns
         self._blocks = blocks
         self._misplace = misplace_one_block
@@ -176,6 +184,8 @@ class WorkerSide:
         if self._failed_block_ids:
             logger.warning("dropping the saves of %d request(s): this step had failed loads", len(meta.saves))
             return
+        if self._clock() < self._saves_resume_at:
+            return  # the data plane did not answer a moment ago: this step does not wait for it
         if not self._current_tier() and self._require()[1].replaced():
             return  # no tier to write into: nothing is reserved
         layout, tier = self._require()
@@ -184,7 +194,11 @@ class WorkerSide:
         slots: list[int] = []
         written: list[bytes] = []
         for run in meta.saves:
-            for block_id, block_hash, slot in self._reserve(run):
+            reserved = self._reserve(run)
+            if reserved is None:  # the data plane did not answer: the step's other saves do not ask it again
+                self._pause_saves(len(meta.saves))
+                break
+            for block_id, block_hash, slot in reserved:
                 block_ids.append(block_id)
                 slots.append(slot)
                 written.append(block_hash)
@@ -202,21 +216,30 @@ class WorkerSide:
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             logger.warning("committing %d block(s) failed (%s); they stay unpublished", len(written), exc)
             self._link.abort(self._ns, list(dict.fromkeys(written)))
+            self._pause_saves(len(meta.saves))
             return
+        self._save_pause_s = 0.0
         elapsed_ms = (time.perf_counter() - started) * 1e3
         # Saves run inside the step (the forward waits): a slow data plane shows here first.
         (logger.warning if elapsed_ms > SLOW_SAVE_MS else logger.info)(
             "saved %d block(s) of %d request(s) in %.1f ms", len(written), len(meta.saves), elapsed_ms)
 
-    def _reserve(self, run: SaveRun) -> list[tuple[int, bytes, int]]:
-        """(block id, hash, slot) of the run's blocks given a slot (``-1``: not to be stored)."""
+    def _reserve(self, run: SaveRun) -> list[tuple[int, bytes, int]] | None:
+        """(block id, hash, slot) of the run's blocks given a slot (``-1``: not to be stored); None when the
+        data plane did not answer."""
         try:
             slots = self._link.reserve(self._ns, run.block_hashes, max_offload_tokens=run.max_offload_tokens,
                                        first_block_index=run.first_index, protected_blocks=run.protected_blocks)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             logger.warning("request %s: reserving %d slot(s) failed: %s", run.req_id, len(run.block_hashes), exc)
-            return []
+            return None
         return [(b, h, s) for b, h, s in zip(run.block_ids, run.block_hashes, slots) if s >= 0]
+
+    def _pause_saves(self, requests: int) -> None:
+        self._save_pause_s = min(MAX_SAVE_PAUSE_S, max(SAVE_PAUSE_S, 2 * self._save_pause_s))
+        self._saves_resume_at = self._clock() + self._save_pause_s
+        logger.warning("saves paused for %.0f s (this step's %d request(s) and every step's meanwhile): the data "
+                       "plane did not answer, and the step waits for its saves", self._save_pause_s, requests)
 
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM asks once per step)."""

@@ -146,3 +146,54 @@ def test_a_cache_whose_blocks_are_not_the_slot_size_is_refused_with_the_remedy(s
     assert "`kvmesh up --model /models/tiny --dtype float32 --block-tokens 8`" in message
     assert "\n" not in message
     worker()  # positive control: the slot-sized cache of the same fleet is adopted
+
+
+def test_a_frozen_data_plane_costs_a_step_one_rpc_bound_and_saves_pause(small_fleet: Fleet) -> None:
+    """Found in review: saves run inside the step (the forward waits for them), one Reserve per request, each
+    bounded by rpc_timeout_s: with the node's data plane frozen, a step whose N requests filled a block waited N
+    bounds, and every step after it the same. Now the step's other saves are skipped after the first failure, and
+    saves pause (1 s, doubling while they fail). Control: once the data plane answers and the pause ends, saves
+    land again."""
+    import signal
+    import time
+
+    clock = [1000.0]
+    link = NodeLink(small_fleet.data_planes["dp2"].address, small_fleet.node_keys["dp2"], rpc_timeout_s=1.0,
+                    tls=small_fleet.client_tls("engine-dp2"))
+    side = WorkerSide(link, _ns(small_fleet), EngineBlocks(SHAPE[2], "/models/tiny", "float32"),
+                      clock=lambda: clock[0])
+    cache = torch.zeros(SHAPE)
+    side.register_kv_caches({"layer0": cache})
+
+    def step(first_token: int) -> tuple[KvmeshConnectorMetadata, float]:
+        runs = [SaveRun(f"r{first_token + i}", 0, [i],
+                        BlockHasher().block_hashes(list(range(first_token + 32 * i, first_token + 32 * (i + 1))), 32))
+                for i in range(4)]
+        started = time.monotonic()
+        side.save(KvmeshConnectorMetadata(saves=runs))
+        return runs, time.monotonic() - started
+
+    proc = small_fleet.data_planes["dp2"].proc
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        _, took = step(100_000)
+        assert took < 3.0, f"a step of 4 saves waited {took:.1f} s on a frozen data plane (one bound: ~2 s)"
+        _, took = step(200_000)
+        assert took < 0.2, "the next step waited on the frozen data plane again"
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    clock[0] += 10.0  # the pause is over
+    runs, _ = step(300_000)
+
+    async def stored() -> list[int]:
+        async with DataPlaneClient(small_fleet.data_planes["dp2"].address, key=small_fleet.node_keys["dp2"],
+                                   tls=small_fleet.client_tls("engine-dp2")) as client:
+            slots, _ = await client.acquire(_ns(small_fleet), [h for run in runs for h in run.block_hashes],
+                                            lease_ms=1_000)
+            return slots
+
+    try:
+        assert len(asyncio.run(stored())) == 4, "saves did not resume once the data plane answered"
+    finally:
+        side.close()
+        link.close()
