@@ -59,3 +59,35 @@ async def test_suppressed_counts_are_written_once_the_window_ends(fleet, control
             return
         await asyncio.sleep(0.1)
     raise AssertionError("the suppressed denial was never written")
+
+
+async def test_a_flush_with_the_store_frozen_waits_one_timeout_not_one_per_pair(fleet, control_plane, redis_server):
+    """Found in review: the summaries were written one (actor, action) pair after another, each waiting out the
+    store's 2 s timeout while Redis was frozen: a control plane stopping after a flood of denials from many actors
+    (up to 1,024 pairs) waited ~34 minutes. After the first failed write the rest are logged. Control: once Redis
+    answers, the next summaries are written."""
+    import signal
+
+    from tenancy.model import AuditEntry
+
+    denials = control_plane.denials
+    denials._tokens = 0
+    denials._per_s = 0.0  # every denial below is counted, not written one by one
+
+    async def deny(actors: range) -> None:
+        for i in actors:
+            await denials(AuditEntry(int(time.time() * 1000), f"actor-{i}", "denied:Ping", "-", "UNAUTHENTICATED"))
+
+    await deny(range(20))  # 20 pairs
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        await denials.flush()
+        took = time.monotonic() - started
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert took < 6.0, f"a flush of 20 pairs took {took:.1f} s with the store frozen (one timeout: ~2 s)"
+    await deny(range(100, 103))
+    await denials.flush()
+    entries = (await fleet.admin.ListAudit(tpb.ListAuditRequest(limit=1_000))).entries
+    assert {f"actor-{i}" for i in range(100, 103)} <= {e.actor for e in entries if e.action == "suppressed:Ping"}
