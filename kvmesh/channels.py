@@ -8,12 +8,11 @@ server against a CA and, for mutual TLS, presents a client certificate.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from kvmesh import tracing
-from kvmesh.grpc_server import channel_options
+from kvmesh.grpc_server import channel_options, tls_files
 
 
 @dataclass(frozen=True)
@@ -24,8 +23,11 @@ class ClientTLS:
     server_name: str | None = None  # override the name checked in the server certificate
 
     def credentials(self) -> grpc.ChannelCredentials:
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
+        """gRPC's credentials, from the files read now and checked (kvmesh.grpc_server.tls_files): a missing,
+        non-PEM or mismatched one is a ValueError naming its setting (``tls_ca_file``, ``tls_cert_file``,
+        ``tls_key_file``, the ``--tls-*`` flags) and the file, before any connection is tried."""
+        ca, key, cert = tls_files(self.cert_file, self.key_file, self.ca_file, ca_setting="tls_ca_file")
+        return grpc.ssl_channel_credentials(ca, key, cert)
 
     def options(self, options: list) -> list:
         """Channel ``options`` plus the server-name override, if any."""

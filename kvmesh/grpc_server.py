@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -41,6 +44,70 @@ class ServiceBinding:
     full_name: str  # e.g. "kvmesh.v1.ControlPlane"
 
 
+_CERT_FIX = "give the PEM certificate `kvmesh up` wrote (<workdir>/tls/*.crt; compose: tls.crt) or one your CA issued"
+_CA_FIX = "give the CA's PEM certificate (`kvmesh up`: <workdir>/tls/ca.crt; compose: ca.crt)"
+_KEY_FIX = "give the PEM private key written with the certificate (`kvmesh up`: <workdir>/tls/*.key; compose: tls.key)"
+
+
+def _named(setting: str, path: str) -> str:
+    """How a TLS file is named in an error: the setting, its flag and the path (``tls_cert_file
+    (--tls-cert-file) /x/cert.pem``); the environment variable is the setting's name with the service's prefix."""
+    return f"{setting} (--{setting.replace('_', '-')}) {path}"
+
+
+def _certificates(path: str, setting: str, fix: str) -> tuple[bytes, list[x509.Certificate]]:
+    """The PEM bytes of ``path`` and the certificates in them; ValueError naming ``setting`` when there is none
+    (an unreadable file raises its OSError, which names the file)."""
+    data = Path(path).read_bytes()
+    try:
+        return data, x509.load_pem_x509_certificates(data)
+    except (ValueError, UnsupportedAlgorithm):
+        raise ValueError(f"{_named(setting, path)}: not a PEM certificate; {fix}") from None
+
+
+def _private_key(path: str, setting: str):
+    data = Path(path).read_bytes()
+    try:
+        return data, serialization.load_pem_private_key(data, password=None)
+    except TypeError:  # "Password was not given but private key is encrypted"
+        raise ValueError(f"{_named(setting, path)}: the private key is encrypted; gRPC cannot ask for its "
+                         "passphrase, give it unencrypted (e.g. `openssl pkey -in KEY -out KEY.plain`)") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise ValueError(f"{_named(setting, path)}: not a PEM private key; {_KEY_FIX}") from None
+
+
+def _public(key) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def tls_files(cert_file: str | None, key_file: str | None, ca_file: str | None, *, ca_setting: str,
+              cert_setting: str = "tls_cert_file", key_setting: str = "tls_key_file",
+              ) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The PEM bytes ``(ca, key, cert)`` of a party's TLS files (None: not given), each checked before gRPC sees it
+    (gRPC's own failure is a few lines of its core on stderr and a refused port or handshake, that blame the
+    address): the CA file holds certificates, the certificate file a certificate (its chain), the key file an
+    unencrypted private key, and that key is the one of the (first) certificate. ValueError names the setting,
+    its flag and the file; the certificate and the key go together (one without the other is refused too).
+    The one place both sides check their files: :class:`ServerTLS` and kvmesh.channels.ClientTLS."""
+    if bool(cert_file) != bool(key_file):
+        raise ValueError(f"{_named(cert_setting, cert_file or 'unset')} and {_named(key_setting, key_file or 'unset')}"
+                         ": a certificate and its private key go together; give both, or neither")
+    ca = _certificates(ca_file, ca_setting, _CA_FIX)[0] if ca_file else None
+    if not (cert_file and key_file):
+        return ca, None, None
+    cert, certs = _certificates(cert_file, cert_setting, _CERT_FIX)
+    key, private = _private_key(key_file, key_setting)
+    try:
+        matches = _public(private.public_key()) == _public(certs[0].public_key())
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        matches = False
+    if not matches:
+        raise ValueError(f"{_named(key_setting, key_file)} is not the private key of "
+                         f"{_named(cert_setting, cert_file)}; give the key written with that certificate (e.g. "
+                         "admin.key with admin.crt, tls.key with tls.crt)")
+    return ca, key, cert
+
+
 @dataclass(frozen=True)
 class ServerTLS:
     """TLS for a server; with ``client_ca_file``, mutual TLS (clients must present a certificate it signed)."""
@@ -50,14 +117,17 @@ class ServerTLS:
     client_ca_file: str | None = None
 
     def credentials(self) -> grpc.ServerCredentials:
-        ca = Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
-        pair = [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())]
-        return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+        """gRPC's credentials, from the files read now and checked (:func:`tls_files`: ValueError naming a bad
+        one)."""
+        ca, key, cert = tls_files(self.cert_file, self.key_file, self.client_ca_file,
+                                  ca_setting="tls_client_ca_file")
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def server_tls(cert_file: str | None, key_file: str | None, client_ca_file: str | None) -> ServerTLS | None:
     """A ServerTLS from optional settings: none, or cert and key (and optionally a client CA), whose files are
-    read now (a missing or unreadable one fails a service's start before anything runs)."""
+    read and checked now (a missing, unreadable, non-PEM or mismatched one fails a service's start before anything
+    runs, in one line naming the setting and the file: :func:`tls_files`)."""
     if not cert_file and not key_file:
         if client_ca_file:
             raise ValueError("a client CA (mutual TLS) needs a server certificate and key too; set tls_cert_file "
