@@ -26,6 +26,7 @@ resync after a control-plane fence starts empty for the same reason.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -145,15 +146,66 @@ class VllmEventAdapter:
 
     async def run(self, endpoint: str, topic: str = "") -> None:
         """Subscribes to ``endpoint`` and handles messages until cancelled."""
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.connect(endpoint)
-        sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sock = subscribe(endpoint, topic)
         try:
-            while True:
-                self.handle(await sock.recv_multipart())
+            await self.consume(sock)
         finally:
             sock.close(linger=0)
+
+    async def consume(self, sock: zmq.asyncio.Socket) -> None:
+        """Handles the messages of a subscribed socket until cancelled."""
+        while True:
+            self.handle(await sock.recv_multipart())
+
+
+def subscribe(endpoint: str, topic: str = "") -> zmq.asyncio.Socket:
+    """A SUB socket connected to ``endpoint``; :class:`UsageError` naming --zmq when it is not an endpoint vLLM can
+    publish on (zmq refuses it, or it could never connect: a tcp:// one without a host and a port in 1..65535,
+    vLLM's bind address ``*``, an in-process inproc:// one)."""
+    fix = "give the endpoint vLLM publishes on, as a client connects to it: tcp://HOST:PORT or ipc://PATH"
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "tcp":
+        host, colon, port = address.rpartition(":")
+        if host == "*":
+            raise UsageError(f"--zmq {endpoint!r}: * is the address vLLM binds, not one to connect to; give the "
+                             "host vLLM runs on, e.g. tcp://127.0.0.1:5557")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--zmq {endpoint!r}: a tcp:// endpoint needs a host and a port in 1..65535; {fix}")
+    elif scheme == "inproc":
+        raise UsageError(f"--zmq {endpoint!r}: an inproc:// endpoint is reachable only inside one process; {fix}")
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise UsageError(f"--zmq {endpoint!r}: {zmq.strerror(exc.errno)}; {fix}") from None
+    sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    return sock
+
+
+# The kv_dtype values the engine connector derives from vLLM (engine_connector/config.py): the dtype served in when
+# --kv-cache-dtype is auto (str(torch dtype), without "torch.": vLLM's --dtype half/float16, bfloat16, float/float32),
+# else --kv-cache-dtype itself (vLLM 0.32's CacheDType, but auto; tests/control_plane/test_vllm_events_cli.py checks
+# this list against the vLLM installed). Any other value publishes under a namespace nothing looks up.
+SERVED_DTYPES = ("bfloat16", "float16", "float32")
+KV_DTYPES = SERVED_DTYPES + (
+    "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc",
+    "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
+    "fp8_per_token_head", "nvfp4", "nvfp4_4over6")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vllm serve --dtype's names of served dtypes
+
+
+def kv_dtype(text: str) -> str:
+    """``--kv-dtype``: one of :data:`KV_DTYPES`, as the connector names it (``torch.bfloat16`` is ``bfloat16``;
+    vllm serve --dtype's ``half`` and ``float`` are ``float16`` and ``float32``)."""
+    name = text.removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name in KV_DTYPES:
+        return name
+    if name == "auto":
+        raise argparse.ArgumentTypeError("auto is not a KV dtype: give the dtype the engine serves in (vllm serve "
+                                         f"--dtype, resolved: one of {', '.join(SERVED_DTYPES)})")
+    raise argparse.ArgumentTypeError(f"unknown KV dtype {text!r} (known: {', '.join(KV_DTYPES)})")
 
 
 def _parser() -> Parser:
@@ -176,8 +228,9 @@ def _parser() -> Parser:
     p.add_argument("--model", required=True, help="the engine's served model name (--served-model-name, else the "
                    "model as given to vllm serve)")
     p.add_argument("--block-size", type=positive_int, required=True, help="vllm serve --block-size")
-    p.add_argument("--kv-dtype", required=True, help="the engine's KV dtype: --kv-cache-dtype unless auto, else the "
-                   "dtype it serves in (e.g. bfloat16)")
+    p.add_argument("--kv-dtype", type=kv_dtype, required=True, help="the engine's KV dtype: --kv-cache-dtype "
+                   "unless auto, else the dtype it serves in (e.g. bfloat16). One of: "
+                   f"{', '.join(KV_DTYPES)}")
     p.add_argument("--tenant", default="default")
     p.add_argument("--weight-version", default="")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
@@ -201,6 +254,14 @@ def main(argv: list[str]) -> int:
 
 async def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    sock = subscribe(args.zmq, args.topic)  # a bad --zmq: one line before anything starts
+    try:
+        return await _serve(args, sock)
+    finally:
+        sock.close(linger=0)
+
+
+async def _serve(args: argparse.Namespace, sock: zmq.asyncio.Socket) -> int:
     ns = engine_namespace(args.model, block_size=args.block_size, kv_dtype=args.kv_dtype, tenant=args.tenant,
                           weight_version=args.weight_version, tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size, hash_algo=args.hash_algo,
@@ -232,13 +293,15 @@ async def _main(argv: list[str]) -> int:
         logging.disable(logging.NOTSET)
         log.info("feeding %s into the control plane at %s as node %s, namespace %s", args.zmq, args.control_plane,
                  args.node_id, ns.fingerprint)
-        task = asyncio.create_task(VllmEventAdapter(publisher, ns).run(args.zmq, args.topic))
+        task = asyncio.create_task(VllmEventAdapter(publisher, ns).consume(sock))
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         while not stop.is_set():
             if publisher.refusal is not None:  # e.g. the key was revoked
                 raise _refused(args, publisher.refusal)
+            if task.done():  # reading vLLM's events failed: say so, not go on feeding nothing
+                raise _stopped(args, task)
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
@@ -247,6 +310,7 @@ async def _main(argv: list[str]) -> int:
     finally:
         if task is not None:
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # done with the socket before it is closed
         await publisher.stop()
     return 0
 
@@ -263,3 +327,15 @@ def _refused(args, exc: grpc.aio.AioRpcError) -> Exception:
     return kind(f"the control plane refused the key in {args.api_key_file} ({exc.code().name}: {exc.details()}); "
                 f"give a node key bound to --node-id {args.node_id} (kvmesh admin keys issue --role node --node "
                 f"{args.node_id} --secret-out FILE)")
+
+
+def _stopped(args, task: asyncio.Task) -> BaseException:
+    """What ends the command when reading vLLM's events stopped: a ZMQ failure as :class:`Unavailable` naming
+    --zmq; anything else (a bug) as it is, reported in one line by run_command."""
+    exc = None if task.cancelled() else task.exception()
+    if exc is None:
+        return Unavailable(f"reading vLLM's events from --zmq {args.zmq} stopped; restart this command")
+    if isinstance(exc, zmq.ZMQError):
+        return Unavailable(f"reading vLLM's events from --zmq {args.zmq} failed ({exc.strerror}); check that vLLM "
+                           "publishes there (--kv-events-config), then restart this command")
+    return exc

@@ -132,6 +132,30 @@ def _os(exc: OSError) -> tuple[str, int]:
     return f"{reason}; check the file or address named by the flags", RUNTIME
 
 
+_REDIS_URL = "the Redis URL setting (redis_url: --redis-url / KVMESH_CP_REDIS_URL)"
+
+
+def _redis_url_mismatch(exc: Exception) -> tuple[str, int] | None:
+    """A Redis URL that names the wrong kind of server, or a database it lacks: what redis-py raises for it when
+    the first command connects (the URL's form is checked before, in kvmesh.redis_client.connect); None for
+    another error of the same type (a kvmesh bug: reported as one)."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, redis.exceptions.ResponseError) and "DB index is out of range" in text:
+        return (f"the Redis server has no such database ({text}); in {_REDIS_URL} select /0, or a database "
+                "below the server's `databases` setting", BAD_INPUT)
+    if not isinstance(exc, redis.exceptions.RedisClusterException):
+        return None
+    if "Cluster mode is not enabled" in text:
+        return (f"the Redis server is not a Redis Cluster ({text}); in {_REDIS_URL} give redis://host:port/0 for "
+                "a single server, or redis+cluster:// with the nodes of a cluster", BAD_INPUT)
+    if "requires at least one node" in text or "must be 0 or None in cluster mode" in text:
+        return (f"the Redis Cluster URL is incomplete ({text.split('. ')[0]}); in {_REDIS_URL} give "
+                "redis+cluster://host:port[,host:port...] (database 0 only)", BAD_INPUT)
+    if "cannot be connected" in text:
+        return f"no Redis Cluster node answered ({text}); start the cluster, or fix {_REDIS_URL}", RUNTIME
+    return None
+
+
 def describe(exc: BaseException) -> tuple[str, int]:
     """The line (without the program name) and the exit status for an error that stopped a command."""
     if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
@@ -150,6 +174,10 @@ def describe(exc: BaseException) -> tuple[str, int]:
         return f"Redis denied a command ({exc}); give the Redis user the rules docs/configuration.md lists", RUNTIME
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return f"Redis unreachable ({exc}); start Redis, or fix the Redis URL setting", RUNTIME
+    if isinstance(exc, (redis.exceptions.RedisClusterException, redis.exceptions.ResponseError)):
+        found = _redis_url_mismatch(exc)
+        if found is not None:
+            return found
     if isinstance(exc, OSError):
         return _os(exc)
     if isinstance(exc, ValueError):  # start-up checks of settings and files

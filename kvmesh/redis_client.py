@@ -12,6 +12,7 @@ tags so every multi-key script stays in one slot.
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -52,11 +53,49 @@ def connect(url: str, username: str | None = None, password: str | None = None):
         kwargs["password"] = password
     for scheme in ("redis+cluster://", "rediss+cluster://"):
         if url.startswith(scheme):
-            return _cluster(url.replace("+cluster", "", 1), kwargs)
+            return _cluster(url, kwargs)
     if url.startswith(("redis://", "rediss://", "unix://")):
+        _check_server_url(url)
         return aioredis.Redis.from_url(url, **kwargs)
-    raise InvalidArgument(f"redis url {redacted(url)!r} is not a Redis URL; give redis://host:port/db (or "
+    raise InvalidArgument(f"{SETTING} {redacted(url)!r} is not a Redis URL; give redis://host:port/db (or "
                           "rediss://, unix://, redis+cluster://host:port[,host:port...])")
+
+
+# The setting a Redis URL comes from, as its errors name it (the control plane's).
+SETTING = "redis_url (--redis-url / KVMESH_CP_REDIS_URL)"
+
+
+def _bad(url: str, why: str) -> InvalidArgument:
+    return InvalidArgument(f"{SETTING} {redacted(url)!r}: {why}")
+
+
+def _port(url: str, port: str) -> int:
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise _bad(url, f"port {port!r} is not a number in 1..65535; give host:port")
+    return int(port)
+
+
+def _check_db(url: str, path: str, cluster: bool = False) -> None:
+    db = path.strip("/")
+    if cluster and db not in ("", "0"):
+        raise _bad(url, f"a Redis Cluster has only database 0; drop '/{db}' from the URL")
+    if not db.isdigit() and db:
+        raise _bad(url, f"the database {db!r} is not a number; give redis://host:port/0 (or another database number)")
+
+
+def _check_server_url(url: str) -> None:
+    """What redis-py would misread in a single server's URL: a port that is not a number (its error names no
+    setting), a database that is not one (it quietly uses 0), a unix:// URL without a socket path. (Parsed as
+    redis-py parses it: a password holding ``/``, ``?``, ``#`` or ``@`` must be percent-encoded.)"""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise _bad(url, "no socket path; give unix:///path/to/redis.sock")
+        return
+    host, colon, port = parts.netloc.rpartition("@")[2].rpartition(":")
+    if colon and (not host.startswith("[") or host.endswith("]")):  # not a bare IPv6 address
+        _port(url, port)
+    _check_db(url, parts.path)
 
 
 class Coalescer:
@@ -146,16 +185,18 @@ def _expire(future: asyncio.Future, timeout_s: float) -> None:
 
 
 def _cluster(url: str, kwargs: dict) -> RedisCluster:
-    """A cluster client seeded with every node ``url`` lists (the first one carries the URL's options)."""
-    scheme, _, rest = url.partition("://")
-    userinfo, at, location = rest.rpartition("@")
-    hosts, slash, path = location.partition("/")
-    first, *more = hosts.split(",")
+    """A cluster client seeded with every node ``url`` (``redis+cluster://`` or ``rediss+cluster://``) lists (the
+    first one carries the URL's options)."""
+    parts = urlsplit(url.replace("+cluster", "", 1))
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not hosts.strip(","):
+        raise _bad(url, "names no node; give redis+cluster://host:port[,host:port...]")
     seeds = []
-    for host in more:
+    for host in hosts.split(","):
         name, colon, port = host.rpartition(":")
-        if not colon or not name or not port.isdigit():
-            raise InvalidArgument(f"redis url {redacted(url)!r}: every node must be host:port")
-        seeds.append(ClusterNode(name, int(port)))
-    return RedisCluster.from_url(f"{scheme}://{userinfo}{at}{first}{slash}{path}", startup_nodes=seeds or None,
-                                 **kwargs)
+        if not colon or not name:
+            raise _bad(url, f"node {host!r} is not host:port; every node must be host:port")
+        seeds.append(ClusterNode(name, _port(url, port)))
+    _check_db(url, parts.path, cluster=True)
+    first = urlunsplit(parts._replace(netloc=f"{userinfo}{at}{hosts.split(',')[0]}"))
+    return RedisCluster.from_url(first, startup_nodes=seeds[1:] or None, **kwargs)

@@ -34,7 +34,7 @@ import numpy as np
 import redis
 
 from data_plane.client import DataPlaneClient, SharedTier
-from kvmesh.command_line import Parser, run_command
+from kvmesh.command_line import Parser, run_command, subset
 from kvmesh.errors import PermissionDenied
 from kvmesh.channels import channel
 from kvmesh.namespace import CacheConfig, Namespace
@@ -540,12 +540,23 @@ async def _map_answers(m: Matrix) -> bool:
     return True
 
 
+# The cases with their own runner, after the matrix of cases().
+SPECIAL: dict[str, Callable[[Matrix], Awaitable[CaseResult]]] = {
+    "partition_node_from_control_plane": run_partition_from_cp, "node_restart": run_node_restart,
+    "redis_failover": run_redis_failover}
+NEEDS_CLUSTER = {"redis_failover"}
+
+
+def case_names() -> list[str]:
+    """Every case --cases may name, in the order they run."""
+    return [case.name for case in cases()] + list(SPECIAL)
+
+
 async def _matrix(m: Matrix, only: set[str] | None) -> dict:
     out: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     proof: dict = {}
-    special = {"partition_node_from_control_plane": run_partition_from_cp, "node_restart": run_node_restart,
-               "redis_failover": run_redis_failover}
+    special = dict(SPECIAL)
     for case in cases():
         if only and case.name not in only:
             continue
@@ -562,7 +573,8 @@ async def _matrix(m: Matrix, only: set[str] | None) -> dict:
         out[case.name] = result.to_json()
         print(f"{case.name}: {json.dumps(out[case.name])}", file=sys.stderr, flush=True)
     if isinstance(m.redis, RedisServer):
-        del special["redis_failover"]
+        for name in NEEDS_CLUSTER:
+            del special[name]
     for name, runner in special.items():
         if only and name not in only:
             continue
@@ -575,18 +587,22 @@ async def _matrix(m: Matrix, only: set[str] | None) -> dict:
 def main(argv: list[str]) -> int:
     parser = Parser(prog="kvmesh bench faults", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
-    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--cases", type=subset(case_names()), default=None,
+                        help=f"comma-separated case names (default: all): {', '.join(case_names())}")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     parser.add_argument("--single-redis", action="store_true",
                         help="one redis-server instead of a Redis Cluster with replicas (no failover case)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a misspelled case: one line, exit 2, before any set-up
+    if args.single_redis and NEEDS_CLUSTER & set(args.cases or ()):
+        parser.error(f"--cases {', '.join(sorted(NEEDS_CLUSTER & set(args.cases)))} needs the Redis Cluster; drop "
+                     "--single-redis, or that case")
     if os.geteuid() != 0:
         raise PermissionDenied("needs root (it makes network namespaces); run it as root, e.g. with sudo")
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-faults-"))
     matrix = Matrix(workdir, cluster=not args.single_redis)
     try:
         matrix.start()
-        result = asyncio.run(_matrix(matrix, set(filter(None, args.cases.split(","))) or None))
+        result = asyncio.run(_matrix(matrix, set(args.cases) if args.cases else None))
         result["settings"] = {"lease_ms": LEASE_MS, "pull_timeout_ms": PULL_TIMEOUT_MS,
                               "lookup_deadline_ms": int(LOOKUP_DEADLINE_S * 1000), "block_bytes": BLOCK_BYTES,
                               "blocks_per_request": BLOCKS}

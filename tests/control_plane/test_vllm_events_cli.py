@@ -123,3 +123,46 @@ def test_readme_names_every_required_flag():
     assert required
     missing = [flag for flag in required if not re.search(rf"{flag}\b", line)]
     assert not missing, f"README's vllm-events line lacks {missing}"
+
+
+def test_the_kv_dtypes_taken_are_the_ones_the_connector_derives():
+    """--kv-dtype takes what engine_connector/config.py derives from vLLM: --kv-cache-dtype (vLLM's CacheDType) unless
+    auto, else the dtype served in. A vLLM that adds a cache dtype fails this until KV_DTYPES names it."""
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.config.model import _STR_DTYPE_TO_TORCH_DTYPE
+
+    from control_plane.vllm_events import KV_DTYPES, kv_dtype
+
+    served = {str(dtype).removeprefix("torch.") for dtype in _STR_DTYPE_TO_TORCH_DTYPE.values()}
+    assert set(KV_DTYPES) == (set(typing.get_args(CacheDType)) - {"auto"}) | served
+    assert {kv_dtype(name) for name in _STR_DTYPE_TO_TORCH_DTYPE} == served  # --dtype half, float, ...
+
+
+@pytest.mark.parametrize("failure, says", [
+    ("zmq.ZMQError(zmq.ETERM)", "reading vLLM's events from --zmq"),
+    ("RuntimeError('a bug')", "internal error (RuntimeError: a bug)"),  # a bug: still one line, not lost
+])
+async def test_a_failure_reading_vllms_events_ends_the_command(control_plane, tmp_path, failure, says):
+    """The subscription runs in a task beside the publisher: when it fails the command ends in one line (exit 1);
+    it used to go on "feeding" nothing for ever. (The positive control, a subscription that works and keeps the
+    command running: test_node_key_feeds_the_engines_namespace.)"""
+    key = await node_key(control_plane, tmp_path, "engine-1")
+    broken = ("import sys, zmq\nimport control_plane.vllm_events as v\nfrom kvmesh.command_line import run_command\n"
+              f"async def consume(self, sock):\n    raise {failure}\n"
+              "v.VllmEventAdapter.consume = consume\nsys.exit(run_command(v.PROG, v.main, sys.argv[1:]))\n")
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", broken, *cli(control_plane, key, zmq=f"ipc://{tmp_path}/kv-events"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    errors = [line for line in lines if line.startswith("kvmesh vllm-events: error: ")]
+    assert proc.returncode == 1 and errors == lines[-1:] and says in errors[0], lines
+    assert "Traceback" not in err.decode() and time.monotonic() - started < 20
