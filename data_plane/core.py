@@ -483,7 +483,10 @@ class DataPlaneCore:
             if self._known(ns) and epoch is not GONE:
                 fp, arriving, committed = ns.fingerprint, self.pulls.arriving, BlockState.COMMITTED
                 keys = block_keys(fp, hashes)
+                promoted = False  # a promotion may have evicted what the snapshot below still shows
                 for i, (key, current) in enumerate(zip(keys, self.tier.get_all(keys))):
+                    if promoted:
+                        current = self.tier.get(key)
                     if current is not None and current.state is committed and current.epoch == epoch \
                             and key not in arriving:  # the usual case, in as few steps as it takes
                         in_cpu.append(current)
@@ -494,6 +497,7 @@ class DataPlaneCore:
                         self.tier.pin_all(in_cpu[held:])  # before a promotion evicts to make room
                         held = len(in_cpu)
                         block = self._resident(ns, key, media, "peer", epoch)
+                        promoted = True
                         if block is not None:
                             self.tier.pin(block)
                             others.append(block)

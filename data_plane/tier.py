@@ -246,8 +246,9 @@ class MemoryTier:
         for block in blocks:
             if block.state is not committed:
                 self._expect(block, committed)
+        self._policy.touch_all(map(_KEY, blocks))  # first: a block it does not track raises before any pin
+        for block in blocks:
             block.pins += 1
-        self._policy.touch_all(map(_KEY, blocks))
 
     def unpin(self, block: Block) -> None:
         if block.pins <= 0:

@@ -110,3 +110,23 @@ async def test_a_promotion_onto_a_full_disk_keeps_its_own_block(local_node, ns, 
     slots, lease = await core.acquire(ns, [older[0]], EVERY_TIER)  # control: an engine reads it
     assert slots == [promoted.slot]
     core.release(lease)
+
+
+async def test_a_promotion_that_evicts_a_later_block_of_the_same_lookup_leaks_nothing(local_node, ns, tmp_path):
+    """Found in review: the lookup walked a snapshot of the tier taken before it started; promoting the prefix's
+    head from disk evicted the next block, which the snapshot still showed: it was pinned, the policy raised
+    KeyError for it, and the blocks pinned before stayed pinned for good. Control: the promoted head is a HIT."""
+    core = (await local_node(capacity_bytes=4 * BLOCK_BYTES, disk_dir=tmp_path,
+                             disk_capacity_bytes=8 * BLOCK_BYTES)).core
+
+    def store(hashes: list[bytes]) -> None:
+        assert -1 not in core.reserve(ns, hashes) and core.commit(ns, hashes) == len(hashes)
+
+    older, newer = [os.urandom(32) for _ in range(4)], [os.urandom(32) for _ in range(4)]
+    store(older)
+    store(newer)  # older demoted to disk; the CPU tier full of newer, newer[0] its next victim
+    ask = [older[0], newer[0], newer[1]]  # a prefix whose head was demoted
+    answer = await core.lookup(ns, ask, media=EVERY_TIER)
+    assert answer.statuses[0] is LookupStatus.HIT, answer.statuses
+    core.release(answer.lease_id)
+    assert pins(core, ns, ask + older + newer) == 0, "a block stayed pinned with no lease"
