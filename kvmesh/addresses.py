@@ -3,6 +3,8 @@ binds or dials them (getaddrinfo and gRPC keep a port's low 16 bits: port 99999 
 
 from __future__ import annotations
 
+import ipaddress
+
 
 def split_host_port(address: str) -> tuple[str, int | None]:
     """``"host:port"``, ``"[v6]:port"`` or a bare host (port None); ValueError when it is none of them."""
@@ -12,7 +14,11 @@ def split_host_port(address: str) -> tuple[str, int | None]:
             raise ValueError("an IPv6 host goes in brackets: [v6] or [v6]:port")
         return host, _port(rest[1:]) if rest else None
     if address.count(":") > 1:
-        raise ValueError("an IPv6 host goes in brackets: [v6]:port")
+        try:  # a bare IPv6 address: a host without a port
+            ipaddress.IPv6Address(address.partition("%")[0])
+        except ValueError:
+            raise ValueError("an IPv6 host goes in brackets: [v6]:port") from None
+        return address, None
     host, colon, port = address.partition(":")
     return host, _port(port) if colon else None
 

@@ -13,6 +13,8 @@ import asyncio
 import difflib
 import logging
 import os
+import re
+import sys
 from typing import Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
@@ -49,22 +51,28 @@ def parse_settings(cls: type[S], argv: list[str], prog: str) -> S:
         raise UsageError(f"invalid configuration: {reasons}; fix the flag or environment variable named") from None
 
 
-# Names with a service's prefix that are not its settings: docker-compose.yml's published port, read by compose.
-NOT_SETTINGS = frozenset({"KVMESH_CP_PORT"})
+# Names with a service's prefix that are not its settings: docker-compose.yml's published port, read by compose,
+# and the variables Kubernetes (and Docker links) give every pod for a Service named kvmesh-cp or kvmesh-dp.
+NOT_SETTINGS = re.compile(r"(PORT|SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?|NAME)")
 
 
 def _refuse_unknown_environment(cls: type[BaseSettings], prog: str) -> None:
-    """A variable with the settings' prefix that names no setting stops the start: pydantic-settings ignores it, and
-    a misspelled one (KVMESH_CP_TLS_CLIENT_CA for ..._FILE) left mutual TLS off without a word."""
+    """A variable with the settings' prefix that names no setting but nearly one stops the start: pydantic-settings
+    ignores it, and a misspelled one (KVMESH_CP_TLS_CLIENT_CA for ..._FILE) left mutual TLS off without a word.
+    One that resembles no setting is said in one line on stderr and ignored (it may be another tool's)."""
     prefix = cls.model_config.get("env_prefix", "").upper()
     if not prefix:
         return
     known = {prefix + name.upper() for name in cls.model_fields}
-    unknown = sorted(n for n in os.environ if n.upper().startswith(prefix) and n.upper() not in known | NOT_SETTINGS)
-    if unknown:
-        close = difflib.get_close_matches(unknown[0].upper(), sorted(known), n=1, cutoff=0.8)
-        hint = f"did you mean {close[0]}?" if close else f"`{prog} --help` lists the settings ({prefix}<SETTING>)"
-        raise UsageError(f"{unknown[0]} in the environment names no setting; {hint} (or unset it)")
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(prefix) or upper in known or NOT_SETTINGS.fullmatch(upper[len(prefix):]):
+            continue
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise UsageError(f"{name} in the environment names no setting; did you mean {close[0]}? (or unset it)")
+        print(f"{prog}: warning: {name} in the environment names no setting (ignored); `{prog} --help` lists the "
+              f"settings ({prefix}<SETTING>)", file=sys.stderr, flush=True)
 
 
 def _reason(error: dict, prefix: str) -> str:

@@ -185,21 +185,29 @@ def test_addresses_in_brackets_and_bare_hosts_pass():
     config = DataPlaneConfig(node_id="n1", api_key="k", listen="[::1]:0", advertise_address="[fd00::7]",
                              control_plane_address="cp.internal:50051")
     assert config.advertised(7100) == "[fd00::7]:7100"
+    bare = DataPlaneConfig(node_id="n1", api_key="k", listen="[::1]:0", advertise_address="fd00::7")
+    assert bare.advertised(7100) == "[fd00::7]:7100"  # a bare IPv6 host, as before
 
 
 def test_a_misspelled_setting_in_the_environment_stops_the_start(secrets, tmp_path):
     """Found in review: pydantic-settings ignores a variable with the prefix that names no setting, so
     KVMESH_CP_TLS_CLIENT_CA (for ..._FILE) left mutual TLS off without a word, and KVMESH_DP_CAPACITY (for
-    ..._BYTES) pinned the 1 GiB default. Control: compose's KVMESH_CP_PORT is not a setting and is let through (the
-    start goes on to its next check)."""
+    ..._BYTES) pinned the 1 GiB default. Controls: compose's KVMESH_CP_PORT and the variables Kubernetes gives a pod
+    for a Service named kvmesh-cp are let through, and a name like no setting is only warned about (the start goes
+    on to its next check)."""
     out = kvmesh("control-plane", "--listen", "127.0.0.1:0", env={"KVMESH_CP_TLS_CLIENT_CA": "/ca.crt"})
     fails_in_one_line(out, BAD_INPUT, "kvmesh control-plane", "KVMESH_CP_TLS_CLIENT_CA",
                       "did you mean KVMESH_CP_TLS_CLIENT_CA_FILE?")
     out = kvmesh("data-plane", *dp_flags(tmp_path / "k"), env={"KVMESH_DP_CAPACITY": "64MiB"})
     fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "did you mean KVMESH_DP_CAPACITY_BYTES?")
+    kubernetes = {"KVMESH_CP_PORT": "tcp://10.0.0.9:50051", "KVMESH_CP_SERVICE_HOST": "10.0.0.9",
+                  "KVMESH_CP_PORT_50051_TCP_ADDR": "10.0.0.9"}  # a Service named kvmesh-cp: not settings
+    out = kvmesh("control-plane", "--listen", "127.0.0.1:0", "--redis-url", "redis://127.0.0.1:1/0", env=kubernetes)
+    assert not any(name in out.stderr for name in kubernetes) and "no admin key" in out.stderr, out.stderr
     out = kvmesh("control-plane", "--listen", "127.0.0.1:0", "--redis-url", "redis://127.0.0.1:1/0",
-                 env={"KVMESH_CP_PORT": "127.0.0.1:50051"})
-    assert "KVMESH_CP_PORT" not in out.stderr and "no admin key" in out.stderr, out.stderr
+                 env={"KVMESH_CP_QQQZZZ": "1"})  # like no setting: said, and the start goes on
+    assert "warning: KVMESH_CP_QQQZZZ in the environment names no setting (ignored)" in out.stderr, out.stderr
+    assert "no admin key" in out.stderr
 
 # ---- admin ----
 
