@@ -32,21 +32,27 @@ def evictable_by(candidates: Iterator[B], tenant: str, held: collections.Counter
     return _fair(candidates, tenant, held, slots // (others + 1))
 
 
+LOOKAHEAD = 1024  # own blocks passed over, at most, looking for another tenant's over its share
+
+
 def _fair(candidates: Iterator[B], tenant: str, held: collections.Counter[str], share: int) -> Iterator[B]:
     """While ``tenant`` holds less than its share, the others' blocks over theirs go before its own (each one it
-    takes is a slot it grows by), whatever the policy's order; then the policy's order. Found in review: a policy
-    that puts some blocks last (cost_aware's protected prefixes, which any request may ask for) kept a tenant over
-    its share for good, the newcomer evicting only its own blocks."""
+    takes is a slot it grows by), whatever the policy's order, within the first LOOKAHEAD of its own; then the
+    policy's order. Found in review: a policy that puts some blocks last (cost_aware's protected prefixes, which
+    any request may ask for) kept a tenant over its share for good, the newcomer evicting only its own blocks."""
     taken = collections.Counter[str]()  # taken in this pass, not yet subtracted from ``held``
     room = share - held[tenant]
     deferred: list[B] = []  # its own, met while it may still grow at the others' expense
     for block in candidates:
         owner = block.namespace.tenant
         if owner == tenant:
-            if room > 0:
+            if room > 0 and len(deferred) < LOOKAHEAD:
                 deferred.append(block)
             else:
-                yield block
+                yield from deferred
+                deferred.clear()
+                room = 0  # past the lookahead: the policy's order (a scan of the whole tier per reservation was
+                yield block  # 8-83 ms on 65,536 slots)
         elif held[owner] - taken[owner] > share:
             taken[owner] += 1
             room -= 1
