@@ -53,6 +53,12 @@ SAVE_PAUSE_S = 1.0  # saves skipped this long after a save RPC failed, doubling 
 MAX_SAVE_PAUSE_S = 60.0
 
 
+def _unanswered(exc: BaseException) -> bool:
+    """The data plane did not answer (frozen, gone, overloaded), as opposed to refusing."""
+    return isinstance(exc, TimeoutError) or exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                          grpc.StatusCode.UNAVAILABLE)
+
+
 @dataclass(slots=True)
 class _InFlight:
     """One step's queued copies: done when ``fence`` has landed."""
@@ -216,9 +222,9 @@ class WorkerSide:
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             logger.warning("committing %d block(s) failed (%s); they stay unpublished", len(written), exc)
             self._link.abort(self._ns, list(dict.fromkeys(written)))
-            self._pause_saves(len(meta.saves))
+            if _unanswered(exc):
+                self._pause_saves(len(meta.saves))
             return
-        self._save_pause_s = 0.0
         elapsed_ms = (time.perf_counter() - started) * 1e3
         # Saves run inside the step (the forward waits): a slow data plane shows here first.
         (logger.warning if elapsed_ms > SLOW_SAVE_MS else logger.info)(
@@ -232,7 +238,8 @@ class WorkerSide:
                                        first_block_index=run.first_index, protected_blocks=run.protected_blocks)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             logger.warning("request %s: reserving %d slot(s) failed: %s", run.req_id, len(run.block_hashes), exc)
-            return None
+            return None if _unanswered(exc) else []  # a refusal (e.g. the tenant's limit) is an answer
+        self._save_pause_s = 0.0
         return [(b, h, s) for b, h, s in zip(run.block_ids, run.block_hashes, slots) if s >= 0]
 
     def _pause_saves(self, requests: int) -> None:

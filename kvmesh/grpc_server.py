@@ -65,6 +65,15 @@ def _certificates(path: str, setting: str, fix: str) -> tuple[bytes, list[x509.C
         raise ValueError(f"{_named(setting, path)}: not a PEM certificate; {fix}") from None
 
 
+def _ca_bundle(path: str, setting: str) -> bytes:
+    """A CA file's bytes, if it holds a PEM certificate block: not parsed further (a bundle may hold certificates
+    this library refuses, or OpenSSL's TRUSTED CERTIFICATE blocks, that gRPC reads)."""
+    data = Path(path).read_bytes()
+    if b"-----BEGIN " not in data or b"CERTIFICATE-----" not in data:
+        raise ValueError(f"{_named(setting, path)}: not a PEM certificate; {_CA_FIX}")
+    return data
+
+
 def _private_key(path: str, setting: str):
     data = Path(path).read_bytes()
     try:
@@ -92,7 +101,7 @@ def tls_files(cert_file: str | None, key_file: str | None, ca_file: str | None, 
     if bool(cert_file) != bool(key_file):
         raise ValueError(f"{_named(cert_setting, cert_file or 'unset')} and {_named(key_setting, key_file or 'unset')}"
                          ": a certificate and its private key go together; give both, or neither")
-    ca = _certificates(ca_file, ca_setting, _CA_FIX)[0] if ca_file else None
+    ca = _ca_bundle(ca_file, ca_setting) if ca_file else None
     if not (cert_file and key_file):
         return ca, None, None
     cert, certs = _certificates(cert_file, cert_setting, _CERT_FIX)
@@ -202,7 +211,7 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),  # gRPC's own watchdog on a ping: the same bound
         # how long a ping waits for its answer: keepalive_timeout_ms alone left it at gRPC's 60 s (measured: a call
         # with no deadline on an open channel to a frozen server failed after 60 s; ~7 s with this)
         ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),

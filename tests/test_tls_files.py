@@ -155,3 +155,16 @@ def test_kvmesh_admin_with_a_bad_tls_file_says_so_in_one_line(files, tmp_path, c
     assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr
     assert lines[0].startswith("kvmesh admin: error:") and named in lines[0], lines[0]
     assert out.returncode == BAD_INPUT, (out.returncode, out.stderr)
+
+
+def test_a_ca_bundle_is_passed_to_grpc_as_given(files, tmp_path):
+    """Found in review: a CA bundle was parsed whole, so one certificate this library refuses (or OpenSSL's
+    TRUSTED CERTIFICATE blocks, which gRPC reads) refused the whole file. A CA file is now only required to hold a
+    PEM certificate block; gRPC judges the rest. Control: garbage is still refused (above)."""
+    from kvmesh.grpc_server import tls_files
+
+    bundle = tmp_path / "bundle.crt"
+    bundle.write_text(Path(files["ca"]).read_text()
+                      + "-----BEGIN TRUSTED CERTIFICATE-----\nMIIBnotparsedhere\n-----END TRUSTED CERTIFICATE-----\n")
+    ca, key, cert = tls_files(files["client_cert"], files["client_key"], str(bundle), ca_setting="tls_ca_file")
+    assert ca == bundle.read_bytes() and key and cert

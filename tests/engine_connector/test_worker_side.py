@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -197,3 +198,23 @@ def test_a_frozen_data_plane_costs_a_step_one_rpc_bound_and_saves_pause(small_fl
     finally:
         side.close()
         link.close()
+
+
+def test_a_refused_reserve_does_not_pause_saves_a_silent_one_does() -> None:
+    """Found in review: saves paused after any failed Reserve, so a tenant at its per-node limit (an instant
+    RESOURCE_EXHAUSTED, an answer) had its saves paused up to 60 s after room freed. Only a data plane that does not
+    answer (DEADLINE_EXCEEDED, UNAVAILABLE, a timeout) pauses them. (A stand-in link: the frozen case runs for
+    real above.)"""
+    class Link:
+        def __init__(self, code):
+            self.code = code
+
+        def reserve(self, *args, **kwargs):
+            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "refused")
+
+    run = SaveRun("r", 0, [0], [b"\x01" * 32])
+    for code, pauses in ((grpc.StatusCode.RESOURCE_EXHAUSTED, False), (grpc.StatusCode.PERMISSION_DENIED, False),
+                         (grpc.StatusCode.DEADLINE_EXCEEDED, True), (grpc.StatusCode.UNAVAILABLE, True)):
+        side = WorkerSide(Link(code), Namespace("t", "m", "v", CacheConfig(block_size=32)),
+                          EngineBlocks(4, "/models/tiny", "float32"))
+        assert (side._reserve(run) is None) is pauses, code
