@@ -295,7 +295,8 @@ async def test_a_sharee_routes_as_itself_not_as_the_sharing_tenant(fleet):
     async def route(key: str, *candidates: tuple[str, int, int], policy=pb.ROUTE_POLICY_AFFINITY, kv=0):
         return await fleet.cp(key).Route(pb.RouteRequest(
             namespace=ns_pb("public"), token_ids=TOKENS, policy=policy, kv_bytes_per_token=kv,
-            min_cached_token_delta=1, candidates=[pb.EngineCandidate(engine_id=f"engine-{n}", node_id=f"node-{n}", waiting_requests=w,
+            min_cached_token_delta=1,
+            candidates=[pb.EngineCandidate(engine_id=f"engine-{n}", node_id=f"node-{n}", waiting_requests=w,
                                            running_tokens=r) for n, w, r in candidates]))
 
     assert (await route(sharee, ("x", 0, 0))).engine_id == "engine-x"  # answered
