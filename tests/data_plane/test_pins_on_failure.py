@@ -89,16 +89,20 @@ async def test_a_local_acquire_cancelled_in_its_check_keeps_no_pin(local_node, n
     assert pins(core, ns, hashes) == 0, "an Acquire cancelled in its check left its pins"
 
 
+def older_and_newer(core, ns: Namespace) -> tuple[list[bytes], list[bytes]]:
+    """Four blocks stored, then four more into a CPU tier of four: the older demoted to disk, the newer in the CPU
+    tier (newer[0] its next victim)."""
+    older, newer = [os.urandom(32) for _ in range(4)], [os.urandom(32) for _ in range(4)]
+    for hashes in (older, newer):
+        assert -1 not in core.reserve(ns, hashes) and core.commit(ns, hashes) == len(hashes)
+    return older, newer
+
+
 async def test_a_promotion_onto_a_full_disk_keeps_its_own_block(local_node, ns, tmp_path):
     core = (await local_node(capacity_bytes=4 * BLOCK_BYTES, disk_dir=tmp_path,
                              disk_capacity_bytes=4 * BLOCK_BYTES)).core
 
-    def store(hashes: list[bytes]) -> None:
-        assert -1 not in core.reserve(ns, hashes) and core.commit(ns, hashes) == len(hashes)
-
-    older, newer = [os.urandom(32) for _ in range(4)], [os.urandom(32) for _ in range(4)]
-    store(older)
-    store(newer)  # the CPU tier full of newer, older demoted to a disk now full
+    older, newer = older_and_newer(core, ns)
     assert len(core.disk) == core.disk.num_slots and all(core.disk.get(BlockKey(ns.fingerprint, h)) for h in older)
     ask = [newer[3], older[0]]  # older[0]: the disk's oldest, promoted into a full CPU tier (a peer's share: 2)
     answer = await core.lookup(ns, ask, media=EVERY_TIER, holder="peer:x:k", grant_epoch="", peer_node="x")
@@ -119,12 +123,7 @@ async def test_a_promotion_that_evicts_a_later_block_of_the_same_lookup_leaks_no
     core = (await local_node(capacity_bytes=4 * BLOCK_BYTES, disk_dir=tmp_path,
                              disk_capacity_bytes=8 * BLOCK_BYTES)).core
 
-    def store(hashes: list[bytes]) -> None:
-        assert -1 not in core.reserve(ns, hashes) and core.commit(ns, hashes) == len(hashes)
-
-    older, newer = [os.urandom(32) for _ in range(4)], [os.urandom(32) for _ in range(4)]
-    store(older)
-    store(newer)  # older demoted to disk; the CPU tier full of newer, newer[0] its next victim
+    older, newer = older_and_newer(core, ns)
     ask = [older[0], newer[0], newer[1]]  # a prefix whose head was demoted
     answer = await core.lookup(ns, ask, media=EVERY_TIER)
     assert answer.statuses[0] is LookupStatus.HIT, answer.statuses
