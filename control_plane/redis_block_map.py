@@ -24,7 +24,7 @@ import redis.exceptions
 
 from kvmesh import errors
 from kvmesh.namespace import Namespace
-from kvmesh.redis_client import SOCKET_TIMEOUT_S, Coalescer, connect, failed_inside_redis_py
+from kvmesh.redis_client import SOCKET_TIMEOUT_S, Coalescer, closed_under_command, connect
 from redis.asyncio.cluster import RedisCluster
 
 from control_plane.block_map import BlockMap
@@ -150,14 +150,18 @@ class RedisBlockMap(BlockMap):
                 return await run(client)
             except redis.exceptions.NoScriptError:  # the server restarted or was flushed
                 await self._load()
-            except (AttributeError, TypeError) as exc:
-                if not failed_inside_redis_py(exc):
+            except (AttributeError, TypeError, redis.exceptions.ConnectionError) as exc:
+                reconnects = (tenant is not None and self._tenant_credentials is not None
+                              and isinstance(exc, redis.exceptions.ConnectionError))  # below
+                if closed_under_command(exc) and not reconnects:
+                    # Retried once when it only reads; a write may have reached Redis: the caller decides.
+                    log.warning("the Redis connection closed under the %s script (%s: %s)", name,
+                                type(exc).__name__, exc)
+                    if not read_only or attempt:
+                        raise errors.Unavailable(f"the Redis connection failed under {name}; retry") from None
+                    continue
+                if not isinstance(exc, redis.exceptions.ConnectionError):
                     raise
-                # Retried once when it only reads; a write may have reached Redis: the caller decides.
-                log.warning("redis-py failed inside the %s script (%s: %s)", name, type(exc).__name__, exc)
-                if not read_only or attempt:
-                    raise errors.Unavailable(f"the Redis connection failed under {name}; retry") from None
-            except redis.exceptions.ConnectionError as exc:
                 # A tenant connection closed by Redis (its user was deleted or changed) or refused (rotated
                 # password, or Redis lost its ACL users): reconnect once with fresh credentials. The epoch
                 # compared is the one this call used (concurrent callers fail together: the first drops the
@@ -487,10 +491,10 @@ class RedisBlockMap(BlockMap):
         for attempt in range(2):
             try:
                 return await command(*args)
-            except (AttributeError, TypeError) as exc:
-                if not failed_inside_redis_py(exc):
+            except (AttributeError, TypeError, redis.exceptions.ConnectionError) as exc:
+                if not closed_under_command(exc):
                     raise
-                log.warning("redis-py failed inside a read (%s: %s)", type(exc).__name__, exc)
+                log.warning("the Redis connection closed under a read (%s: %s)", type(exc).__name__, exc)
                 if attempt:
                     raise errors.Unavailable("the Redis connection failed under a read; retry") from None
 

@@ -23,10 +23,12 @@ from kvmesh.errors import InvalidArgument
 SOCKET_TIMEOUT_S = 2.0
 
 
-def failed_inside_redis_py(exc: BaseException) -> bool:
-    """An AttributeError or TypeError raised inside redis-py itself: a connection closed under a command in
-    flight (redis-py 8 then writes to a writer that is gone: redis/redis-py#4287), a transient failure of the
-    connection, not a bug of the caller."""
+def closed_under_command(exc: BaseException) -> bool:
+    """A connection closed under a command in flight: a transient failure of the connection, not a bug of the
+    caller. redis-py 8.1 then failed inside itself (an AttributeError or TypeError writing to a writer that is
+    gone: redis/redis-py#4287); 8.2 raises ConnectionError("Connection closed by the server before write")."""
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return "closed by the server before write" in str(exc)
     if not isinstance(exc, (AttributeError, TypeError)):
         return False
     tb = exc.__traceback__
