@@ -81,10 +81,11 @@ async def test_hung_control_plane_costs_one_bounded_wait_per_refresh_period(flee
             assert result.pulled == 2 and elapsed < CP_TIMEOUT_S / 2, f"pull {i} took {elapsed:.1f}s"
             await asyncio.sleep(0.6)  # the loop spans the 3 s refresh period
 
-        # a tenant never seen: its first Reserve waits once (bounded), the next ones do not wait
+        # a tenant never seen: its first Reserve waits at most once (its bound; less once the node's keepalive has
+        # found the frozen control plane dead, ~7 s after the freeze: 1.4 s measured), the next ones do not wait
         first, _ = await timed(ca.reserve(other, [os.urandom(32)]))
         again = [(await timed(ca.reserve(other, [os.urandom(32)])))[0] for _ in range(3)]
-        assert CP_TIMEOUT_S * 0.7 < first < CP_TIMEOUT_S + 3 and max(again) < CP_TIMEOUT_S / 2, (first, again)
+        assert first < CP_TIMEOUT_S + 3 and max(again) < CP_TIMEOUT_S / 2, (first, again)
 
         # a pull needing a grant the control plane cannot give: MISS within its own deadline, every time
         fresh = await store(1)
