@@ -29,17 +29,25 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def check_address(setting: str, address: str, *, port: str = "required") -> str:
-    """``address`` if it is usable for ``setting``; ``port``: "required" (1-65535), "any" (0: any free port, for a
-    listen address) or "optional" (a bare host too). ValueError naming the setting otherwise."""
+def problem(address: str, *, port: str = "required") -> str | None:
+    """What is wrong with ``address`` (None: nothing); ``port``: "required" (1-65535), "any" (0: any free port,
+    for a listen address) or "optional" (a bare host too)."""
     try:
         host, number = split_host_port(address)
-        if not host:
-            raise ValueError("it names no host")
-        if number is None and port != "optional":
-            raise ValueError("it needs a port: host:port")
-        if number == 0 and port != "any":
-            raise ValueError("port 0 is not an address others can reach")
     except ValueError as exc:
-        raise ValueError(f"{setting} {address!r}: {exc}") from None
+        return str(exc)
+    if not host:
+        return "it names no host"
+    if number is None and port != "optional":
+        return "it needs a port: host:port"
+    if number == 0 and port != "any":
+        return "port 0 is not an address others can reach"
+    return None
+
+
+def check_address(setting: str, address: str, *, port: str = "required") -> str:
+    """``address`` if it is usable for ``setting`` (:func:`problem`); ValueError naming the setting otherwise."""
+    found = problem(address, port=port)
+    if found is not None:
+        raise ValueError(f"{setting} {address!r}: {found}")
     return address

@@ -25,7 +25,7 @@ from typing import NoReturn
 import grpc
 import redis.exceptions
 
-from kvmesh import errors
+from kvmesh import addresses, errors
 
 BAD_INPUT = 2
 RUNTIME = 1
@@ -96,10 +96,9 @@ def subset(known: list[str]) -> Callable[[str], list[str]]:
 
 def host_port(text: str) -> str:
     """``host:port`` or ``[v6]:port`` with a port in 1..65535 (a bare host would make gRPC dial port 443)."""
-    host, _, port = text.rpartition(":")
-    bare_v6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
-    if not host or bare_v6 or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"must be host:port, got {text!r}")
+    found = addresses.problem(text)
+    if found is not None:
+        raise argparse.ArgumentTypeError(f"must be host:port ({found}), got {text!r}")
     return text
 
 
