@@ -97,6 +97,7 @@ _POLL_SLEEP_S = 0.0002
 
 _AGENT_CONFIG_LOCK = threading.Lock()
 _XFER_THREADS_PER_LANE = 4  # threads polling transfers, per lane (several pulls and sends at once, a hung one)
+_PEER_SHARE_OF_THREADS = 2  # one peer's transfers hold at most 1/2 of them: a frozen (or stalling) peer leaves the rest
 _MAX_NOTES = 256  # senders whose latest notification is kept until taken
 _NOTE_POLL_S = 0.002
 _LANDED = b"kvmesh-landed:"  # prefix of a piece's notification: the tag, its first block index, its block count
@@ -201,6 +202,14 @@ class TransferFailed(Exception):
         super().__init__(reason)
         self.may_still_write = may_still_write
         self.released = released
+
+
+class NotPosted(TransferFailed):
+    """No request of the transfer was posted by its deadline (it waited for a thread, or for the peer's share of
+    them): nothing moved, nothing will, and the peer's endpoint is left as it was."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, released=True)
 
 
 class LandingArenasFull(Unavailable):
@@ -335,6 +344,9 @@ class NixlTransport(Transport):
         self._rotating = False
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         self._threads = self._new_threads()  # the agent's transfers are posted and polled in these only
+        self._peer_lanes = max(self._lanes, self._thread_count() // _PEER_SHARE_OF_THREADS)
+        self._lanes_held: collections.Counter[str] = collections.Counter()  # peer -> its lanes queued or running
+        self._lane_waiters: list[asyncio.Future] = []  # transfers waiting for their peer's share of the threads
         self._vetter = MetadataVetter()  # its own NIXL agent: started now, beside this one
         threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
 
@@ -350,9 +362,11 @@ class NixlTransport(Transport):
         log.info("NIXL agent %s ready in %.2fs", self.agent_name, time.monotonic() - t0)
         self._built.set_result(None)
 
+    def _thread_count(self) -> int:
+        return max(8, _XFER_THREADS_PER_LANE * self._lanes)
+
     def _new_threads(self) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(max(8, _XFER_THREADS_PER_LANE * self._lanes),
-                                                     thread_name_prefix="nixl-transfer")
+        return concurrent.futures.ThreadPoolExecutor(self._thread_count(), thread_name_prefix="nixl-transfer")
 
     def _new_agent(self, name: str):
         agent = new_nixl_agent(name, self._progress_wait_ms, self._lanes)
@@ -568,19 +582,20 @@ class NixlTransport(Transport):
         deadline = time.monotonic() + timeout_s
         self._busy[peer] = self._busy.get(peer, 0) + 1
         try:
-            # every lane runs to its end (or its bound) before the transfer is reported, failed or not
-            loop = asyncio.get_running_loop()
-            outcomes = await asyncio.gather(*(loop.run_in_executor(self._threads, self._xfer_blocking, op, peer,
-                                                                   pieces, deadline)
-                                              for pieces in lanes), return_exceptions=True)
+            await self._take_lanes(op, peer, len(lanes), deadline)
+            outcomes = await self._run_lanes(op, peer, lanes, deadline)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 unexpected = next((o for o in failed if not isinstance(o, TransferFailed)), None)
                 if unexpected is not None:
                     raise unexpected
+                if all(isinstance(o, NotPosted) for o in failed):
+                    raise NotPosted("; ".join(str(o) for o in failed))
                 raise TransferFailed("; ".join(str(o) for o in failed),
                                      may_still_write=any(o.may_still_write for o in failed),
                                      released=all(o.released for o in failed))
+        except NotPosted:
+            raise
         except TransferFailed:
             log.info("%s with %s failed: closing its endpoint (the next transfer needs a new handshake)", op, peer)
             self.remove_peer(peer)
@@ -593,11 +608,62 @@ class NixlTransport(Transport):
                     self._retired.discard(peer)
                     self._invalidate(peer)
 
+    async def _take_lanes(self, op: str, peer: str, n: int, deadline: float) -> None:
+        """Waits, until the transfer's deadline, for ``n`` lanes within the peer's share of the transfer threads:
+        a peer that stopped answering (or stalls on purpose) holds its share until its transfers' bounds, and
+        every other peer's transfers still find threads."""
+        while self._lanes_held[peer] + n > self._peer_lanes:
+            freed = asyncio.get_running_loop().create_future()
+            self._lane_waiters.append(freed)
+            try:
+                await asyncio.wait_for(freed, deadline - time.monotonic())
+            except TimeoutError:
+                raise NotPosted(f"{op} with {peer} timed out behind its {self._lanes_held[peer]} lanes in flight "
+                                "(nothing was posted)") from None
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._lane_waiters.remove(freed)
+        self._lanes_held[peer] += n
+
+    def _lane_ended(self, peer: str) -> None:
+        self._lanes_held[peer] -= 1
+        if self._lanes_held[peer] <= 0:
+            del self._lanes_held[peer]
+        waiters, self._lane_waiters = self._lane_waiters, []
+        for freed in waiters:
+            if not freed.done():
+                freed.set_result(None)
+
+    async def _run_lanes(self, op: str, peer: str, lanes: list, deadline: float) -> list:
+        """Runs each lane in a transfer thread and waits for every one that started to end (within its bound,
+        failed or not); a lane no thread has started by the deadline never starts: it fails, nothing posted."""
+        loop = asyncio.get_running_loop()
+        started: list[concurrent.futures.Future] = []
+        for pieces in lanes:
+            lane = self._threads.submit(self._xfer_blocking, op, peer, pieces, deadline)
+            lane.add_done_callback(lambda _, peer=peer: loop.call_soon_threadsafe(self._lane_ended, peer))
+            started.append(lane)
+        waited = [asyncio.wrap_future(lane) for lane in started]
+        try:
+            if waited:
+                await asyncio.wait(waited, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for lane in started:
+                lane.cancel()  # only one still queued: no thread took it by its deadline
+        outcomes = await asyncio.gather(*waited, return_exceptions=True)
+        return [NotPosted(f"{op} with {peer} timed out waiting for a transfer thread (nothing was posted)")
+                if isinstance(o, asyncio.CancelledError) else o for o in outcomes]
+
     def _xfer_blocking(self, op: str, peer: str, pieces: list[tuple[np.ndarray, np.ndarray, bytes]],
                        deadline: float) -> None:
         """One lane's requests, one after the other (each piece's notification leaves when it has landed);
-        the first that fails ends the lane."""
-        for local, remote, message in pieces:
+        the first that fails ends the lane, and none is posted past the deadline."""
+        for i, (local, remote, message) in enumerate(pieces):
+            if time.monotonic() >= deadline:
+                if not i:
+                    raise NotPosted(f"{op} with {peer} timed out before it began")
+                raise TransferFailed(f"{op} with {peer} timed out after {i} of its {len(pieces)} requests",
+                                     released=True)
             self._xfer_piece(op, peer, local, remote, message, deadline)
 
     def _xfer_piece(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, message: bytes,
