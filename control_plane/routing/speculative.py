@@ -70,13 +70,14 @@ class SpeculativeIndex:
         self._purge(now, owner)
 
     def leading_blocks(self, scope: Hashable, node_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
-        """Per node, how many leading ``block_hashes`` it was recently routed (0s left out)."""
+        """Per node, how many leading ``block_hashes`` it was recently routed (0s left out). Each node is scanned
+        once however often ``node_ids`` names it (candidates are engines, many may share a node)."""
         entries = self._expiry.get(scope)
         if not entries:
             return {}
         now = self._clock()
         out: dict[str, int] = {}
-        for node in node_ids:
+        for node in dict.fromkeys(node_ids):
             n = 0
             for h in block_hashes:
                 expiry = entries.get((h, node))

@@ -106,6 +106,34 @@ async def test_one_tenant_routing_huge_prompts_keeps_only_its_share_of_the_specu
                                         list(huge)) == {"c": MAX_ENTRIES_PER_OWNER}
 
 
+async def test_candidates_naming_one_node_many_times_scan_its_speculative_entries_once():
+    """Found in review: a scheduler's route with 1,024 candidate engines on one node scanned that node's entries
+    once per engine: after a 50,000-block prompt was routed there, ~51M probes (~5 s of the control plane's loop)
+    per route, repeatable. Each node is scanned once now; control: the node's routed prefix is still found."""
+    clock = Clock()
+    r = router(clock, route_speculative_ttl_ms=60_000)
+    nobody = lookup_of([])
+    prompt = tuple(j.to_bytes(4, "big") + bytes(28) for j in range(50_000))
+    await r.route(RouteRequest(NS, (Candidate("c", "c"),), block_hashes=prompt, policy=Policy.AFFINITY,
+                               kv_bytes_per_token=KV), nobody)
+    scope = (NS, RouteRequest(NS, (), block_hashes=prompt).extras)
+
+    class Probed(dict):
+        probes = 0
+
+        def get(self, key, default=None):
+            Probed.probes += 1
+            return super().get(key, default)
+
+    r.speculative._expiry[scope] = Probed(r.speculative._expiry[scope])
+    engines = tuple(Candidate(f"e{i}", "c") for i in range(1024))
+    decision = await r.route(RouteRequest(NS, engines, block_hashes=prompt, policy=Policy.AFFINITY,
+                                          kv_bytes_per_token=KV), nobody)
+    assert decision.local_cached_tokens == 50_000 * B
+    # one scan, and the purge of the older copies of the entries this route records again
+    assert Probed.probes <= 2 * 50_000, f"{Probed.probes} probes for one node's 50,000 entries"
+
+
 async def test_without_speculative_entries_back_to_back_requests_scatter():
     clock = Clock()
     r = router(clock, route_speculative_ttl_ms=0)
