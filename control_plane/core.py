@@ -75,6 +75,7 @@ class ControlPlane:
         self.signer = signer
         self._gc_task: asyncio.Task | None = None
         self._node_entries: dict[str, tuple[float, int]] = {}  # node id -> (read at, entries): _check_node_entries
+        self._pools: tuple[float, dict[str, str]] = (0.0, {})  # (listed at, node id -> pool): _node_pools
         self._closing = False
         self._watch = watch
         self._blocks_key = blocks_key
@@ -309,8 +310,17 @@ class ControlPlane:
             return True
         if not policy.allowed_pools:
             return False
-        pools = {s.node.node_id: s.node.pool for s in await self.block_map.list_nodes()}
-        return policy.allows_node(node_id, pools.get(node_id, ""))
+        return policy.allows_node(node_id, (await self._node_pools(node_id)).get(node_id, ""))
+
+    async def _node_pools(self, node_id: str) -> dict[str, str]:
+        """Each node's pool, listed again only after ``policy_ttl_s`` (as a tenant's policy is cached) or for a
+        node not listed yet: a lookup of a tenant whose policy names pools asks for each holder it answers, a
+        watch for each node it names (before: one listing, a Redis round trip per node, per holder)."""
+        listed_at, pools = self._pools
+        if node_id not in pools or time.monotonic() - listed_at >= self.config.policy_ttl_s:
+            pools = {s.node.node_id: s.node.pool for s in await self.block_map.list_nodes()}
+            self._pools = (time.monotonic(), pools)
+        return pools
 
     # -- routing (control_plane.routing) --------------------------------------------
 

@@ -314,3 +314,56 @@ async def test_a_sharee_routes_as_itself_not_as_the_sharing_tenant(fleet):
         f"the sharee's bookings held the tenant's pulls: {after.estimate.transfer_ms:.0f} ms"
     own = await route(sharee, ("c", 0, 0), **pulls)  # control: its own bookings hold the sharee's next pull
     assert own.estimate.transfer_ms > 10_000 or own.source_decision != pb.SOURCE_DECISION_PULL
+
+
+async def test_a_tenant_limited_to_a_pool_is_held_and_served_by_that_pool_only(fleet, control_plane, monkeypatch):
+    """``allowed_pools``: nodes of the pool hold and serve the tenant's blocks, a node of another pool neither
+    publishes them nor is answered as a holder or a grant source; narrowing the policy hides the pool's holders
+    at once. The pools are listed once per ``policy_ttl_s``, not once per holder of every lookup."""
+    await fleet.tenant("tenant-p", allowed_pools=["gold"])
+    gold = [f"gold-{i}" for i in range(8)]
+    for node_id in gold:
+        _, key = await fleet.key("node", node_id=node_id, pool="gold")
+        cp = fleet.cp(key)
+        reg = await cp.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(
+            node_id=node_id, data_plane_address="127.0.0.1:7001", pool="gold")))
+        assert (await cp.PublishEvents(pb.EventBatch(node_id=node_id, incarnation=reg.incarnation, seq=1,
+                                                     namespace=ns_pb("tenant-p"), events=[pb.KvEvent(
+            stored=pb.BlockStored(block_hashes=hashes(), block_size=32, medium=common_pb2.MEDIUM_CPU))]))
+                ).status == pb.ACK_STATUS_APPLIED
+    _, silver_key = await fleet.key("node", node_id="silver-0", pool="silver")
+    silver = fleet.cp(silver_key)
+    reg = await silver.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(
+        node_id="silver-0", data_plane_address="127.0.0.1:7002", pool="silver")))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await silver.PublishEvents(pb.EventBatch(node_id="silver-0", incarnation=reg.incarnation, seq=1,
+                                                 namespace=ns_pb("tenant-p"), events=[pb.KvEvent(
+            stored=pb.BlockStored(block_hashes=hashes(), block_size=32, medium=common_pb2.MEDIUM_CPU))]))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    _, sched = await fleet.key("scheduler", tenant_id="tenant-p")
+    lookup = pb.LookupPrefixRequest(namespace=ns_pb("tenant-p"), token_ids=TOKENS)
+
+    listings = 0
+    list_nodes = control_plane.core.block_map.list_nodes
+
+    async def counted():
+        nonlocal listings
+        listings += 1
+        return await list_nodes()
+
+    monkeypatch.setattr(control_plane.core.block_map, "list_nodes", counted)
+    monkeypatch.setattr(control_plane.core, "config", control_plane.core.config.model_copy(
+        update={"policy_ttl_s": 60.0}))
+    for _ in range(10):
+        assert sorted(h.node_id for h in (await fleet.cp(sched).LookupPrefix(lookup)).holders) == gold
+    assert listings <= 1, f"{listings} node listings for 10 lookups of 8 holders"
+
+    grant = pb.IssuePullGrantRequest(namespace=ns_pb("tenant-p"), source_node_id="gold-0",
+                                     consumer_public_key=PEER_KEY)
+    await expect(silver.IssuePullGrant(grant), grpc.StatusCode.PERMISSION_DENIED, "no pull grant")
+    _, gold_consumer = await fleet.key("node", node_id="gold-9", pool="gold")
+    assert (await fleet.cp(gold_consumer).IssuePullGrant(grant)).token  # control: a node of the pool gets one
+
+    await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="tenant-p", policy=tpb.TenantPolicy(
+        allowed_pools=["silver"])))
+    assert not (await fleet.cp(sched).LookupPrefix(lookup)).holders
