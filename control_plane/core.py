@@ -210,7 +210,7 @@ class ControlPlane:
                 raise InvalidArgument(
                     f"{len(token_ids)} tokens make more than {self.config.max_lookup_blocks} blocks"
                 )
-            block_hashes = cfg.hasher().block_hashes(token_ids, cfg.block_size, extras)
+            block_hashes = await cfg.hasher().block_hashes_in_turns(token_ids, cfg.block_size, extras)
         queried = len(block_hashes)
         if queried > self.config.max_lookup_blocks:
             raise InvalidArgument(f"{queried} block hashes; the limit is {self.config.max_lookup_blocks}")
@@ -252,7 +252,8 @@ class ControlPlane:
             return await self._may_watch(principal, ns.tenant, recheck_key=True)
 
         blocks_key = await self._blocks_key(ns)
-        async for update in self._watch.updates(blocks_key, allows, still_allowed, max(self.config.policy_ttl_s, 0.5)):
+        async for update in self._watch.updates(principal.key_id, blocks_key, allows, still_allowed,
+                                                max(self.config.policy_ttl_s, 0.5)):
             yield update
 
     async def _may_watch(self, principal: Principal, tenant_id: str, recheck_key: bool = False) -> bool:

@@ -28,12 +28,14 @@ from control_plane.model import NodeStatus
 from control_plane.routing.types import KvSource, PrefetchOrder, RouteRequest
 
 
-def prompt_block_hashes(request: RouteRequest) -> list[bytes]:
-    """The prompt's full-block hashes, as the lookup computed them (token ids hashed like LookupPrefix does)."""
+async def prompt_block_hashes(request: RouteRequest, blocks: int) -> list[bytes]:
+    """The prompt's first ``blocks`` full-block hashes, as the lookup computed them (token ids hashed like
+    LookupPrefix does: only those blocks' tokens, the loop handed back between turns)."""
     if request.block_hashes:
-        return list(request.block_hashes)
+        return list(request.block_hashes[:blocks])
     cfg = request.namespace.cache_config
-    return cfg.hasher().block_hashes(list(request.token_ids), cfg.block_size, request.extras)
+    return await cfg.hasher().block_hashes_in_turns(list(request.token_ids[:blocks * cfg.block_size]),
+                                                    cfg.block_size, request.extras)
 
 
 async def prefetch_order(request: RouteRequest, engine_id: str, source: KvSource, *,
@@ -54,7 +56,7 @@ async def prefetch_order(request: RouteRequest, engine_id: str, source: KvSource
     if not address:
         return None
     ns: Namespace = request.namespace
-    hashes = prompt_block_hashes(request)[:source.cached_tokens // ns.cache_config.block_size]
+    hashes = await prompt_block_hashes(request, source.cached_tokens // ns.cache_config.block_size)
     if not hashes:
         return None
     ticket = PrefetchTicket(ns.tenant, ns.fingerprint, destination, source.node_id, source.address,

@@ -78,3 +78,13 @@ def test_namespace_fingerprint_separates_every_field():
     prints = {base.fingerprint, *(v.fingerprint for v in variants)}
     assert len(prints) == len(variants) + 1
     assert Namespace.from_proto(base.to_proto()) == base
+
+
+@pytest.mark.parametrize("block_size,blocks", [(1, 3000), (16, 2049), (32, 1024), (32, 1)])
+async def test_hashing_in_turns_gives_the_same_chain(block_size, blocks):
+    """Hashed a turn (1,024 blocks) at a time: the same hashes, across turns, with the salt in block 0 only and
+    the LoRA in every block, and a trailing partial block left out."""
+    tokens = list(range(block_size * blocks + block_size // 2))
+    for extras in (Extras(), Extras(cache_salt="s", lora_name="a", lora_path="/p")):
+        assert await BlockHasher().block_hashes_in_turns(tokens, block_size, extras) == \
+            BlockHasher().block_hashes(tokens, block_size, extras)

@@ -207,3 +207,36 @@ async def test_redis_down_is_unavailable_not_a_hang(cp_config, tmp_path, admin_k
     finally:
         await running.stop()
         server.stop()
+
+
+async def test_hashing_a_lookups_token_ids_hands_the_loop_back_between_turns(control_plane, admin, monkeypatch):
+    """Found in review: a lookup of 65,536 one-token blocks was hashed in one go on the control plane's event
+    loop (~8 us a block): every other caller's request, every heartbeat and event batch waited ~0.5 s behind
+    each such lookup in flight. The loop is handed back every 1,024 blocks; control: the same hashes, lora
+    and cache salt included (the salt is block 0's alone), as hashing them at once."""
+    import time
+
+    from control_plane.model import ALL_TIERS
+    from kvmesh.namespace import CacheConfig, Namespace
+
+    core = control_plane.core
+    monkeypatch.setattr(core, "config", core.config.model_copy(update={"max_lookup_blocks": 65_536}))
+    ns = Namespace("acme", "m", "v1", CacheConfig(block_size=1))
+    tokens, extras = list(range(65_536)), Extras(cache_salt="s", lora_name="l", lora_path="/l")
+    gaps: list[float] = []
+
+    async def loop_turns() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.001)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    turns = asyncio.ensure_future(loop_turns())
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    match = await core.lookup_prefix(admin, ns, [], tokens, extras, ALL_TIERS)
+    took = time.monotonic() - t0
+    turns.cancel()
+    assert match.block_hashes == BlockHasher().block_hashes(tokens, 1, extras)
+    assert max(gaps) < took / 4, f"the loop waited {max(gaps) * 1000:.0f} ms at once during a {took:.2f} s lookup"
