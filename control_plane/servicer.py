@@ -94,30 +94,44 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             yield reply
 
     async def _in_order(self, request_iterator, work):
-        """Up to ``lookup_stream_window`` requests of the stream worked on at once; their answers yielded in
-        request order. The first failed request ends the stream with its status, after the answers to the
-        requests before it (the auth interceptor checks the caller's key again before each request)."""
+        """Up to ``lookup_stream_window`` requests of the stream worked on at once, and no more of them than
+        ``max_request_bytes`` of messages (what the request gate charged the stream for; one larger message is
+        worked on alone): their answers yielded in request order. The first failed request ends the stream with
+        its status, after the answers to the requests before it (the auth interceptor checks the caller's key
+        again before each request)."""
         window = asyncio.Semaphore(self._core.config.lookup_stream_window)
-        in_flight: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        budget = self._core.config.max_request_bytes
+        held = 0  # bytes of the messages being worked on or answered
+        room = asyncio.Condition()
+        in_flight: asyncio.Queue[tuple[asyncio.Future, int] | None] = asyncio.Queue()
 
         async def read() -> None:
+            nonlocal held
             try:
                 async for request in request_iterator:
+                    size = request.ByteSize()
                     await window.acquire()
-                    in_flight.put_nowait(asyncio.ensure_future(work(request)))
+                    async with room:
+                        await room.wait_for(lambda: not held or held + size <= budget)
+                        held += size
+                    in_flight.put_nowait((asyncio.ensure_future(work(request)), size))
             finally:
                 in_flight.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
-            while (task := await in_flight.get()) is not None:
+            while (item := await in_flight.get()) is not None:
+                task, size = item
                 yield await task
                 window.release()
+                async with room:
+                    held -= size
+                    room.notify()
             await reader  # the request stream's own end: a revoked key, an undecodable message
         finally:
-            for task in [reader, *(in_flight.get_nowait() for _ in range(in_flight.qsize()))]:
-                if task is not None:
-                    _discard(task)
+            for item in [(reader, 0), *(in_flight.get_nowait() for _ in range(in_flight.qsize()))]:
+                if item is not None:
+                    _discard(item[0])
 
     async def _lookup(self, principal, request, into: pb.LookupPrefixResponse | None = None
                       ) -> pb.LookupPrefixResponse:

@@ -222,3 +222,36 @@ async def test_a_failed_lookup_in_a_batch_ends_the_stream_after_the_earlier_batc
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "packed_block_hashes has 5 bytes" in info.value.details()
     queue.put_nowait(None)
+
+
+async def test_a_stream_works_on_no_more_messages_at_once_than_its_charge(cp_stub, control_plane, monkeypatch):
+    """Found in review: a lookup stream worked on up to lookup_stream_window (32) messages at once, and read one
+    more, while the request gate charges a stream for one max_request_bytes: 33 x 16 MiB per stream, ~8 GiB for
+    one key's 16 streams, against the 256 MiB documented. Messages are now worked on within max_request_bytes of
+    them (one larger message alone). Control: every batch is answered, in order, once the lookups go on."""
+    core = control_plane.core
+    monkeypatch.setattr(core, "config", core.config.model_copy(update={"max_request_bytes": 2**20}))
+    going, at_once, peak = asyncio.Event(), 0, 0
+    lookup_prefix = core.lookup_prefix
+
+    async def held(*args, **kwargs):
+        nonlocal at_once, peak
+        at_once += 1
+        peak = max(peak, at_once)
+        await going.wait()
+        at_once -= 1
+        return await lookup_prefix(*args, **kwargs)
+
+    monkeypatch.setattr(core, "lookup_prefix", held)
+    batch = [pb.LookupPrefixRequest(namespace=ns_pb(), block_hashes=hashes(2048, f"b{i}")) for i in range(5)]
+    assert 300_000 < pb.LookupPrefixBatch(lookups=batch).ByteSize() < 2**20 // 3  # three fit in the charge
+
+    async def send():
+        for _ in range(20):
+            yield pb.LookupPrefixBatch(lookups=batch)
+
+    replies = cp_stub.LookupPrefixBatches(send())
+    await asyncio.sleep(1.0)  # the server reads and starts what it will
+    assert peak == 3, f"{peak} messages of ~330 KB worked on at once within a 1 MiB charge"
+    going.set()
+    assert len([reply async for reply in replies]) == 20
