@@ -31,6 +31,9 @@ from __future__ import annotations
 from typing import Callable, Hashable
 
 MAX_AHEAD_S = 30.0  # no link is booked further ahead (a pull waiting longer is better recomputed anyway)
+# Links past which finished bookings are dropped. Destinations are candidates' node ids, which a route's caller
+# names: with more live links than this, each route rebuilt the whole ledger (O(links) a route).
+PRUNE_PAST_LINKS = 10_000
 
 
 class PullLedger:
@@ -40,6 +43,7 @@ class PullLedger:
         self._zone_of = zone_of
         # link -> booker -> when the pulls that booker routed over the link are done (clock seconds)
         self._free_at: dict[Hashable, dict[Hashable, float]] = {}
+        self._prune_past = PRUNE_PAST_LINKS
 
     def _links(self, source_node: str, dest_node: str) -> list[Hashable]:
         links: list[Hashable] = [("out", source_node), ("in", dest_node)]
@@ -73,6 +77,7 @@ class PullLedger:
         for link in self._links(source_node, dest_node):
             bookings = self._free_at.setdefault(link, {})
             bookings[booker] = max(bookings.get(booker, 0.0), end)
-        if len(self._free_at) > 10_000:
+        if len(self._free_at) > self._prune_past:  # amortised: pruned again only once the live links doubled
             self._free_at = {link: live for link, bookings in self._free_at.items()
                              if (live := {who: end for who, end in bookings.items() if end > now})}
+            self._prune_past = max(PRUNE_PAST_LINKS, 2 * len(self._free_at))

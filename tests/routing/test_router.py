@@ -257,3 +257,24 @@ async def test_affinity_with_p2p_spills_a_busy_holder_and_without_p2p_stays():
     assert stayed.engine_id == "a" and stayed.source is None
     calm = [Candidate("a", "a", 3), Candidate("b", "b", 0)]   # below route_affinity_spill_waiting (4)
     assert (await router(clock).route(request(calm, Policy.AFFINITY), holders)).engine_id == "a"
+
+
+def test_a_ledger_of_many_live_links_is_not_rebuilt_on_every_booking():
+    """Found in review: past 10,000 links the ledger dropped finished bookings on every booking, a rebuild of the
+    whole ledger each time; destinations are node ids a route's caller names, so made-up candidates kept 10,000+
+    links live (30 s each) and made every route O(links). It is pruned again only once the live links doubled;
+    control: finished links are still dropped."""
+    from control_plane.routing.ledger import PRUNE_PAST_LINKS, PullLedger
+
+    clock = Clock()
+    ledger = PullLedger(clock)
+    rebuilds, table = 0, ledger._free_at
+    for i in range(3 * PRUNE_PAST_LINKS):
+        ledger.add("src", f"made-up-{i}", seconds=20.0)
+        if ledger._free_at is not table:
+            rebuilds, table = rebuilds + 1, ledger._free_at
+    assert rebuilds <= 3, f"{rebuilds} rebuilds for {3 * PRUNE_PAST_LINKS} bookings"
+    clock.now += 60  # every booking over: the next pruning drops them
+    for i in range(ledger._prune_past + 1):
+        ledger.add("src", f"later-{i}", seconds=1.0)
+    assert not [link for link in ledger._free_at if link[-1].startswith("made-up-")]
