@@ -67,6 +67,9 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
     max_calls_in_flight_per_key: int = Field(256, ge=1, description="calls (a stream: until it ends) one API key "
                                              "may have in flight here; past it a call answers RESOURCE_EXHAUSTED "
                                              "before its request is read")
+    max_watches_per_key: int = Field(16, ge=1, description="WatchBlockMap streams one API key may have open here "
+                                     "(each holds its namespace's snapshot, 12 bytes a block, while its reader "
+                                     "does not read); past it a watch answers RESOURCE_EXHAUSTED")
     max_connections: int = Field(4096, ge=1, description="connections served at once; past it a new one is "
                                  "closed as it arrives (the process's open-file limit is raised to fit, or the "
                                  "cap lowered to it); a connection with no call for 60 s is closed")

@@ -98,7 +98,7 @@ async def _serve(config: ControlPlaneConfig, registry: CollectorRegistry, metric
     stats = RedisStatsStore(config.redis_url, key_prefix=config.key_prefix, alpha=config.route_stats_ewma_alpha,
                             refresh_ms=config.route_stats_refresh_ms, max_per_node=config.route_stats_max_per_node,
                             **redis_auth)
-    watch = BlockMapWatch(redis_map.replica) if redis_map.replica is not None else None
+    watch = BlockMapWatch(redis_map.replica, config.max_watches_per_key) if redis_map.replica is not None else None
     core = ControlPlane(block_map, config, tenants, authz, signer, Router(stats, config), grant_keys,
                         watch=watch, blocks_key=redis_map.blocks_key)
     keys = KeyCache(tenants.get_key, config.auth_cache_ttl_s)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 import numpy as np
 
-from kvmesh.errors import InvalidArgument, PermissionDenied, Unavailable
+from kvmesh.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from kvmesh.v1 import control_plane_pb2 as pb
 
 from control_plane.model import ALL_TIERS, PrefixMatch
@@ -88,28 +89,54 @@ class _Pending(asyncio.Queue):
         super().put_nowait(item)
 
 
-def _encoded(keys: np.ndarray, vids: np.ndarray) -> tuple[np.ndarray, list[tuple[bytes, bytes]]]:
-    """A snapshot's distinct vids, and its (keys, value indexes) wire bytes per message of SNAPSHOT_CHUNK blocks
-    (one message, empty, for an empty namespace)."""
+def _encoded(keys: np.ndarray, vids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A snapshot's distinct vids, its keys as little-endian uint64 and each key's index into the distinct vids as
+    little-endian uint32: what its messages carry, cut into wire bytes by :func:`_chunks` as they are sent."""
     distinct, index = np.unique(vids, return_inverse=True)
-    chunks = [(keys[start:start + SNAPSHOT_CHUNK].astype("<u8").tobytes(),
-               index[start:start + SNAPSHOT_CHUNK].astype("<u4").tobytes())
-              for start in range(0, max(len(keys), 1), SNAPSHOT_CHUNK)]
-    return distinct, chunks
+    return distinct, keys.astype("<u8", copy=False), index.astype("<u4")
+
+
+def _chunks(keys: np.ndarray, index: np.ndarray) -> Iterator[tuple[bytes, bytes]]:
+    """The (keys, value indexes) wire bytes of each message of SNAPSHOT_CHUNK blocks, each made when asked for (one
+    message, empty, for an empty namespace). Made all at once, a subscriber that did not read kept them all (12
+    bytes a block, beside the arrays) in the control plane for as long as its stream stayed open."""
+    for start in range(0, max(len(keys), 1), SNAPSHOT_CHUNK):
+        yield keys[start:start + SNAPSHOT_CHUNK].tobytes(), index[start:start + SNAPSHOT_CHUNK].tobytes()
 
 
 class BlockMapWatch:
     """Streams namespaces of ``replica`` (see the module docstring)."""
 
-    def __init__(self, replica: BlockMapReplica, sync_timeout_s: float = 10.0) -> None:
+    def __init__(self, replica: BlockMapReplica, max_per_key: int, sync_timeout_s: float = 10.0) -> None:
+        """``max_per_key``: watches one API key may have open at once (max_watches_per_key)."""
         self._replica = replica
+        self._max_per_key = max_per_key
         self._sync_timeout_s = sync_timeout_s
+        self._open: dict[str, int] = {}  # key id -> its watches open now
 
-    async def updates(self, blocks_key: str, allows: Callable[[str], Awaitable[bool]],
+    async def updates(self, key_id: str, blocks_key: str, allows: Callable[[str], Awaitable[bool]],
                       still_allowed: Callable[[], Awaitable[bool]], recheck_s: float) -> AsyncIterator[BlockMapUpdate]:
-        """The namespace at ``blocks_key``: a snapshot, then its changes. ``allows(node_id)``: may the subscriber
-        learn that node holds blocks; ``still_allowed()``, every ``recheck_s``: False ends the stream with
-        PermissionDenied."""
+        """The namespace at ``blocks_key`` for a subscriber holding API key ``key_id``: a snapshot, then its
+        changes. ``allows(node_id)``: may the subscriber learn that node holds blocks; ``still_allowed()``, every
+        ``recheck_s``: False ends the stream with PermissionDenied. ResourceExhausted when the key already has
+        ``max_per_key`` watches open: each holds a snapshot's arrays while its subscriber does not read."""
+        open_now = self._open.get(key_id, 0)
+        if open_now >= self._max_per_key:
+            raise ResourceExhausted(f"this key already has {open_now} WatchBlockMap streams open here "
+                                    "(max_watches_per_key): close one, give each client its own key, or raise "
+                                    "max_watches_per_key")
+        self._open[key_id] = open_now + 1
+        try:
+            async with aclosing(self._updates(blocks_key, allows, still_allowed, recheck_s)) as updates:
+                async for update in updates:
+                    yield update
+        finally:
+            self._open[key_id] -= 1
+            if not self._open[key_id]:
+                del self._open[key_id]
+
+    async def _updates(self, blocks_key: str, allows: Callable[[str], Awaitable[bool]],
+                       still_allowed: Callable[[], Awaitable[bool]], recheck_s: float) -> AsyncIterator[BlockMapUpdate]:
         replica = self._replica
         if not await replica.holds_blocks(blocks_key):
             # not followed (nor counted against its tenant) until a batch claims it: a key that may read the
@@ -165,14 +192,15 @@ class BlockMapWatch:
         replica = self._replica
         if not await replica.wait_synced(blocks_key, self._sync_timeout_s):
             raise Unavailable("the control plane's replica could not load this namespace in time; retry")
-        keys, vids = replica.table(blocks_key).items()  # copies: the follower may write the table meanwhile
-        # the sort and the encoding are linear or worse in the namespace (0.1 s a million blocks): off the loop
-        distinct, chunks = await asyncio.to_thread(_encoded, keys, vids)
+        # items(): copies, the follower may write the table meanwhile. The sort is linear or worse in the namespace
+        # (0.1 s a million blocks): off the loop. Each message's bytes (a memory copy) are made as it is sent.
+        distinct, keys, index = await asyncio.to_thread(_encoded, *replica.table(blocks_key).items())
         values = tuple(replica.values.value(int(v)) for v in distinct)
         holders = await self._new_holders(distinct, named, may_name)
         now = replica.now_ms()
-        for i, (key_bytes, index_bytes) in enumerate(chunks):
-            yield BlockMapUpdate(reset=i == 0, synced=i == len(chunks) - 1, holders=holders if i == 0 else (),
+        last = max(len(keys) - 1, 0) // SNAPSHOT_CHUNK
+        for i, (key_bytes, index_bytes) in enumerate(_chunks(keys, index)):
+            yield BlockMapUpdate(reset=i == 0, synced=i == last, holders=holders if i == 0 else (),
                                  keys=key_bytes, values=values, value_index=index_bytes, server_time_ms=now)
 
     async def _new_holders(self, vids, named: _Named, may_name) -> tuple[Holder, ...]:

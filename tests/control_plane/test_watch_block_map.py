@@ -205,15 +205,17 @@ async def test_a_watch_that_stops_reading_holds_a_bounded_backlog_then_gets_a_sn
 
 
 def test_a_snapshot_is_cut_into_messages_each_block_once():
-    from control_plane.watch import SNAPSHOT_CHUNK, _encoded
+    from control_plane.watch import SNAPSHOT_CHUNK, _chunks, _encoded
     keys = np.arange(1, 2 * SNAPSHOT_CHUNK + 2, dtype=np.uint64)
     vids = (keys % 3 + 5).astype(np.uint32)
-    distinct, chunks = _encoded(keys, vids)
+    distinct, keys_le, index = _encoded(keys, vids)
+    chunks = list(_chunks(keys_le, index))
     assert distinct.tolist() == [5, 6, 7] and len(chunks) == 3
     sent = np.concatenate([np.frombuffer(k, "<u8") for k, _ in chunks])
     index = np.concatenate([np.frombuffer(i, "<u4") for _, i in chunks])
     assert (sent == keys).all() and (distinct[index] == vids).all()
-    assert _encoded(np.zeros(0, np.uint64), np.zeros(0, np.uint32))[1] == [(b"", b"")]  # one message, empty
+    empty = _encoded(np.zeros(0, np.uint64), np.zeros(0, np.uint32))
+    assert list(_chunks(*empty[1:])) == [(b"", b"")]  # one message, empty
 
 
 async def test_a_snapshot_is_encoded_off_the_event_loop(two_tenants, monkeypatch):
@@ -278,3 +280,80 @@ async def test_watches_of_made_up_namespaces_follow_nothing_and_a_watch_gets_blo
     async with SchedulerClient(t["address"], later, api_key=t["key_a"]) as client:
         await client.start_replica()  # control: the tenant's own watch of its new namespace
         assert client.replica.lookup(blocks).longest == 6
+
+
+async def test_one_key_keeps_at_most_max_watches_per_key_watches_open(two_tenants, cp_config):
+    """Found in review: each watch holds its namespace's snapshot while its subscriber does not read, and one key
+    could keep max_calls_in_flight_per_key (256) of them open. Now the key's watch past max_watches_per_key is
+    RESOURCE_EXHAUSTED, one line saying what to do. Controls: another key of the tenant is served meanwhile; the
+    key itself once one of its watches is closed."""
+    t = two_tenants
+    limit = cp_config.max_watches_per_key
+    _, other_key = await t["core"].tenants.issue_key(Role.SCHEDULER, tenant_id="acme")
+    request = pb.WatchBlockMapRequest(namespace=t["ns_a"].to_proto())
+    async with channel(t["address"], t["key_a"]) as ch, channel(t["address"], other_key) as other_ch:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        held = [stub.WatchBlockMap(request) for _ in range(limit)]
+        for call in held:
+            assert (await call.read()).synced
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.WatchBlockMap(request).read()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        details = refused.value.details()
+        assert "max_watches_per_key" in details and "own key" in details and "\n" not in details
+        other = control_plane_pb2_grpc.ControlPlaneStub(other_ch).WatchBlockMap(request)
+        assert (await other.read()).synced  # control: another key of the tenant
+        other.cancel()
+        held.pop().cancel()
+        for _ in range(100):  # the server sees the cancellation a moment later
+            again = stub.WatchBlockMap(request)
+            try:
+                assert (await again.read()).synced  # control: the key once one of its watches is closed
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the key could not watch again after closing a watch")
+        for call in [*held, again]:
+            call.cancel()
+
+
+async def test_an_unread_snapshot_holds_at_most_two_encoded_messages(two_tenants, monkeypatch):
+    """Found in review: a snapshot was encoded whole (12 bytes a block, beside the arrays it was made from) before
+    its first message was sent, and held while the subscriber did not read (gRPC flow control keeps the watch in
+    its yield): 256 unread watches of a big namespace, 256 encoded copies. Now each message's bytes are made as it
+    is sent. Measured with tracemalloc: live bytes objects of one message's size (keys, value indexes) each time a
+    message is handed to gRPC, while the subscriber reads nothing (20 full messages: the old code held all 20)."""
+    import sys
+    import tracemalloc
+    import control_plane.servicer as servicer
+    import control_plane.watch as watch
+    chunk = 1021  # blocks a message here: an allocation size nothing else in the process has
+    monkeypatch.setattr(watch, "SNAPSHOT_CHUNK", chunk)
+    t = two_tenants
+    stored = hashes(20 * chunk, "big-namespace")
+    for start in range(0, len(stored), 1000):
+        await t["node_a"].store(t["ns_a"], stored[start:start + 1000])
+    sizes = {"keys": sys.getsizeof(bytes(8 * chunk)), "value indexes": sys.getsizeof(bytes(4 * chunk))}
+    held: list[dict[str, int]] = []
+    to_pb = servicer.block_map_update_to_pb
+
+    def measured(update):
+        traces = tracemalloc.take_snapshot().traces
+        held.append({name: sum(1 for trace in traces if trace.size == size) for name, size in sizes.items()})
+        return to_pb(update)
+
+    monkeypatch.setattr(servicer, "block_map_update_to_pb", measured)
+    tracemalloc.start()
+    try:
+        async with channel(t["address"], t["key_a"]) as ch:
+            call = control_plane_pb2_grpc.ControlPlaneStub(ch).WatchBlockMap(pb.WatchBlockMapRequest(
+                namespace=t["ns_a"].to_proto()))
+            await until(lambda: len(held) >= 2)  # the subscriber reads nothing meanwhile
+            call.cancel()
+    finally:
+        tracemalloc.stop()
+    worst = {name: max(h[name] for h in held) for name in sizes}
+    assert worst["keys"] <= 2 and worst["value indexes"] <= 2, f"encoded messages held at once: {worst}"
+    assert held[0]["keys"] >= 1  # positive control: the measure sees the message being sent
