@@ -30,7 +30,8 @@ commands:
 Policy flags: --allowed-node N (repeat), --allowed-pool P, --shared-with T ("*" = everyone),
 --max-index-entries N, --max-cpu-tier-bytes-per-node N, --max-namespaces N.
 The control plane is HOST:PORT (default $KVMESH_CONTROL_PLANE, else 127.0.0.1:50051, the control plane's default).
-The key comes from --key, --key-file or $KVMESH_ADMIN_KEY. Output is JSON. Errors are one line on stderr.
+The key comes from --key, else --key-file (a file holding it), else $KVMESH_ADMIN_KEY (the key itself, not a
+file). Output is JSON. Errors are one line on stderr.
 TLS: --tls-ca-file (the CA of the control plane's certificate; unset: plaintext), --tls-cert-file and
 --tls-key-file (this client's certificate, for a control plane that requires mutual TLS), --tls-server-name (the
 name to check instead of the host in --control-plane); each defaults to $KVMESH_ADMIN_TLS_CA_FILE,
@@ -63,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                         default=os.environ.get("KVMESH_CONTROL_PLANE") or "127.0.0.1:50051",
                         help="HOST:PORT of the control plane (default: $KVMESH_CONTROL_PLANE, else 127.0.0.1:50051)")
     parser.add_argument("--key", help="an admin API key (prefer --key-file: nothing secret on a command line)")
-    parser.add_argument("--key-file", help="file holding the admin API key (default: $KVMESH_ADMIN_KEY)")
+    parser.add_argument("--key-file", help="file holding the admin API key (with neither --key nor --key-file: "
+                        "the key itself from $KVMESH_ADMIN_KEY)")
     for name in ("ca-file", "cert-file", "key-file", "server-name"):
         env = "KVMESH_ADMIN_TLS_" + name.upper().replace("-", "_")
         parser.add_argument(f"--tls-{name}", default=os.environ.get(env) or None, help=f"default: ${env}")

@@ -6,7 +6,9 @@ A shell or Python block is preceded by one marker line:
     <!-- doc-block: illustrative: why it is not run -->
 
 and every fence names its language (``text`` for diagrams and sample output), so no command hides in an untagged
-block. tests/test_docs.py checks the markers.
+block. A fence of any other language (``text``, ``json``, ...) needs a marker too when one of its lines starts
+like a command (``COMMAND_STARTS``: ``kvmesh``, ``python``, ``make``, ``docker``, ``curl``, a ``$`` prompt, ...),
+so no command hides in a ``text`` block either. tests/test_docs.py checks the markers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE_LANGUAGES = {"bash", "sh", "shell", "console", "python", "py", "pycon"}
+# A line of a block in another language that starts so (after indentation) is a command a reader may type.
+COMMAND_STARTS = ("kvmesh ", "python ", "python3 ", "make ", "docker ", "docker-compose ", "curl ", "$ ",
+                  "sudo ", "pip ", "bash ", "git ", "vllm ", ".venv/bin/")
 _MARKER = re.compile(r"<!-- doc-block: (?:illustrative: (?P<why>.+?)|(?P<id>[a-z0-9-]+) run-by (?P<path>\S+)) -->")
 
 
@@ -33,6 +38,12 @@ class Block:
     def where(self) -> str:
         page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
         return f"{page}:{self.line}"
+
+    @property
+    def shows_commands(self) -> bool:
+        """A code block, or one of another language with a line that starts like a command."""
+        return self.language in CODE_LANGUAGES or any(
+            line.lstrip().startswith(COMMAND_STARTS) for line in self.text.splitlines())
 
     def parsed_marker(self) -> re.Match | None:
         return _MARKER.fullmatch(self.marker.strip())
@@ -65,14 +76,16 @@ def doc_block(block_id: str) -> str:
 
 
 def marker_problems(found: list[Block]) -> list[str]:
-    """What is wrong with the markers of ``found``: a code block with none, or naming a runner that does not use it."""
+    """What is wrong with the markers of ``found``: a block that shows commands (a code block, or a ``text`` one with
+    a line starting like a command) with no marker, or one naming a runner that does not use it."""
     problems = []
     for b in found:
-        if b.language not in CODE_LANGUAGES:
+        if not b.shows_commands:
             continue
         m = b.parsed_marker()
         if not m:
-            problems.append(f"{b.where}: no <!-- doc-block: ... --> marker before this {b.language} block")
+            why = "" if b.language in CODE_LANGUAGES else " (a line of it starts like a command)"
+            problems.append(f"{b.where}: no <!-- doc-block: ... --> marker before this {b.language} block{why}")
         elif m.group("id"):
             runner = ROOT / m.group("path")
             if not runner.is_file():
