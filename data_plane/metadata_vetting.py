@@ -61,11 +61,27 @@ class MetadataVetter:
             return b"?"
         return os.read(fd, 1)
 
+    def _send(self, data: bytes, deadline: float) -> bool:
+        """Writes ``data`` to the child; False when ``deadline`` passed first (a stopped child reads nothing, and
+        a metadata larger than the pipe's buffer blocked the write, the lock and the thread for good)."""
+        fd = self._proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        while view:
+            if not select.select([], [fd], [], max(0.0, deadline - time.monotonic()))[1]:
+                return False
+            view = view[os.write(fd, view):]
+        return True
+
     def vet(self, metadata: bytes, timeout_s: float) -> None:
         """Returns when a throwaway agent loaded ``metadata``; InvalidArgument when NIXL refused it or loading it
-        killed the child, Unavailable when no answer came within ``timeout_s`` (blocking: run it in a thread)."""
+        killed the child, Unavailable when no answer came within ``timeout_s``, behind other vets included
+        (blocking: run it in a thread)."""
         deadline = time.monotonic() + timeout_s
-        with self._lock:
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            raise Unavailable("this node could not check the agent metadata in time (other handshakes' checks "
+                              "held its checking process); try the handshake again")
+        try:
             if self._proc.poll() is not None:
                 self._start()
             answer = b""
@@ -74,13 +90,15 @@ class MetadataVetter:
                     answer = self._answer(deadline)
                     self._ready = answer == READY
                 if self._ready:
-                    self._proc.stdin.write(_LENGTH.pack(len(metadata)) + metadata)
-                    answer = self._answer(deadline)
+                    sent = self._send(_LENGTH.pack(len(metadata)) + metadata, deadline)
+                    answer = self._answer(deadline) if sent else b"?"
             except OSError:  # the child is gone (broken pipe)
                 answer = b""
             if answer == LOADED:
                 return
             self._replace()
+        finally:
+            self._lock.release()
         if answer == b"?":
             raise Unavailable("this node could not check the agent metadata in time (its checking process is "
                               "still starting or stuck); try the handshake again")
@@ -95,7 +113,9 @@ class MetadataVetter:
         Its start takes seconds on a busy machine: a node counts as ready for handshakes only once it is up, so
         that cost is paid at start, not by the first pull's bound."""
         deadline = time.monotonic() + timeout_s
-        with self._lock:
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            return self._ready
+        try:
             if self._proc.poll() is not None:
                 self._start()
             if not self._ready:
@@ -104,6 +124,8 @@ class MetadataVetter:
                 except OSError:
                     self._ready = False
             return self._ready
+        finally:
+            self._lock.release()
 
     @property
     def ready(self) -> bool:

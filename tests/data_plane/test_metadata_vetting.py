@@ -53,3 +53,43 @@ async def test_a_nodes_transport_is_not_ready_until_its_vetter_has_started(shm_d
         os.kill(transport._vetter._proc.pid, signal.SIGCONT)
         transport.close()
         region.close()
+
+
+def test_a_stopped_vetter_bounds_every_check_a_large_metadata_and_those_queued_behind_it():
+    """Found in review: the metadata went down the child's pipe in one blocking write under the vetter's lock, and
+    the lock was taken without a bound: with the child stopped, a grant holder's metadata larger than the pipe's
+    buffer (64 KiB) blocked that handshake's thread for good, and every later handshake's check behind it. Each
+    now answers Unavailable within its own bound. Control: the replaced child answers again (NIXL refuses
+    metadata that is not an agent's)."""
+    import threading
+
+    from kvmesh.errors import InvalidArgument
+
+    vetter = MetadataVetter()
+    try:
+        assert vetter.wait_started(120.0)
+        os.kill(vetter._proc.pid, signal.SIGSTOP)
+        outcomes: dict[str, tuple[type, float]] = {}
+
+        def vet(name: str, metadata: bytes, timeout_s: float) -> None:
+            started = time.monotonic()
+            try:
+                vetter.vet(metadata, timeout_s)
+                outcomes[name] = (type(None), time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - recorded for the asserts
+                outcomes[name] = (type(exc), time.monotonic() - started)
+
+        large = threading.Thread(target=vet, args=("large", bytes(1 << 20), 2.0), daemon=True)
+        large.start()
+        time.sleep(0.3)  # it holds the checking process
+        behind = threading.Thread(target=vet, args=("behind", b"x" * 100, 0.5), daemon=True)
+        behind.start()
+        for thread in (large, behind):
+            thread.join(10.0)
+        assert outcomes.get("behind", (None, 0))[0] is Unavailable and outcomes["behind"][1] < 2.0, outcomes
+        assert outcomes.get("large", (None, 0))[0] is Unavailable and outcomes["large"][1] < 4.0, outcomes
+        with pytest.raises(InvalidArgument, match="NIXL cannot load it"):
+            vetter.vet(b"not an agent's metadata", 60.0)
+    finally:
+        os.kill(vetter._proc.pid, signal.SIGCONT)
+        vetter.close()
