@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import numpy as np
-import redis.exceptions
 
-from kvmesh.redis_client import connect
+from kvmesh.redis_client import connect, unavailable
 from kvmesh.redis_keys import Keys
 
 from control_plane.model import ALL_TIERS, PrefixMatch
@@ -68,7 +67,6 @@ MAX_FOLLOWED_PER_TENANT = 128
 # while the namespace is empty here (or its follower fails: a deleted tenant's reads do); given up when two checks in
 # a row find it unlisted (a Redis that lost its data lists nothing until its writers claim their namespaces again).
 RELEASE_CHECK_S = 10.0
-_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 ClientFor = Callable[[str], Awaitable[object]]  # tenant -> the Redis client to read its keys with
 
@@ -370,7 +368,7 @@ class BlockMapReplica:
                     return
                 if not failures:  # once per run of failures (a tenant deleted meanwhile fails until closed)
                     log.warning("change stream %s: %s; resyncing", stream.key, exc,
-                                exc_info=not isinstance(exc, _TRANSIENT))
+                                exc_info=not (unavailable(exc) or isinstance(exc, OSError)))
                 self._out_of_sync(stream)
                 if isinstance(stream, _Namespace) and await self._given_up(stream):
                     return

@@ -17,6 +17,7 @@ import grpc
 import redis.exceptions
 
 from kvmesh import errors
+from kvmesh.redis_client import unavailable
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     for cls in type(exc).__mro__:
         if cls in STATUS_BY_ERROR:
             return STATUS_BY_ERROR[cls], str(exc)
-    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+    if unavailable(exc):
         return grpc.StatusCode.UNAVAILABLE, f"block map store unavailable: {exc}"
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return grpc.StatusCode.PERMISSION_DENIED, "block map store denied access"

@@ -17,10 +17,37 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from kvmesh.errors import InvalidArgument
 
 SOCKET_TIMEOUT_S = 2.0
+# A cluster client retries a command that failed on a connection (a refreshed topology may route it elsewhere) this
+# many times, at once: redis-py 8.2 spaces the retries by a backoff (8.1 did not), which held a command whose primary
+# had died 2-4 s, past SOCKET_TIMEOUT_S, and could carry a replica's read across a failover unseen (a replica
+# resyncs after a connection error: control_plane.replica).
+CLUSTER_RETRIES = 10
+
+_CONNECTION_FAILED = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# redis-py 8.2 raises this when no node of a cluster answers (None before 8.2).
+_CLUSTER_UNREACHABLE = getattr(redis.exceptions, "RedisClusterUnreachableError", None)
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Redis, or every node of a cluster, could not be reached or did not answer in time: the store is unavailable
+    (callers may retry), not a bug. redis-py 8.2 tells a cluster no node of which answers with
+    RedisClusterUnreachableError, not a ConnectionError (its cluster client also ends with it when a connection keeps
+    closing under a command); before 8.2 that was a plain RedisClusterException raised from the connection error (the
+    rule 8.2 applies: not from a refused login)."""
+    if isinstance(exc, _CONNECTION_FAILED):
+        return True
+    if _CLUSTER_UNREACHABLE is not None:
+        return isinstance(exc, _CLUSTER_UNREACHABLE)
+    cause = exc.__cause__
+    return (isinstance(exc, redis.exceptions.RedisClusterException)
+            and isinstance(cause, (*_CONNECTION_FAILED, OSError))
+            and not isinstance(cause, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)))
 
 
 def closed_under_command(exc: BaseException) -> bool:
@@ -201,4 +228,5 @@ def _cluster(url: str, kwargs: dict) -> RedisCluster:
         seeds.append(ClusterNode(name, _port(url, port)))
     _check_db(url, parts.path, cluster=True)
     first = urlunsplit(parts._replace(netloc=f"{userinfo}{at}{hosts.split(',')[0]}"))
-    return RedisCluster.from_url(first, startup_nodes=seeds[1:] or None, **kwargs)
+    return RedisCluster.from_url(first, startup_nodes=seeds[1:] or None, retry=Retry(NoBackoff(), CLUSTER_RETRIES),
+                                 **kwargs)

@@ -1,20 +1,24 @@
 """kvmesh.redis_client against real Redis: the Coalescer on a redis-server (concurrent callers share pipelines, and
 each caller still gets its own reply or error); a cluster URL naming several nodes, whose client still finds the
-cluster when the first node it names is gone (what a control plane needs after a failover)."""
+cluster when the first node it names is gone (what a control plane needs after a failover); a cluster no node of
+which answers is the store being unavailable, and a command on a node that died fails within the bound of a call."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
+import grpc
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.exceptions import RedisClusterException
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.redis_client import Coalescer, connect
-from kvmesh_apps.redis_server import free_port
+from kvmesh.grpc_errors import status_for
+from kvmesh.redis_client import SOCKET_TIMEOUT_S, Coalescer, connect
+from kvmesh_apps.redis_server import RedisCluster, free_port
 
 
 async def _connections_named(url: str, name: str) -> int:
@@ -86,6 +90,50 @@ async def test_a_cluster_url_names_several_seeds_and_a_dead_first_one_is_skipped
             await alone.get("{seeds}:k")
     finally:
         await alone.aclose()
+
+
+async def test_a_cluster_no_node_of_which_answers_is_unavailable_not_internal(redis_server):
+    """redis-py reports a cluster no node of which answers as a RedisClusterException (8.2: its subclass
+    RedisClusterUnreachableError), not as a ConnectionError: the control plane answered INTERNAL, as for a bug.
+    It is UNAVAILABLE now, as a single server that does not answer is. Negative controls: a cluster URL at a server
+    that is no cluster, and a command whose keys span slots, are still INTERNAL."""
+    async def failure(client, *command) -> Exception:
+        try:
+            with pytest.raises(RedisClusterException) as failed:
+                await client.execute_command(*command)
+        finally:
+            await client.aclose()
+        return failed.value
+
+    down = await failure(connect(f"redis+cluster://127.0.0.1:{free_port()}"), "GET", "k")
+    assert status_for(down)[0] is grpc.StatusCode.UNAVAILABLE, repr(down)
+    no_cluster = await failure(connect(f"redis+cluster://127.0.0.1:{redis_server.port}"), "GET", "k")
+    cross_slot = RedisClusterException("MGET - all keys must map to the same key slot")
+    assert [status_for(exc)[0] for exc in (no_cluster, cross_slot)] == [grpc.StatusCode.INTERNAL] * 2
+
+
+async def test_a_command_on_a_cluster_whose_node_died_fails_within_the_bound_of_a_call(tmp_path):
+    """redis-py 8.2 spaces a cluster client's retries by an exponential backoff (8.1 sent them at once): a GET whose
+    primary had died failed after 2-4.4 s, past the socket timeout that bounds a call (8.1: 0.15 s); a replica's
+    XREAD could wait out a failover that way, unseen. It fails as fast as on 8.1 now. Control: the other keys answer."""
+    cluster = RedisCluster(tmp_path / "cluster").start()
+    client = connect(cluster.seeds_url)
+    try:
+        keys = [f"{{k{i}}}" for i in range(16)]  # on every node
+        for key in keys:
+            await client.set(key, "v")
+        port = client.get_node_from_key(keys[0]).port
+        next(node for node in cluster.nodes if node.port == port).stop()
+        assert await client.get(next(k for k in keys if client.get_node_from_key(k).port != port)) == b"v"
+        start = time.monotonic()
+        with pytest.raises(Exception) as failed:
+            await client.get(keys[0])
+        elapsed = time.monotonic() - start
+        assert status_for(failed.value)[0] is grpc.StatusCode.UNAVAILABLE, repr(failed.value)
+        assert elapsed < SOCKET_TIMEOUT_S / 2, f"{elapsed:.2f}s"
+    finally:
+        await client.aclose()
+        cluster.stop()
 
 
 def test_every_seed_needs_host_and_port():
