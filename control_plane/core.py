@@ -7,9 +7,11 @@ Plain Python, no gRPC: the servicer converts protos to the types in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 
 from typing import AsyncIterator, Iterable, Sequence
@@ -75,7 +77,8 @@ class ControlPlane:
         self.signer = signer
         self._gc_task: asyncio.Task | None = None
         self._node_entries: dict[str, tuple[float, int]] = {}  # node id -> (read at, entries): _check_node_entries
-        self._pools: tuple[float, dict[str, str]] = (0.0, {})  # (listed at, node id -> pool): _node_pools
+        self._pools: tuple[float, dict[str, str]] = (-math.inf, {})  # (listed at, node id -> pool): _node_pools
+        self._pools_listing: asyncio.Future | None = None
         self._closing = False
         self._watch = watch
         self._blocks_key = blocks_key
@@ -252,9 +255,11 @@ class ControlPlane:
             return await self._may_watch(principal, ns.tenant, recheck_key=True)
 
         blocks_key = await self._blocks_key(ns)
-        async for update in self._watch.updates(principal.key_id, blocks_key, allows, still_allowed,
-                                                max(self.config.policy_ttl_s, 0.5)):
-            yield update
+        # closed with this generator, not when the collector gets to it: it holds one of the key's watches
+        async with contextlib.aclosing(self._watch.updates(principal.key_id, blocks_key, allows, still_allowed,
+                                                           max(self.config.policy_ttl_s, 0.5))) as updates:
+            async for update in updates:
+                yield update
 
     async def _may_watch(self, principal: Principal, tenant_id: str, recheck_key: bool = False) -> bool:
         if recheck_key and principal.key_id != BOOTSTRAP_KEY_ID:
@@ -311,16 +316,23 @@ class ControlPlane:
             return True
         if not policy.allowed_pools:
             return False
-        return policy.allows_node(node_id, (await self._node_pools(node_id)).get(node_id, ""))
+        return policy.allows_node(node_id, (await self._node_pools()).get(node_id, ""))
 
-    async def _node_pools(self, node_id: str) -> dict[str, str]:
-        """Each node's pool, listed again only after ``policy_ttl_s`` (as a tenant's policy is cached) or for a
-        node not listed yet: a lookup of a tenant whose policy names pools asks for each holder it answers, a
-        watch for each node it names (before: one listing, a Redis round trip per node, per holder)."""
+    async def _node_pools(self) -> dict[str, str]:
+        """Each node's pool, listed again only after ``policy_ttl_s`` (as a tenant's policy is cached; a node
+        registered since is in no pool until then), one listing at a time: a lookup of a tenant whose policy names
+        pools asks for each holder it answers, a watch for each node it names (before: one listing, a Redis round
+        trip per node, per holder)."""
         listed_at, pools = self._pools
-        if node_id not in pools or time.monotonic() - listed_at >= self.config.policy_ttl_s:
-            pools = {s.node.node_id: s.node.pool for s in await self.block_map.list_nodes()}
-            self._pools = (time.monotonic(), pools)
+        if time.monotonic() - listed_at < self.config.policy_ttl_s:
+            return pools
+        if self._pools_listing is None or self._pools_listing.done():
+            self._pools_listing = asyncio.ensure_future(self._list_pools())
+        return await asyncio.shield(self._pools_listing)
+
+    async def _list_pools(self) -> dict[str, str]:
+        pools = {s.node.node_id: s.node.pool for s in await self.block_map.list_nodes()}
+        self._pools = (time.monotonic(), pools)
         return pools
 
     # -- routing (control_plane.routing) --------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.grpc_errors import grpc_errors
@@ -180,8 +181,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     @grpc_errors
     async def WatchBlockMap(self, request, context):
         ns = wire.namespace(request.namespace, request.HasField("namespace"))
-        async for update in self._core.watch_block_map(current_principal(), ns):
-            yield block_map_update_to_pb(update)
+        async with contextlib.aclosing(self._core.watch_block_map(current_principal(), ns)) as updates:
+            async for update in updates:  # closed with the call: the watch counts against the key until then
+                yield block_map_update_to_pb(update)
 
     async def Ping(self, request, context):
         return common_pb2.PingResponse()

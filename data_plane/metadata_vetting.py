@@ -32,6 +32,14 @@ _LENGTH = struct.Struct("<I")
 READY, LOADED, REFUSED = b"R", b"1", b"0"
 
 
+def _ready_by(fd: int, event: int, deadline: float) -> bool:
+    """Whether ``fd`` is ready for ``event`` (POLLIN, POLLOUT) before ``deadline`` (poll, not select: a busy data
+    plane's descriptors pass 1,023, where select() raises)."""
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+
+
 class MetadataVetter:
     """The parent's side: a child with a NIXL agent, started at once (it takes seconds), replaced after each
     refusal or death. One metadata at a time."""
@@ -57,7 +65,7 @@ class MetadataVetter:
     def _answer(self, deadline: float) -> bytes:
         """The child's next byte: b"" when it died, b"?" when ``deadline`` passed first."""
         fd = self._proc.stdout.fileno()
-        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if not _ready_by(fd, select.POLLIN, deadline):
             return b"?"
         return os.read(fd, 1)
 
@@ -68,7 +76,7 @@ class MetadataVetter:
         os.set_blocking(fd, False)
         view = memoryview(data)
         while view:
-            if not select.select([], [fd], [], max(0.0, deadline - time.monotonic()))[1]:
+            if not _ready_by(fd, select.POLLOUT, deadline):
                 return False
             view = view[os.write(fd, view):]
         return True
@@ -96,7 +104,8 @@ class MetadataVetter:
                 answer = b""
             if answer == LOADED:
                 return
-            self._replace()
+            if self._ready or self._proc.poll() is not None:  # a child still starting is left to start
+                self._replace()
         finally:
             self._lock.release()
         if answer == b"?":

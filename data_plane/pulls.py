@@ -53,7 +53,7 @@ from data_plane.peers import Peer
 from data_plane.epochs import GONE
 from data_plane.landing import LandingArena
 from data_plane.tier import Block, BlockState
-from data_plane.transfer import LandingArenasFull, TransferFailed, Transport
+from data_plane.transfer import LandingArenasFull, NotPosted, TransferFailed, Transport
 from data_plane.types import BlockKey, LookupAnswer, LookupStatus, Medium, PullResult, block_keys
 from tenancy.grants import read_grant
 
@@ -515,7 +515,8 @@ class Pulls:
                 log.warning("pull from %s failed: %s; answering MISS for %d blocks", peer.address, exc, len(blocks))
                 # this node's own READ: only the source's exit proves it over
                 self._settle_landing(arena, landing, blocks, exc.may_still_write, peer, ns, "", grant)
-                await self._peers.forget(peer)
+                if not isinstance(exc, NotPosted):  # a READ never posted (no thread in time) says nothing of the peer
+                    await self._peers.forget(peer)
                 return False
 
     async def _release_remote(self, peer: Peer, lease_id: str, grant: bytes) -> None:

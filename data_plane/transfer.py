@@ -85,7 +85,7 @@ from kvmesh.errors import InvalidArgument, Unavailable
 
 from data_plane.landing import LandingArena
 from data_plane.metadata_vetting import MetadataVetter
-from data_plane.nixl_metadata import AgentMetadata, agent_name, read_agent_metadata
+from data_plane.nixl_metadata import AgentMetadata, agent_name, node_of_agent, read_agent_metadata
 from data_plane.shm import SharedRegion
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ _POLL_SLEEP_S = 0.0002
 
 _AGENT_CONFIG_LOCK = threading.Lock()
 _XFER_THREADS_PER_LANE = 4  # threads polling transfers, per lane (several pulls and sends at once, a hung one)
-_PEER_SHARE_OF_THREADS = 2  # one peer's transfers hold at most 1/2 of them: a frozen (or stalling) peer leaves the rest
+_PEER_SHARE_OF_THREADS = 2  # one peer node's transfers hold at most 1/2 of them: a frozen (or stalling) one leaves
+# the rest to the others
 _MAX_NOTES = 256  # senders whose latest notification is kept until taken
 _NOTE_POLL_S = 0.002
 _LANDED = b"kvmesh-landed:"  # prefix of a piece's notification: the tag, its first block index, its block count
@@ -345,7 +346,7 @@ class NixlTransport(Transport):
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         self._threads = self._new_threads()  # the agent's transfers are posted and polled in these only
         self._peer_lanes = max(self._lanes, self._thread_count() // _PEER_SHARE_OF_THREADS)
-        self._lanes_held: collections.Counter[str] = collections.Counter()  # peer -> its lanes queued or running
+        self._lanes_held: collections.Counter[str] = collections.Counter()  # peer node -> its lanes queued or running
         self._lane_waiters: list[asyncio.Future] = []  # transfers waiting for their peer's share of the threads
         self._vetter = MetadataVetter()  # its own NIXL agent: started now, beside this one
         threading.Thread(target=self._build, args=(progress_wait_ms,), name="nixl-agent", daemon=True).start()
@@ -589,7 +590,7 @@ class NixlTransport(Transport):
                 unexpected = next((o for o in failed if not isinstance(o, TransferFailed)), None)
                 if unexpected is not None:
                     raise unexpected
-                if all(isinstance(o, NotPosted) for o in failed):
+                if len(failed) == len(outcomes) and all(isinstance(o, NotPosted) for o in failed):
                     raise NotPosted("; ".join(str(o) for o in failed))
                 raise TransferFailed("; ".join(str(o) for o in failed),
                                      may_still_write=any(o.may_still_write for o in failed),
@@ -609,26 +610,29 @@ class NixlTransport(Transport):
                     self._invalidate(peer)
 
     async def _take_lanes(self, op: str, peer: str, n: int, deadline: float) -> None:
-        """Waits, until the transfer's deadline, for ``n`` lanes within the peer's share of the transfer threads:
-        a peer that stopped answering (or stalls on purpose) holds its share until its transfers' bounds, and
-        every other peer's transfers still find threads."""
-        while self._lanes_held[peer] + n > self._peer_lanes:
+        """Waits, until the transfer's deadline, for ``n`` lanes within the peer node's share of the transfer
+        threads (its agents together: a node that handshakes again is one peer still): a node that stopped
+        answering (or stalls on purpose) holds its share until its transfers' bounds, and every other node's
+        transfers still find threads."""
+        node = node_of_agent(peer) or peer
+        while self._lanes_held[node] + n > self._peer_lanes:
             freed = asyncio.get_running_loop().create_future()
             self._lane_waiters.append(freed)
             try:
                 await asyncio.wait_for(freed, deadline - time.monotonic())
             except TimeoutError:
-                raise NotPosted(f"{op} with {peer} timed out behind its {self._lanes_held[peer]} lanes in flight "
-                                "(nothing was posted)") from None
+                raise NotPosted(f"{op} with {peer} timed out behind its node's {self._lanes_held[node]} lanes in "
+                                "flight (nothing was posted)") from None
             finally:
                 with contextlib.suppress(ValueError):
                     self._lane_waiters.remove(freed)
-        self._lanes_held[peer] += n
+        self._lanes_held[node] += n
 
     def _lane_ended(self, peer: str) -> None:
-        self._lanes_held[peer] -= 1
-        if self._lanes_held[peer] <= 0:
-            del self._lanes_held[peer]
+        node = node_of_agent(peer) or peer
+        self._lanes_held[node] -= 1
+        if self._lanes_held[node] <= 0:
+            del self._lanes_held[node]
         waiters, self._lane_waiters = self._lane_waiters, []
         for freed in waiters:
             if not freed.done():

@@ -130,7 +130,7 @@ async def test_a_command_on_a_cluster_whose_node_died_fails_within_the_bound_of_
             await client.get(keys[0])
         elapsed = time.monotonic() - start
         assert status_for(failed.value)[0] is grpc.StatusCode.UNAVAILABLE, repr(failed.value)
-        assert elapsed < SOCKET_TIMEOUT_S / 2, f"{elapsed:.2f}s"
+        assert elapsed < SOCKET_TIMEOUT_S, f"{elapsed:.2f}s"  # the bound of one call (8.2 before: 2.2-4.4 s)
     finally:
         await client.aclose()
         cluster.stop()

@@ -223,14 +223,12 @@ async def test_hashing_a_lookups_token_ids_hands_the_loop_back_between_turns(con
     monkeypatch.setattr(core, "config", core.config.model_copy(update={"max_lookup_blocks": 65_536}))
     ns = Namespace("acme", "m", "v1", CacheConfig(block_size=1))
     tokens, extras = list(range(65_536)), Extras(cache_salt="s", lora_name="l", lora_path="/l")
-    gaps: list[float] = []
+    turned_at: list[float] = []  # when the loop came round to a task that asks every millisecond
 
     async def loop_turns() -> None:
-        last = time.monotonic()
         while True:
             await asyncio.sleep(0.001)
-            gaps.append(time.monotonic() - last)
-            last = time.monotonic()
+            turned_at.append(time.monotonic())
 
     turns = asyncio.ensure_future(loop_turns())
     await asyncio.sleep(0.01)
@@ -239,4 +237,8 @@ async def test_hashing_a_lookups_token_ids_hands_the_loop_back_between_turns(con
     took = time.monotonic() - t0
     turns.cancel()
     assert match.block_hashes == BlockHasher().block_hashes(tokens, 1, extras)
-    assert max(gaps) < took / 4, f"the loop waited {max(gaps) * 1000:.0f} ms at once during a {took:.2f} s lookup"
+    # 64 turns of hashing: the task that asks every millisecond ran after every other one (a timer is due a turn
+    # late); before, only during the lookup's Redis calls (7 times here). Counted, not timed: a moment the host
+    # preempts the process does not decide it
+    during = sum(t0 < t < t0 + took for t in turned_at)
+    assert during >= 16, f"the loop came round {during} times during a {took:.2f} s lookup of 64 turns"

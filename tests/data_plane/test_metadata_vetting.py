@@ -6,6 +6,7 @@ the child runs (a real child process with a NIXL agent). NixlTransport.ready() w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -93,3 +94,53 @@ def test_a_stopped_vetter_bounds_every_check_a_large_metadata_and_those_queued_b
     finally:
         os.kill(vetter._proc.pid, signal.SIGCONT)
         vetter.close()
+
+
+def test_a_check_that_times_out_on_a_starting_vetter_leaves_it_to_start():
+    """Found in review: a check that timed out before the child had started killed it and started another, so under
+    a steady stream of handshakes the vetter could never finish starting. The child is replaced only once it was
+    sent something (or died). Control: the same child, let run, checks."""
+    from kvmesh.errors import InvalidArgument
+
+    vetter = MetadataVetter()
+    try:
+        pid = vetter._proc.pid
+        os.kill(pid, signal.SIGSTOP)  # before its agent exists
+        with pytest.raises(Unavailable, match="still starting or stuck"):
+            vetter.vet(b"x" * 100, 0.5)
+        assert vetter._proc.pid == pid, "a check that timed out replaced the starting child"
+        os.kill(pid, signal.SIGCONT)
+        with pytest.raises(InvalidArgument, match="NIXL cannot load it"):
+            vetter.vet(b"not an agent's metadata", 120.0)
+        assert vetter._proc.pid != pid  # a refusal replaces it, as before
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        vetter.close()
+
+
+def test_the_vetter_works_with_descriptors_past_1023():
+    """Found in review: the child's pipes were waited on with select(), which raises ValueError for a descriptor
+    past 1023: a data plane with more than ~1,000 open sockets (its limit is raised to fit its connections) failed
+    every handshake once its child was started there. Control: the check answers (NIXL refuses the bytes)."""
+    import resource
+
+    from kvmesh.errors import InvalidArgument
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the open-file limit ({hard}) leaves no descriptor past 1023")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    vetter = None
+    try:
+        vetter = MetadataVetter()
+        assert vetter._proc.stdout.fileno() > 1023
+        with pytest.raises(InvalidArgument, match="NIXL cannot load it"):
+            vetter.vet(b"not an agent's metadata", 120.0)
+    finally:
+        if vetter is not None:
+            vetter.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
