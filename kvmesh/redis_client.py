@@ -53,9 +53,11 @@ def unavailable(exc: BaseException) -> bool:
 def closed_under_command(exc: BaseException) -> bool:
     """A connection closed under a command in flight: a transient failure of the connection, not a bug of the
     caller. redis-py 8.1 then failed inside itself (an AttributeError or TypeError writing to a writer that is
-    gone: redis/redis-py#4287); 8.2 raises ConnectionError("Connection closed by the server before write")."""
+    gone: redis/redis-py#4287); 8.2 raises ConnectionError("Connection closed by the server before write"), or
+    "... while writing" for that same failure inside the write."""
     if isinstance(exc, redis.exceptions.ConnectionError):
-        return "closed by the server before write" in str(exc)
+        return str(exc).startswith(("Connection closed by the server before write",
+                                    "Connection closed by the server while writing"))
     if not isinstance(exc, (AttributeError, TypeError)):
         return False
     tb = exc.__traceback__

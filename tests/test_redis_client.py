@@ -139,3 +139,18 @@ async def test_a_command_on_a_cluster_whose_node_died_fails_within_the_bound_of_
 def test_every_seed_needs_host_and_port():
     with pytest.raises(InvalidArgument, match="host:port"):
         connect("redis+cluster://127.0.0.1:7000,nohost")
+
+
+def test_both_of_redis_py_8_2s_closed_connection_failures_are_a_connection_closed_under_a_command():
+    """redis-py 8.2 names a connection closed under a command two ways: before the write, and inside it (where 8.1
+    leaked the AttributeError of redis/redis-py#4287); both are retried as that (a read once), not failed. Controls:
+    a refused connection, and a TypeError raised outside redis-py, are not."""
+    from kvmesh.redis_client import closed_under_command
+
+    for message in ("Connection closed by the server before write", "Connection closed by the server while writing"):
+        assert closed_under_command(redis.exceptions.ConnectionError(message)), message
+    assert not closed_under_command(redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:1."))
+    try:
+        None + 1
+    except TypeError as exc:
+        assert not closed_under_command(exc)
