@@ -218,6 +218,7 @@ async def _restart_test(tmp_path: Path, key_prefix: str, ns: Namespace, lose_dat
     server = RedisServer(tmp_path / "redis").start()
     bm = RedisBlockMap(server.url, lease_ms=60_000, key_prefix=key_prefix)
     hs = hashes(24, "restart")
+    replica = None
     try:
         a = await Node(bm, ns, 1).register()
         await a.store(hs[:10])
@@ -241,8 +242,9 @@ async def _restart_test(tmp_path: Path, key_prefix: str, ns: Namespace, lose_dat
         expect = {"node-2"} if lose_data else {"node-1", "node-2"}
         assert {h.node_id for h in replica.lookup(await bm.blocks_key(ns), hs).holders} == expect
         assert replica.resyncs >= 1
-        await replica.close()
     finally:
+        if replica is not None:  # a failed run's follower must not log into later tests
+            await replica.close()
         await bm.close()
         server.stop()
 
@@ -261,6 +263,7 @@ async def test_replica_resyncs_after_a_cluster_shard_fails_over(tmp_path, key_pr
     cluster = RedisCluster(tmp_path / "cluster", masters=3, replicas=1).start()
     bm = RedisBlockMap(cluster.seeds_url, lease_ms=60_000, key_prefix=key_prefix)
     hs = hashes(24, "failover")
+    replica = None
     try:
         a = await Node(bm, ns, 1).register()
         await a.store(hs[:10])
@@ -297,8 +300,9 @@ async def test_replica_resyncs_after_a_cluster_shard_fails_over(tmp_path, key_pr
                 await asyncio.sleep(0.5)
         await converged(bm, replica, ns, [hs, hs[:5]], timeout_s=30)
         assert replica.lookup(key, hs).longest == 20 and replica.resyncs >= 1
-        await replica.close()
     finally:
+        if replica is not None:
+            await replica.close()
         await bm.close()
         cluster.stop()
 
