@@ -17,7 +17,7 @@ import time
 from typing import AsyncIterator, Iterable, Sequence
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from kvmesh.hashing import Extras
+from kvmesh.hashing import CallerTurns, Extras
 from kvmesh.namespace import Namespace, validate_tenant
 from tenancy.authz import Authorizer
 from tenancy.grants import Grant, GrantSigner, RouteToken
@@ -82,6 +82,7 @@ class ControlPlane:
         self._closing = False
         self._watch = watch
         self._blocks_key = blocks_key
+        self._hashing = CallerTurns()  # token ids hashed one lookup at a time per key
 
     # -- nodes -----------------------------------------------------------------
 
@@ -213,7 +214,8 @@ class ControlPlane:
                 raise InvalidArgument(
                     f"{len(token_ids)} tokens make more than {self.config.max_lookup_blocks} blocks"
                 )
-            block_hashes = await cfg.hasher().block_hashes_in_turns(token_ids, cfg.block_size, extras)
+            block_hashes = await cfg.hasher().block_hashes_in_turns(token_ids, cfg.block_size, extras,
+                                                                    self._hashing.turn(principal.key_id))
         queried = len(block_hashes)
         if queried > self.config.max_lookup_blocks:
             raise InvalidArgument(f"{queried} block hashes; the limit is {self.config.max_lookup_blocks}")
@@ -370,7 +372,7 @@ class ControlPlane:
             order = await prefetch_order(
                 request, decision.engine_id, source, nodes=self.block_map.list_nodes, signer=self.signer,
                 node_allowed=lambda node_id: self._allows(tenant.policy, node_id),
-                ttl_ms=self.config.route_prefetch_ttl_ms,
+                ttl_ms=self.config.route_prefetch_ttl_ms, hashing_turn=self._hashing.turn(principal.key_id),
                 caller_node=principal.node_id if principal.role is Role.NODE else None)
         return dataclasses.replace(decision, source=source, prefetch=order)
 

@@ -18,8 +18,9 @@ calls no data plane; what it vouches for, it checked first:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Awaitable, Callable
+from typing import AsyncContextManager, Awaitable, Callable
 
 from kvmesh.namespace import Namespace
 from tenancy.grants import GrantSigner, PrefetchTicket, prefetch_blocks_digest
@@ -28,23 +29,26 @@ from control_plane.model import NodeStatus
 from control_plane.routing.types import KvSource, PrefetchOrder, RouteRequest
 
 
-async def prompt_block_hashes(request: RouteRequest, blocks: int) -> list[bytes]:
+async def prompt_block_hashes(request: RouteRequest, blocks: int,
+                              turn: AsyncContextManager = contextlib.nullcontext()) -> list[bytes]:
     """The prompt's first ``blocks`` full-block hashes, as the lookup computed them (token ids hashed like
-    LookupPrefix does: only those blocks' tokens, the loop handed back between turns)."""
+    LookupPrefix does: only those blocks' tokens, the loop handed back between turns, in the caller's ``turn``)."""
     if request.block_hashes:
         return list(request.block_hashes[:blocks])
     cfg = request.namespace.cache_config
     return await cfg.hasher().block_hashes_in_turns(list(request.token_ids[:blocks * cfg.block_size]),
-                                                    cfg.block_size, request.extras)
+                                                    cfg.block_size, request.extras, turn)
 
 
 async def prefetch_order(request: RouteRequest, engine_id: str, source: KvSource, *,
                          nodes: Callable[[], Awaitable[list[NodeStatus]]],
                          node_allowed: Callable[[str], Awaitable[bool]], signer: GrantSigner,
-                         ttl_ms: int, caller_node: str | None = None) -> PrefetchOrder | None:
+                         ttl_ms: int, caller_node: str | None = None,
+                         hashing_turn: AsyncContextManager = contextlib.nullcontext()) -> PrefetchOrder | None:
     """The order for ``engine_id``'s node to pull ``source``'s leading blocks now; None when the request opted
     out, the node is not live, the tenant's policy does not allow it, or the caller is another node
-    (``caller_node``: the node id of a node's key, None for a scheduler's or an admin's)."""
+    (``caller_node``: the node id of a node's key, None for a scheduler's or an admin's). ``hashing_turn``: the
+    caller's turn to hash token ids (hashing.CallerTurns)."""
     if not request.prefetch:
         return None
     destination = next(c.node_id for c in request.candidates if c.engine_id == engine_id)
@@ -56,7 +60,7 @@ async def prefetch_order(request: RouteRequest, engine_id: str, source: KvSource
     if not address:
         return None
     ns: Namespace = request.namespace
-    hashes = await prompt_block_hashes(request, source.cached_tokens // ns.cache_config.block_size)
+    hashes = await prompt_block_hashes(request, source.cached_tokens // ns.cache_config.block_size, hashing_turn)
     if not hashes:
         return None
     ticket = PrefetchTicket(ns.tenant, ns.fingerprint, destination, source.node_id, source.address,

@@ -11,11 +11,12 @@ Golden vectors produced by vLLM's own code pin this (tests/test_hashing.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hashlib
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncContextManager, AsyncIterator, Callable, Sequence
 
 import cbor2
 
@@ -134,15 +135,38 @@ class BlockHasher:
             hashes.append(prev)
         return hashes
 
-    async def block_hashes_in_turns(self, token_ids: Sequence[int], block_size: int,
-                                    extras: Extras = Extras()) -> list[bytes]:
+    async def block_hashes_in_turns(self, token_ids: Sequence[int], block_size: int, extras: Extras = Extras(),
+                                    turn: AsyncContextManager = contextlib.nullcontext()) -> list[bytes]:
         """:meth:`block_hashes`, handing the event loop back after every :data:`BLOCKS_PER_TURN` blocks: a server
         hashing a lookup of 65,536 one-token blocks held its loop ~0.5 s at once (~8 us a block), so every
-        other caller's request, heartbeat and event waited behind each such lookup in flight."""
+        other caller's request, heartbeat and event waited behind each such lookup in flight. ``turn``: held
+        while hashing (a :meth:`CallerTurns.turn`, so that one caller's lookups hash one at a time)."""
         hashes: list[bytes] = []
         step = BLOCKS_PER_TURN * max(block_size, 1)
-        for start in range(0, len(token_ids), step):
-            hashes += self.block_hashes(token_ids[start:start + step], block_size, extras,
-                                        hashes[-1] if hashes else None, len(hashes))
-            await asyncio.sleep(0)
+        async with turn:
+            for start in range(0, len(token_ids), step):
+                hashes += self.block_hashes(token_ids[start:start + step], block_size, extras,
+                                            hashes[-1] if hashes else None, len(hashes))
+                await asyncio.sleep(0)
         return hashes
+
+
+class CallerTurns:
+    """One hashing at a time per caller, the others queued in order. Turns alone are not fair: the loop runs
+    every ready task in turn, so a key with 256 lookups in flight had 256 turns (~2 s) for each one of another
+    key's; hashing one at a time per key, each key with hashing to do gets one turn per round."""
+
+    def __init__(self) -> None:
+        self._callers: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # key -> (its lock, [holders + waiters])
+
+    @contextlib.asynccontextmanager
+    async def turn(self, caller: str) -> AsyncIterator[None]:
+        lock, users = self._callers.setdefault(caller, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._callers[caller]

@@ -242,3 +242,43 @@ async def test_hashing_a_lookups_token_ids_hands_the_loop_back_between_turns(con
     # preempts the process does not decide it
     during = sum(t0 < t < t0 + took for t in turned_at)
     assert during >= 16, f"the loop came round {during} times during a {took:.2f} s lookup of 64 turns"
+
+
+async def test_one_keys_lookups_in_flight_hash_one_at_a_time_so_others_are_not_held_back(control_plane, admin,
+                                                                                          monkeypatch):
+    """Found in review: turns alone were not fair. The loop runs every ready task in turn, so a key with 32
+    lookups of token ids in flight had 32 turns of hashing for each turn of anything else (another key's lookup,
+    a heartbeat, an event batch): ~2 s at 256 in flight and 1,024 blocks a turn. A key's lookups now hash one at
+    a time. Counted, not timed: the first key's turns of hashing for each turn of a task that yields at once
+    (before: ~32). Control: the first key's lookups all answer, and so does another key's, in the meantime."""
+    import dataclasses
+
+    import kvmesh.hashing
+    from control_plane.model import ALL_TIERS
+    from kvmesh.namespace import CacheConfig, Namespace
+
+    core = control_plane.core
+    monkeypatch.setattr(kvmesh.hashing, "BLOCKS_PER_TURN", 64)
+    ns = Namespace("acme", "m", "v1", CacheConfig(block_size=1))
+    first, other = dataclasses.replace(admin, key_id="first"), dataclasses.replace(admin, key_id="other")
+    turns = [0]  # turns of hashing of the first key's lookups (64 tokens each; the other key's lookup has 10)
+    hash_turn = BlockHasher.block_hashes
+
+    def counted(self, token_ids, *args, **kwargs):
+        turns[0] += len(token_ids) == 64
+        return hash_turn(self, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(BlockHasher, "block_hashes", counted)
+    floods = [asyncio.ensure_future(core.lookup_prefix(first, ns, [], list(range(i, i + 2048)), Extras(), ALL_TIERS))
+              for i in range(32)]
+    other_lookup = asyncio.ensure_future(core.lookup_prefix(other, ns, [], list(range(10)), Extras(), ALL_TIERS))
+    await asyncio.sleep(0)
+    started, probe_turns = turns[0], 0
+    while turns[0] < 32 * 16:  # until the first key's hashing is half done
+        await asyncio.sleep(0)
+        probe_turns += 1
+    ratio = (turns[0] - started) / probe_turns
+    assert len(await asyncio.gather(*floods)) == 32
+    assert (await other_lookup).block_hashes == hash_turn(BlockHasher(), list(range(10)), 1)
+    assert ratio < 4, f"{ratio:.1f} of the first key's turns of hashing for each turn of another task"
+    assert not core._hashing._callers  # a key is forgotten once none of its lookups hashes or waits to
