@@ -140,7 +140,10 @@ def main(argv: list[str]) -> int:
     # every input checked (the whole trace too) before any run starts (bad input: run_command's one line, exit 2)
     args = _parser().parse_args(argv)
     info = scan(Path(args.trace))
+    info.check_fits(args.gpu_kv_blocks, Profile.block_tokens, "--gpu-kv-blocks")
     plan = select_windows(info, args.start, args.windows, args.requests)
+    for s in plan.starts:  # each window's arrivals checked (within a day) before any run starts
+        load_window(Path(args.trace), s, plan.requests)
     sweep_plan = None if args.no_sweep else select_windows(info, args.start, args.sweep_windows,
                                                            args.sweep_requests)
     for s in sweep_plan.starts if sweep_plan else ():   # the load curve is in multiples of each one's rate

@@ -4,7 +4,10 @@
 Parsing: every row is checked (:func:`parse_row`, :meth:`TraceRequest.validate`) and a bad
 one is a :class:`TraceError` naming the file, the line (1-based) and the field. Blank
 lines are skipped and do not count as requests; other keys are ignored. A request's
-index (``--start``) counts requests, from 0.
+index (``--start``) counts requests, from 0. A gzip-compressed file (``.jsonl.gz``) is read
+as it is; a UTF-8 byte-order mark is skipped. A row's ``hash_ids`` must be its prompt's
+512-token blocks: at least ``input_length // 512`` and at most ``ceil(input_length / 512)``
+(a trace cut in blocks of another size would give wrong hit rates, so it is refused).
 
 Windows: :func:`select_windows` picks disjoint windows of consecutive requests
 (never the same window twice); :func:`load_window` reads one, sorted by arrival
@@ -20,6 +23,7 @@ vLLM caches full blocks only.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TRACE_BLOCK_TOKENS = 512
+MAX_WINDOW_SPAN_MS = 86_400_000  # a window's arrivals within one day: timestamps are milliseconds from one origin
+FORMAT_HELP = "docs/scheduling.md, 'The trace format, checks and windows', says what a trace holds"
 WINDOW_SPACING = 4000    # requests between the starts of consecutive windows, when the trace is long enough
 _MAX_HASH_ID = 2**64     # a hash id is hashed as 8 bytes
 
@@ -47,12 +53,20 @@ class TraceRequest:
         """Raises ValueError naming the trace field at fault; returns self."""
         if not math.isfinite(self.arrival_ms) or self.arrival_ms < 0:
             raise ValueError(f"timestamp: must be a finite number >= 0, got {self.arrival_ms!r}")
-        for name, value in (("input_length", self.input_tokens), ("output_length", self.output_tokens)):
-            if value < 0:
-                raise ValueError(f"{name}: must be >= 0, got {value}")
+        if self.input_tokens < 1:
+            raise ValueError(f"input_length: must be >= 1 (a prompt of at least one token), got {self.input_tokens}")
+        if self.output_tokens < 0:
+            raise ValueError(f"output_length: must be >= 0, got {self.output_tokens}")
         for k, h in enumerate(self.hash_ids):
             if not 0 <= h < _MAX_HASH_ID:
                 raise ValueError(f"hash_ids[{k}]: must be an integer in [0, 2**64), got {h}")
+        low, high = self.input_tokens // TRACE_BLOCK_TOKENS, -(-self.input_tokens // TRACE_BLOCK_TOKENS)
+        if not low <= len(self.hash_ids) <= high:
+            implied = f" (about {self.input_tokens // len(self.hash_ids)} tokens an id)" if self.hash_ids else ""
+            raise ValueError(
+                f"hash_ids: {len(self.hash_ids)} ids for input_length {self.input_tokens}{implied}; a Mooncake "
+                f"trace has one id per {TRACE_BLOCK_TOKENS}-token block of the prompt ({high} here), and a trace "
+                f"in blocks of another size would replay with wrong hit rates")
         return self
 
 
@@ -66,6 +80,8 @@ def parse_row(text: str) -> TraceRequest:
         row = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"not JSON ({exc})") from None
+    if isinstance(row, list):
+        raise ValueError("a JSON array, not one JSON object per line (JSONL): convert it with jq -c '.[]'")
     if not isinstance(row, dict):
         raise ValueError(f"not a JSON object (got {type(row).__name__})")
     for name in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -83,29 +99,36 @@ def parse_row(text: str) -> TraceRequest:
     for k, h in enumerate(ids):
         if not _is_int(h):
             raise ValueError(f"hash_ids[{k}]: must be an integer, got {h!r}")
-    return TraceRequest(float(ts), row["input_length"], row["output_length"], tuple(ids)).validate()
+    try:
+        arrival = float(ts)
+    except OverflowError:
+        raise ValueError(f"timestamp: too large for a number of milliseconds ({str(ts)[:20]}...)") from None
+    return TraceRequest(arrival, row["input_length"], row["output_length"], tuple(ids)).validate()
 
 
 def _rows(path: Path) -> Iterator[tuple[int, str]]:
     """(line number from 1, text) of each non-blank line; TraceError for a file that cannot be read."""
     try:
         with open(path, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"
+        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
             for lineno, raw in enumerate(f, 1):
                 try:
-                    text = raw.decode("utf-8")
+                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError:
-                    raise TraceError(f"{path}, line {lineno}: not UTF-8 text") from None
+                    raise TraceError(f"{path}, line {lineno}: not UTF-8 text (a trace is JSON lines, plain or "
+                                     f"gzip-compressed; {FORMAT_HELP})") from None
                 if text.strip():
                     yield lineno, text
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
+    except (OSError, EOFError) as exc:  # gzip: a truncated or corrupt file
+        raise TraceError(f"{path}: cannot read the trace ({getattr(exc, 'strerror', None) or exc})") from None
 
 
 def _parse(path: Path, lineno: int, text: str) -> TraceRequest:
     try:
         return parse_row(text)
     except ValueError as exc:
-        raise TraceError(f"{path}, line {lineno}: {exc}") from None
+        raise TraceError(f"{path}, line {lineno}: {exc} ({FORMAT_HELP})") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,17 +136,30 @@ class TraceInfo:
     path: Path
     requests: int     # non-blank lines
     lines: int        # the last non-blank line's number
+    largest_tokens: int = 0   # the largest request's prompt and output tokens together
+    largest_line: int = 0     # its line
+
+    def check_fits(self, kv_blocks: int, block_tokens: int, flag: str) -> None:
+        """TraceError when the largest request needs more than ``kv_blocks`` blocks of ``block_tokens``: an
+        engine could never admit it (nor, behind it, the requests after it on that engine)."""
+        need = -(-self.largest_tokens // block_tokens)
+        if need > kv_blocks:
+            raise TraceError(f"{self.path}, line {self.largest_line}: a request of {self.largest_tokens} tokens "
+                             f"(prompt and output) needs {need} KV blocks of {block_tokens} tokens, more than an "
+                             f"engine holds ({flag} {kv_blocks}): raise {flag}, or leave the request out")
 
 
 def scan(path: Path) -> TraceInfo:
     """Checks every row; TraceError at the first bad one, or for a trace without requests."""
-    requests = last = 0
+    requests = last = largest = largest_line = 0
     for lineno, text in _rows(path):
-        _parse(path, lineno, text)
+        r = _parse(path, lineno, text)
         requests, last = requests + 1, lineno
+        if r.input_tokens + max(1, r.output_tokens) > largest:
+            largest, largest_line = r.input_tokens + max(1, r.output_tokens), lineno
     if not requests:
         raise TraceError(f"{path}: no requests (an empty trace)")
-    return TraceInfo(path, requests, last)
+    return TraceInfo(path, requests, last, largest, largest_line)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +227,11 @@ def load_window(path: Path, start: int, count: int, time_scale: float = 1.0) -> 
                          f"{seen} requests")
     out.sort(key=lambda r: r.arrival_ms)
     t0 = out[0].arrival_ms
+    if out[-1].arrival_ms - t0 > MAX_WINDOW_SPAN_MS:
+        raise TraceError(f"{path}: requests {start} to {start + count - 1} arrive over "
+                         f"{(out[-1].arrival_ms - t0) / 3.6e6:.3g} hours (first at {t0:.0f} ms, last at "
+                         f"{out[-1].arrival_ms:.0f} ms), more than a day: timestamps must be milliseconds from one "
+                         f"origin (a row in epoch milliseconds among relative ones, or seconds read as ms?)")
     return [TraceRequest((r.arrival_ms - t0) / time_scale, r.input_tokens, r.output_tokens, r.hash_ids)
             for r in out]
 

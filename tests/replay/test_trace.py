@@ -19,7 +19,8 @@ from kvmesh_apps.replay.trace import TraceError, TraceInfo, load_window, parse_r
 GOOD = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
 BAD_ROWS = [   # (the line, what the message must name)
     ("not json", "not JSON"),
-    ("[1, 2]", "not a JSON object"),
+    ("[1, 2]", "a JSON array, not one JSON object per line (JSONL): convert it with jq -c '.[]'"),
+    ('"row"', "not a JSON object (got str)"),
     (json.dumps({k: v for k, v in GOOD.items() if k != "output_length"}), "output_length: missing"),
     (json.dumps({k: v for k, v in GOOD.items() if k != "timestamp"}), "timestamp: missing"),
     (json.dumps({k: v for k, v in GOOD.items() if k != "hash_ids"}), "hash_ids: missing"),
@@ -29,7 +30,13 @@ BAD_ROWS = [   # (the line, what the message must name)
     ('{"timestamp": NaN, "input_length": 600, "output_length": 5, "hash_ids": []}', "timestamp: must be a finite"),
     (json.dumps({**GOOD, "input_length": "600"}), "input_length: must be an integer"),
     (json.dumps({**GOOD, "input_length": 600.5}), "input_length: must be an integer"),
-    (json.dumps({**GOOD, "input_length": -1}), "input_length: must be >= 0"),
+    (json.dumps({**GOOD, "input_length": -1}), "input_length: must be >= 1"),
+    (json.dumps({**GOOD, "input_length": 0, "hash_ids": []}), "input_length: must be >= 1"),
+    ('{"timestamp": 1' + "0" * 400 + ', "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}',
+     "timestamp: too large"),
+    # one id per 16 tokens (a trace cut in smaller blocks): replayed as 512-token blocks, its hit rates were wrong
+    (json.dumps({**GOOD, "hash_ids": list(range(38))}), "hash_ids: 38 ids for input_length 600 (about 15 tokens"),
+    (json.dumps({**GOOD, "input_length": 2048}), "hash_ids: 2 ids for input_length 2048"),
     (json.dumps({**GOOD, "output_length": None}), "output_length: must be an integer"),
     (json.dumps({**GOOD, "output_length": -3}), "output_length: must be >= 0"),
     (json.dumps({**GOOD, "hash_ids": "1,2"}), "hash_ids: must be a list"),
@@ -110,7 +117,7 @@ def test_the_command_line_gives_no_traceback(tmp_path):
 def test_blank_lines_are_skipped_and_a_window_is_replayed_in_arrival_order(tmp_path):
     rows = [{**GOOD, "timestamp": t, "hash_ids": [t]} for t in (5000, 3000, 4000, 3000, 9000)]
     trace = write(tmp_path / "t.jsonl", ["", rows[0], rows[1], "", rows[2], rows[3], rows[4], ""])
-    assert scan(trace) == TraceInfo(trace, requests=5, lines=7)
+    assert scan(trace) == TraceInfo(trace, requests=5, lines=7, largest_tokens=605, largest_line=2)
     window = load_window(trace, start=0, count=4, time_scale=2.0)
     assert [r.arrival_ms for r in window] == [0, 0, 500, 1000]      # sorted, shifted to the earliest, scaled
     assert [r.hash_ids for r in window] == [(3000,), (3000,), (4000,), (5000,)]   # ties keep file order
@@ -206,3 +213,41 @@ def test_an_interval_needs_two_windows_and_widens_with_fewer():
     _, forty = mean_ci([1.0, 3.0] * 20)
     sd9, sd40 = (sum((x - 2.0) ** 2 for x in [1.0, 3.0] * 4) / 8) ** 0.5, (40 / 39) ** 0.5
     assert nine == pytest.approx(2.306 * sd9 / 3) and forty == pytest.approx(1.96 * sd40 / 40 ** 0.5)
+
+
+def test_a_gzipped_trace_and_one_with_a_byte_order_mark_read_as_the_plain_one(tmp_path):
+    import gzip
+
+    plain = trace_of(tmp_path / "t.jsonl", 30)
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    windows = [load_window(p, 3, 20) for p in (plain, packed, marked)]
+    assert windows[0] == windows[1] == windows[2] and len(windows[0]) == 20
+    assert scan(packed).requests == scan(marked).requests == 30
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-12])  # a truncated download
+    with pytest.raises(TraceError, match="cannot read the trace"):
+        scan(cut)
+
+
+def test_a_request_no_engine_can_hold_and_a_window_over_a_day_exit_2_before_any_run(tmp_path, capsys):
+    """Found in review: a request needing more KV blocks than an engine has was never admitted, and blocked its
+    engine's queue: the requests behind it vanished from the figures (181 of 200 reported, no word said); a row
+    in epoch milliseconds among relative times made the replay tick every 250 ms across 55 years (killed at
+    60 s, memory growing). Both are refused in one line, naming the line or the window; control: the same
+    trace fits an engine with enough blocks."""
+    trace = trace_of(tmp_path / "t.jsonl", 30)   # 2,048 + 20 tokens a request: 5 blocks of 512
+    err = one_line_error(bench.main, ["--trace", str(trace), *TINY, "--gpu-kv-blocks", "4", "--out",
+                                      str(tmp_path / "o")], capsys)
+    assert (f"{trace}, line 1: a request of 2068 tokens (prompt and output) needs 5 KV blocks of 512 tokens, more "
+            "than an engine holds (--gpu-kv-blocks 4)") in err
+    scan(trace).check_fits(5, 512, "--gpu-kv-blocks")   # control: 5 blocks hold it
+    rows = [{"timestamp": 1000 * i, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]} for i in range(30)]
+    rows[7]["timestamp"] = 1_733_300_000_000
+    late = write(tmp_path / "late.jsonl", rows)
+    err = one_line_error(bench.main, ["--trace", str(late), *TINY, "--requests", "10", "--windows", "1", "--out",
+                                      str(tmp_path / "o")], capsys)
+    assert "requests 0 to 9 arrive over 4.81e+05 hours" in err and "more than a day" in err
+    assert len(load_window(late, 10, 20)) == 20   # control: the windows without that row
