@@ -32,6 +32,24 @@ def engine_block_nbytes(kv_cache_config: "KVCacheConfig") -> int:
     return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
 
+_SPLITTING = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+              "decode_context_parallel_size")
+
+
+def one_worker(vllm_config: "VllmConfig") -> None:
+    """Refuses an engine whose KV blocks are split over workers (tensor, pipeline or context parallel): each
+    worker would save its part under the same block hashes into the node's one slot, the first in kept, and a
+    load would copy that worker's heads (or layers) into every worker: wrong KV, silently."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    split = {name: getattr(parallel, name, 1) for name in _SPLITTING}
+    split = {name: n for name, n in split.items() if isinstance(n, int) and n > 1}
+    if split:
+        sizes = ", ".join(f"{name}={n}" for name, n in split.items())
+        raise ValueError(f"KvmeshConnector: one worker per engine only ({sizes}): a slot holds a whole block and "
+                         "each worker would store its part of it under the same hashes; start the engine with "
+                         "--tensor-parallel-size 1 --pipeline-parallel-size 1 (docs/engine_connector.md, limits)")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineBlocks:
     """What the remedy of a mismatch needs to say about this engine."""
@@ -43,6 +61,8 @@ class EngineBlocks:
 
     @classmethod
     def of(cls, vllm_config: "VllmConfig") -> "EngineBlocks":
+        """ValueError (one line) for an engine whose blocks are split over workers (see :func:`one_worker`)."""
+        one_worker(vllm_config)
         model = vllm_config.model_config
         return cls(vllm_config.cache_config.block_size, str(model.model), str(model.dtype).removeprefix("torch."),
                    str(vllm_config.cache_config.cache_dtype))

@@ -37,6 +37,8 @@ class ConnectorConfig:
     ``pull_timeout_ms``: bound of one pull (the scheduler waits at most this long).
     ``min_pull_blocks``: pull only when the peer would add at least this many blocks.
     ``max_offload_tokens``: default per-request cap of saved tokens (0: none).
+    ``max_lookup_blocks``: most blocks one request looks up and loads (the data plane refuses more than its
+    ``max_hashes_per_request``, 4,096 by default): a longer prompt looks up its leading blocks.
     ``lease_ms``: how long acquired blocks stay pinned for the worker's copy.
     ``rpc_timeout_s``: deadline of every other RPC.
     ``tls_ca_file``: CA of the data plane's and control plane's certificates (TLS on both links; unset:
@@ -59,6 +61,7 @@ class ConnectorConfig:
     pull_timeout_ms: int = 5_000
     min_pull_blocks: int = 1
     max_offload_tokens: int = 0
+    max_lookup_blocks: int = 4096
     lease_ms: int = 30_000
     rpc_timeout_s: float = 5.0
     tls_ca_file: str = ""
@@ -92,8 +95,9 @@ class ConnectorConfig:
         config = cls(**values)
         if config.auto_source and not config.control_plane_address:
             raise ValueError("KvmeshConnector: auto_source needs control_plane_address")
-        if config.pull_timeout_ms <= 0 or config.lease_ms <= 0 or config.rpc_timeout_s <= 0:
-            raise ValueError("KvmeshConnector: pull_timeout_ms, lease_ms and rpc_timeout_s must be positive")
+        if min(config.pull_timeout_ms, config.lease_ms, config.rpc_timeout_s, config.max_lookup_blocks) <= 0:
+            raise ValueError("KvmeshConnector: pull_timeout_ms, lease_ms, rpc_timeout_s and max_lookup_blocks must "
+                             "be positive")
         return config
 
     def tls(self, server_name: str = "") -> ClientTLS | None:

@@ -152,7 +152,9 @@ class SchedulerSide:
         if not (self._can_load and state.params.load):
             return 0
         first = num_computed_tokens // self._block_size
-        usable = (request.num_tokens - 1) // self._block_size
+        # a lookup of the leading max_lookup_blocks (a data plane refuses more: every lookup of a longer prompt
+        # failed, and its prefix was always computed)
+        usable = min((request.num_tokens - 1) // self._block_size, first + self._config.max_lookup_blocks)
         if usable <= first:
             return 0
         now = self._clock()

@@ -308,3 +308,17 @@ def test_a_request_that_ends_during_its_pull_leaves_nothing_pinned(small_fleet: 
     again = FakeRequest(3 * BS + 1, {"remote_kv_source": source(small_fleet, "dp1")})
     again.block_hashes = request.block_hashes
     assert matched(s, again, 0) == 3 * BS
+
+
+def test_a_prompt_longer_than_a_lookup_loads_its_leading_blocks(small_fleet: Fleet, side) -> None:
+    """Found in review: the lookup named every block of the prompt, and a data plane refuses more than its
+    max_hashes_per_request (4,096): a prompt of 4,097 blocks or more (131k tokens at block 32) never loaded
+    anything, its prefix always computed. A lookup names the leading max_lookup_blocks; control: a smaller
+    max_lookup_blocks loads that many."""
+    request = FakeRequest(4100 * BS)
+    store(small_fleet, "dp2", request.block_hashes[:4])
+    assert matched(side(), request, 0) == 4 * BS
+    s = side(max_lookup_blocks=2)
+    again = FakeRequest(4100 * BS)
+    again.block_hashes = request.block_hashes
+    assert matched(s, again, 0) == 2 * BS
