@@ -43,6 +43,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from kvmesh_apps.fleet import DEFAULT_BLOCK_BYTES, Fleet
 from kvmesh_apps.kv_shape import KVShape, KVShapeError, check_block_tokens
 from kvmesh.command_line import Parser
+from kvmesh.namespace import MAX_BLOCK_SIZE
 from kvmesh_apps.procs import Tether
 from kvmesh_apps.up_workdir import WorkdirLock, admin_key, default_workdir
 
@@ -98,7 +99,12 @@ def resolve_slots(args: argparse.Namespace) -> Slots:
     if not 0 <= args.data_planes <= MAX_DATA_PLANES:
         raise ValueError(f"--data-planes must be 0 to {MAX_DATA_PLANES} (each is a process with its own "
                          f"--capacity of shared memory and a TLS certificate), not {args.data_planes}")
-    block_tokens = check_block_tokens(args.block_tokens)
+    # Any --block-size a vLLM backend takes (16 on GPUs, and on CPU for latent attention); the derivation from
+    # --model is for CPU engines, whose attention takes multiples of 32 only (check_block_tokens).
+    block_tokens = check_block_tokens(args.block_tokens) if args.model else args.block_tokens
+    if not 1 <= block_tokens <= MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-tokens must be 1 to {MAX_BLOCK_SIZE} tokens (the engines' --block-size), "
+                         f"not {block_tokens}")
     if args.block_bytes is not None and args.block_bytes <= 0:
         raise ValueError(f"--block-bytes must be a positive number of bytes, not {args.block_bytes}")
     model = shape = None

@@ -125,7 +125,8 @@ def _refused(argv: list[str], capsys) -> str:
     (["--model", "{tmp}/broken"], "not valid JSON"),
     (["--model", "{tmp}/bad-head"], "head size 48"),
     (["--model", "{tmp}/model", "--block-tokens", "48"], "positive multiple of 32"),
-    (["--block-tokens", "0"], "positive multiple of 32"),
+    (["--block-tokens", "0"], "--block-tokens must be 1 to 4096 tokens"),
+    (["--block-bytes", "4096", "--block-tokens", "8192"], "--block-tokens must be 1 to 4096 tokens"),
     (["--block-bytes", "0"], "--block-bytes must be a positive"),
     (["--block-bytes", "-5"], "--block-bytes must be a positive"),
     (["--model", "{tmp}/model", "--block-bytes", "4096"], "contradicts --model: its 32-token blocks are 12288"),
@@ -199,5 +200,9 @@ def test_the_printed_engine_line_names_the_model_dtype_and_block_size(tmp_path) 
     kv = up._parser().parse_args(["--model", str(model), "--dtype", "float32", "--kv-cache-dtype", "fp8"])
     assert up.resolve_slots(kv).engine_flags() == " --dtype float32 --kv-cache-dtype fp8"
     assert up.resolve_slots(kv).block_bytes == 2 * 3 * 32 * 1 * 32  # one byte per element
+    # found in review: a GPU engine's (or CPU latent attention's) 16-token blocks were refused, although the
+    # connector's startup error named this very command; without --model any --block-size is taken
+    sixteen = up.resolve_slots(up._parser().parse_args(["--block-bytes", "36864", "--block-tokens", "16"]))
+    assert (sixteen.block_bytes, sixteen.block_tokens) == (36864, 16)
     plain = up.resolve_slots(up._parser().parse_args(["--block-bytes", "4096", "--block-tokens", "96"]))
     assert (plain.block_bytes, plain.block_tokens, plain.engine_flags()) == (4096, 96, "")
