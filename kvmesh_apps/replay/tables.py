@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from kvmesh_apps.replay.runs import BASELINE, verdict
-from kvmesh.command_line import run_command
+from kvmesh.command_line import Parser, UsageError, run_command
 
 
 def _interval(ci: list[float] | None, digits: int) -> str:
@@ -64,10 +64,18 @@ def sweep(result: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m kvmesh_apps.replay.tables REPLAY_JSON", file=sys.stderr)
-        return 2
-    result = json.loads(Path(argv[0]).read_text())
+    parser = Parser(prog="python -m kvmesh_apps.replay.tables",
+                    description="Prints docs/scheduling.md's replay tables (Markdown) from a replay.json.")
+    parser.add_argument("replay_json", help="a replay.json that `kvmesh bench replay` wrote")
+    path = Path(parser.parse_args(argv).replay_json)
+    try:
+        result = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError:
+        raise UsageError(f"{path}: not JSON: give the replay.json `kvmesh bench replay` wrote") from None
+    if not isinstance(result, dict) or "policies" not in result:
+        raise UsageError(f"{path}: not a replay.json from `kvmesh bench replay` (it has no 'policies')")
     print(default_point(result))
     print()
     print(sweep(result))

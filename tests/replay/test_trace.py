@@ -251,3 +251,20 @@ def test_a_request_no_engine_can_hold_and_a_window_over_a_day_exit_2_before_any_
                                       str(tmp_path / "o")], capsys)
     assert "requests 0 to 9 arrive over 4.81e+05 hours" in err and "more than a day" in err
     assert len(load_window(late, 10, 20)) == 20   # control: the windows without that row
+
+
+def test_the_tables_tool_takes_help_and_refuses_what_is_not_a_replay_json_in_one_line(tmp_path, capsys):
+    """Found in review: `--help` was read as a file name, and a JSON file that is not a replay result gave a
+    KeyError. Control: --help exits 0 naming the argument."""
+    from kvmesh_apps.replay import tables
+
+    prog = "python -m kvmesh_apps.replay.tables"
+    with pytest.raises(SystemExit) as helped:
+        tables.main(["--help"])
+    assert helped.value.code == 0 and "replay_json" in capsys.readouterr().out
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "text").write_text("not json")
+    for argv, reason in (([str(tmp_path / "empty.json")], "not a replay.json from `kvmesh bench replay`"),
+                         ([str(tmp_path / "text")], "not JSON"), ([str(tmp_path / "missing")], "cannot read it"),
+                         ([], "the following arguments are required: replay_json")):
+        assert reason in one_line_error(tables.main, argv, capsys, prog), argv
