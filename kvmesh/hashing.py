@@ -161,7 +161,10 @@ class CallerTurns:
 
     @contextlib.asynccontextmanager
     async def turn(self, caller: str) -> AsyncIterator[None]:
-        lock, users = self._callers.setdefault(caller, (asyncio.Lock(), [0]))
+        entry = self._callers.get(caller)
+        if entry is None:  # a lock made only for a caller with none (every lookup by token ids comes here)
+            entry = self._callers[caller] = (asyncio.Lock(), [0])
+        lock, users = entry
         users[0] += 1
         try:
             async with lock:
