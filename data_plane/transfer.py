@@ -28,7 +28,7 @@ Implementor contracts:
     remote addresses lie in the peer's registered region; same guarantees.
     A write with a ``tag`` (a send's: its lease id) goes as pieces, one
     request each (NixlTransport: at most ``piece_bytes``, one lane's pieces
-    one after the other), each with a NIXL notification naming the tag and
+    in order, a few posted at once), each with a NIXL notification naming the tag and
     its blocks, which UCX sends once the piece's bytes are flushed to the
     peer; a consumer waiting in :meth:`Transport.landed` for that tag from
     that agent is told of each piece, checks it while the next one moves,
@@ -93,6 +93,7 @@ log = logging.getLogger(__name__)
 # Polling a transfer: spin first (small reads finish in microseconds), then sleep between checks.
 _SPINS_BEFORE_SLEEP = 200
 _POLL_SLEEP_S = 0.0002
+_PIECES_IN_FLIGHT = 4  # requests of one lane posted at once (a WRITE in pieces)
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
@@ -660,18 +661,34 @@ class NixlTransport(Transport):
 
     def _xfer_blocking(self, op: str, peer: str, pieces: list[tuple[np.ndarray, np.ndarray, bytes]],
                        deadline: float) -> None:
-        """One lane's requests, one after the other (each piece's notification leaves when it has landed);
-        the first that fails ends the lane, and none is posted past the deadline."""
-        for i, (local, remote, message) in enumerate(pieces):
-            if time.monotonic() >= deadline:
-                if not i:
-                    raise NotPosted(f"{op} with {peer} timed out before it began")
-                raise TransferFailed(f"{op} with {peer} timed out after {i} of its {len(pieces)} requests",
-                                     released=True)
-            self._xfer_piece(op, peer, local, remote, message, deadline)
+        """One lane's requests, in order, up to ``_PIECES_IN_FLIGHT`` posted at once (so the path never idles
+        between pieces; each piece's notification leaves when it has landed); the first that fails ends the lane
+        (those still in flight are released, and may still have written), and none is posted past the
+        deadline."""
+        posted: collections.deque = collections.deque()
+        try:
+            for i, (local, remote, message) in enumerate(pieces):
+                if len(posted) >= _PIECES_IN_FLIGHT:
+                    self._finish_piece(op, peer, posted.popleft(), deadline)
+                if time.monotonic() >= deadline:
+                    if not i:
+                        raise NotPosted(f"{op} with {peer} timed out before it began")
+                    while posted:
+                        self._finish_piece(op, peer, posted.popleft(), deadline)
+                    raise TransferFailed(f"{op} with {peer} timed out after {i} of its {len(pieces)} requests",
+                                         released=True)
+                posted.append(self._post_piece(op, peer, local, remote, message))
+            while posted:
+                self._finish_piece(op, peer, posted.popleft(), deadline)
+        except TransferFailed as exc:
+            for handle, _ in posted:  # cancelled, but bytes already handed to a socket may still land
+                exc.released = self._release(handle) and exc.released
+                exc.may_still_write = True
+            raise
 
-    def _xfer_piece(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, message: bytes,
-                    deadline: float) -> None:
+    def _post_piece(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, message: bytes
+                    ) -> tuple[object, str]:
+        """Posts one request: (its handle, its state)."""
         agent = self._agent
         try:
             handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
@@ -679,7 +696,17 @@ class NixlTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - every NIXL failure is a failed transfer
             raise TransferFailed(f"preparing the {op} with {peer} failed: {exc}") from exc
         try:
-            state = agent.transfer(handle)
+            return handle, agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+            released = self._release(handle)
+            raise TransferFailed(f"{op} with {peer} failed: {exc}", may_still_write=not released,
+                                 released=released) from exc
+
+    def _finish_piece(self, op: str, peer: str, posted: tuple[object, str], deadline: float) -> None:
+        """Waits, until the deadline, for a posted request to end, and releases it."""
+        handle, state = posted
+        agent = self._agent
+        try:
             spins = 0
             while state == "PROC":
                 if time.monotonic() >= deadline:

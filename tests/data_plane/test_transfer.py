@@ -119,3 +119,73 @@ async def test_no_thread_moves_bytes_for_two_agents(shm_dir, monkeypatch):
                 region.close()
     first, second = served.values()
     assert first and second and not first & second, "a thread moved bytes for two agents"
+
+
+@pytest.fixture
+async def pieced(shm_dir, monkeypatch):
+    async with nixl_pair(shm_dir, monkeypatch, "p", BLOCK, SLOTS, piece_bytes=4 * BLOCK) as transports:
+        yield transports
+
+
+def count_in_flight(transport: NixlTransport, monkeypatch) -> list[int]:
+    """Instruments ``transport``: after each request posted, how many of its requests are posted and not yet
+    released (the lane's requests in flight at once)."""
+    agent, seen, live = transport._agent, [], [0]
+    post, release = agent.transfer, transport._release
+
+    def posted(handle):
+        live[0] += 1
+        seen.append(live[0])
+        return post(handle)
+
+    def released(handle) -> bool:
+        live[0] -= 1
+        return release(handle)
+
+    monkeypatch.setattr(agent, "transfer", posted)
+    monkeypatch.setattr(transport, "_release", released)
+    return seen
+
+
+async def test_a_write_in_pieces_keeps_several_requests_in_flight_and_lands_every_block(pieced, monkeypatch):
+    """A tagged WRITE of 64 blocks in pieces of 4 (16 requests on one lane): up to four are posted at once, so the
+    path does not idle between pieces (one at a time before); every block lands in its slot, and every request is
+    released."""
+    src, dst, (src_region, dst_region) = pieced
+    peer = src.add_peer(dst.metadata())
+    src_region.array[:] = np.random.default_rng(3).integers(0, 256, src_region.array.size, dtype=np.uint8)
+    in_flight = count_in_flight(src, monkeypatch)
+    offsets = [src_region.offset(s) for s in range(SLOTS)]
+    remote = [dst_region.base_addr + dst_region.offset(s) for s in range(SLOTS)]
+    await src.write(peer, offsets, remote, BLOCK, timeout_s=30.0, tag=b"lease")
+    assert len(in_flight) == SLOTS // 4 and max(in_flight) == 4, in_flight
+    assert np.array_equal(dst_region.array, src_region.array)
+    assert src._unreleased == 0
+    in_flight.clear()
+    await src.write(peer, offsets, remote, BLOCK, timeout_s=30.0)  # control: untagged, one request
+    assert in_flight == [1]
+
+
+async def test_a_write_in_pieces_that_times_out_releases_every_request_and_may_still_write(pieced, monkeypatch):
+    """Timed out with pieces still in flight: each one posted is released, the failure says the destination may
+    still change, and the endpoint is closed (the next use needs a new handshake)."""
+    src, dst, (src_region, dst_region) = pieced
+    peer = src.add_peer(dst.metadata())
+    offsets = [src_region.offset(s) for s in range(SLOTS)]
+    remote = [dst_region.base_addr + dst_region.offset(s) for s in range(SLOTS)]
+    in_flight = count_in_flight(src, monkeypatch)
+    bound = 0.0005
+    for _ in range(16):  # a bound that falls while pieces are in flight (not before the first is posted)
+        with pytest.raises(TransferFailed) as failed:
+            await src.write(peer, offsets, remote, BLOCK, timeout_s=bound, tag=b"lease")
+        if not isinstance(failed.value, NotPosted) and max(in_flight) > 1:
+            break
+        if not isinstance(failed.value, NotPosted):
+            assert src.add_peer(dst.metadata()) == peer
+        in_flight.clear()
+        bound *= 2
+    assert max(in_flight) > 1, "no bound fell while several pieces were in flight"
+    assert "timed out" in str(failed.value) and failed.value.may_still_write
+    assert failed.value.released and src._unreleased == 0
+    with pytest.raises(TransferFailed, match="unknown peer"):
+        await src.write(peer, offsets[:1], remote[:1], BLOCK, timeout_s=30.0)
