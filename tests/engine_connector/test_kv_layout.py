@@ -84,7 +84,11 @@ def test_cpu_copies_are_done_when_called() -> None:
     assert not layout.on_gpu and layout.fence() is None and PagedKVLayout.landed(layout.fence())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU path is not run on CPU hosts)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (the GPU path is not run on CPU hosts)")
+
+
+@needs_cuda
 def test_gpu_copies_land_after_their_fence() -> None:
     src = _caches(0)
     gpu = {name: torch.zeros(SHAPE, device="cuda") for name in src}
@@ -100,3 +104,54 @@ def test_gpu_copies_land_after_their_fence() -> None:
     back = _slots(host)
     layout.read_blocks([6, 2], back, [5, 1])  # the slots hold the bytes when it returns
     assert np.array_equal(back[1], slots[0]) and np.array_equal(back[5], slots[3])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_loads_and_saves_give_the_bytes_the_cpu_path_gives(dtype: torch.dtype) -> None:
+    """The same steps of loads and saves, in random order, on a GPU cache and on a CPU cache: the caches and the
+    slots end byte for byte alike; each step's loads are polled through their fence (no synchronize)."""
+    rng = np.random.default_rng(7)
+    cpu = _caches(2, dtype)
+    gpu = {name: kv.to("cuda") for name, kv in cpu.items()}
+    on_cpu, on_gpu = PagedKVLayout(cpu), PagedKVLayout(gpu)
+    assert on_gpu.on_gpu and on_gpu.block_nbytes == on_cpu.block_nbytes
+    slots_cpu = rng.integers(0, 256, (12, on_cpu.block_nbytes), dtype=np.uint8)
+    slots_gpu = slots_cpu.copy()
+    for _ in range(5):
+        loads = rng.permutation(SHAPE[0])[:5].tolist()
+        load_slots = rng.permutation(len(slots_cpu))[:5].tolist()
+        on_cpu.write_blocks(loads, slots_cpu, load_slots)
+        on_gpu.write_blocks(loads, slots_gpu, load_slots)
+        fence = on_gpu.fence()
+        for _ in range(100_000):
+            if PagedKVLayout.landed(fence):
+                break
+        else:
+            torch.cuda.synchronize()
+            assert PagedKVLayout.landed(fence), "the fence never reported the loads landed"
+        saves = rng.permutation(SHAPE[0])[:4].tolist()
+        save_slots = rng.permutation(len(slots_cpu))[:4].tolist()
+        on_cpu.read_blocks(saves, slots_cpu, save_slots)
+        on_gpu.read_blocks(saves, slots_gpu, save_slots)
+        assert np.array_equal(slots_gpu, slots_cpu)
+    for name in cpu:
+        assert torch.equal(gpu[name].cpu().view(torch.uint8), cpu[name].view(torch.uint8))
+
+
+@needs_cuda
+def test_a_gpu_save_waits_for_the_forward_that_wrote_the_block() -> None:
+    """The forward writes a block on the current stream (here: after a sleep kernel); a save of that block
+    queued right after must copy what the forward wrote, not what was there before."""
+    gpu = {name: torch.zeros(SHAPE, device="cuda") for name in _caches(0)}
+    layout = PagedKVLayout(gpu)
+    slots = np.zeros((4, layout.block_nbytes), dtype=np.uint8)
+    layout.read_blocks([3], slots, [2])  # warm: the buffers a save takes are cached (allocating one may synchronize)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # on the current stream, ahead of the write below
+    for kv in gpu.values():
+        kv[3].fill_(7.0)
+    layout.read_blocks([3], slots, [1])
+    expected = np.concatenate([torch.full(SHAPE[1:], 7.0).view(torch.uint8).flatten().numpy() for _ in gpu])
+    assert np.array_equal(slots[1], expected)
+    assert not slots[0].any() and not slots[2].any()  # control: the bytes before the forward's write
