@@ -19,8 +19,9 @@ The rules are vLLM 0.32's on CPU (x86-64 and aarch64 Linux), read in its source:
 * geometry (``vllm/transformers_utils/model_arch_config_convertor.py``): the text config
   (``text_config`` when present), ``num_hidden_layers``; KV heads from ``n_head_kv``,
   ``num_kv_heads``, ``num_key_value_heads`` or ``multi_query_group_num``, else
-  ``num_attention_heads``; head size ``head_dim`` (when positive), ``hidden_size_per_head``,
-  else ``hidden_size // num_attention_heads``. The CPU backend takes head sizes
+  ``num_attention_heads`` (one for Falcon's multi-query attention); head size ``head_dim`` (when
+  positive), ``hidden_size_per_head``, else ``hidden_size // num_attention_heads``; GPT-2-style
+  names (``n_layer``, ``n_head``, ``n_embd`` ...) read as Hugging Face's attribute maps read them. The CPU backend takes head sizes
   32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and block sizes that are multiples of 32.
 
 One block is ``2 (K and V) x layers x KV heads x head size x element bytes x block tokens``:
@@ -44,6 +45,11 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "glm4")  # vLLM: numerical instability in float16
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
+# Other names configs give the geometry (Hugging Face's attribute maps: GPT-2, GPT-J and Bloom's n_layer / n_head /
+# n_embd, MPT's n_layers / n_heads / d_model, ChatGLM's num_layers): read when the usual key is absent.
+_ALIASES = {"num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+            "num_attention_heads": ("n_head", "n_heads", "num_heads"),
+            "hidden_size": ("n_embd", "d_model")}
 
 
 class KVShapeError(ValueError):
@@ -107,7 +113,7 @@ class KVShape:
         """
         if not isinstance(config, dict):
             raise KVShapeError("config.json does not hold a JSON object")
-        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        text = _with_aliases(config["text_config"] if isinstance(config.get("text_config"), dict) else config)
         if text.get("kv_lora_rank") is not None:
             raise KVShapeError("multi-head latent attention (kv_lora_rank) is not derived here: give the block "
                                "bytes explicitly")
@@ -117,6 +123,8 @@ class KVShape:
         if kv_key is None and heads is None:
             raise KVShapeError("config.json names neither num_key_value_heads nor num_attention_heads")
         kv_heads = _positive_int(text, kv_key) if kv_key else heads
+        if _multi_query_falcon(str(config.get("model_type", "")), text):
+            kv_heads = 1
         if isinstance(text.get("head_dim"), int) and text["head_dim"] > 0:
             head_dim = text["head_dim"]
         elif text.get("hidden_size_per_head") is not None:
@@ -144,6 +152,20 @@ class KVShape:
         named = not isinstance(config, dict) or _config_dtype(config) is not None
         weights = None if named or dtype.lower() != "auto" else _safetensors_dtype(root)
         return cls.from_config(config, dtype=dtype, kv_cache_dtype=kv_cache_dtype, weights_dtype=weights)
+
+
+def _with_aliases(text: dict[str, Any]) -> dict[str, Any]:
+    """``text`` with the usual geometry keys filled from their other names where absent."""
+    named = {key: next(text[alias] for alias in aliases if alias in text)
+             for key, aliases in _ALIASES.items() if key not in text and any(alias in text for alias in aliases)}
+    return {**text, **named} if named else text
+
+
+def _multi_query_falcon(model_type: str, text: dict[str, Any]) -> bool:
+    """Falcon's multi-query attention, one KV head (vLLM's FalconModelArchConfigConvertor; ``multi_query`` is
+    true by default in its config class), unless ``new_decoder_architecture`` is set."""
+    return model_type in ("falcon", "RefinedWeb", "RefinedWebModel") and \
+        not text.get("new_decoder_architecture", False) and bool(text.get("multi_query", True))
 
 
 def _positive_int(config: dict[str, Any], key: str) -> int:

@@ -62,6 +62,19 @@ def test_kv_heads_default_to_the_attention_heads() -> None:
     assert (shape.kv_heads, shape.head_dim) == (16, 64)
 
 
+def test_gpt2_style_names_and_falcons_multi_query_attention() -> None:
+    gpt2 = KVShape.from_config({"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768})
+    assert (gpt2.num_layers, gpt2.kv_heads, gpt2.head_dim, gpt2.dtype) == (12, 12, 64, "bfloat16")
+    usual = KVShape.from_config({"model_type": "gpt2", "num_hidden_layers": 2, "n_layer": 12, "n_head": 12,
+                                 "n_embd": 768})
+    assert usual.num_layers == 2  # the usual key wins over another name
+    falcon = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32}
+    assert KVShape.from_config(falcon).kv_heads == 1  # Falcon-7B's shape; multi_query is Falcon's default
+    assert KVShape.from_config({**falcon, "multi_query": False}).kv_heads == 71
+    assert KVShape.from_config({**falcon, "new_decoder_architecture": True, "num_kv_heads": 8}).kv_heads == 8
+    assert KVShape.from_config({**falcon, "model_type": "llama"}).kv_heads == 71  # the rule is Falcon's alone
+
+
 def test_float32_checkpoint_is_served_in_bfloat16_on_cpu_unless_asked() -> None:
     fp32 = _config(torch_dtype="float32")
     assert KVShape.from_config(fp32).dtype == "bfloat16"
@@ -160,6 +173,22 @@ VLLM_CASES = {
     "mha-no-kv-heads": _config(num_key_value_heads=None, hidden_size=1024, num_attention_heads=16,
                                torch_dtype="float32"),
     "no-dtype": _config(torch_dtype=None, num_hidden_layers=2),
+    # configs that name their geometry otherwise (Hugging Face's attribute maps)
+    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 3, "n_head": 12, "n_embd": 768,
+             "vocab_size": 50257, "n_positions": 1024, "torch_dtype": "float32"},
+    "falcon-multi-query": {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "hidden_size": 1024,
+                           "num_attention_heads": 16, "num_hidden_layers": 2, "multi_query": True,
+                           "new_decoder_architecture": False, "vocab_size": 1000, "torch_dtype": "bfloat16"},
+    "falcon-new-decoder": {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "hidden_size": 1024,
+                           "num_attention_heads": 16, "num_kv_heads": 4, "num_hidden_layers": 2,
+                           "multi_query": True, "new_decoder_architecture": True, "vocab_size": 1000,
+                           "torch_dtype": "bfloat16"},
+    "gpt-neox": {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 512,
+                 "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 1000, "torch_dtype": "float16"},
+    "gptj": {"model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_embd": 1024, "n_head": 16, "n_layer": 2,
+             "rotary_dim": 32, "vocab_size": 1000, "torch_dtype": "float16"},
+    "bloom": {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "hidden_size": 1024, "n_head": 16,
+              "n_layer": 2, "vocab_size": 1000, "torch_dtype": "bfloat16"},
 }
 
 
@@ -171,7 +200,7 @@ def test_the_derivation_agrees_with_vllms_model_config(tmp_path: Path, dtype: st
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     for name, config in VLLM_CASES.items():
-        path = _checkpoint(tmp_path, {**config, "max_position_embeddings": 4096}, name)
+        path = _checkpoint(tmp_path, {"max_position_embeddings": 4096, **config}, name)
         vllm = ModelConfig(model=str(path), dtype=dtype, skip_tokenizer_init=True)
         ours = KVShape.from_checkpoint(path, dtype=dtype)
         assert ours.dtype == str(vllm.dtype).removeprefix("torch."), name
