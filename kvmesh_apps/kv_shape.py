@@ -21,8 +21,9 @@ The rules are vLLM 0.32's on CPU (x86-64 and aarch64 Linux), read in its source:
   ``num_kv_heads``, ``num_key_value_heads`` or ``multi_query_group_num``, else
   ``num_attention_heads`` (one for Falcon's multi-query attention); head size ``head_dim`` (when
   positive), ``hidden_size_per_head``, else ``hidden_size // num_attention_heads``; GPT-2-style
-  names (``n_layer``, ``n_head``, ``n_embd`` ...) read as Hugging Face's attribute maps read them. The CPU backend takes head sizes
-  32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and block sizes that are multiples of 32.
+  names (``n_layer``, ``n_head``, ``n_embd`` ...) read as Hugging Face's attribute maps read
+  them. The CPU backend takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and
+  block sizes that are multiples of 32.
 
 One block is ``2 (K and V) x layers x KV heads x head size x element bytes x block tokens``:
 what one worker of a single-GPU/CPU engine (tensor parallel 1) holds, for plain full-attention
