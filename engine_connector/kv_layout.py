@@ -18,7 +18,7 @@ on the host into a page-locked staging buffer, then queued on a side CUDA stream
 host -> device copy, one ``index_copy_`` per layer); :meth:`fence` returns an event to poll and
 :meth:`synchronize` waits for the stream. Saves gather on the device, copy to a page-locked
 buffer and scatter into the slots on the host: :meth:`read_blocks` returns once the slots hold
-the bytes. The GPU path was written against the PyTorch CUDA API and has not been run on a GPU
+the bytes. The GPU path's unit tests have run on one GPU (an H200), not under a vLLM engine
 (see docs/engine_connector.md). Not thread-safe; the worker connector calls it from the model
 runner's thread.
 """
