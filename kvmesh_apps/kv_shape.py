@@ -124,8 +124,7 @@ class KVShape:
         if kv_key is None and heads is None:
             raise KVShapeError("config.json names neither num_key_value_heads nor num_attention_heads")
         kv_heads = _positive_int(text, kv_key) if kv_key else heads
-        if _multi_query_falcon(str(config.get("model_type", "")), text):
-            kv_heads = 1
+        kv_heads = _falcon_kv_heads(str(config.get("model_type", "")), text, kv_heads)
         if isinstance(text.get("head_dim"), int) and text["head_dim"] > 0:
             head_dim = text["head_dim"]
         elif text.get("hidden_size_per_head") is not None:
@@ -162,11 +161,13 @@ def _with_aliases(text: dict[str, Any]) -> dict[str, Any]:
     return {**text, **named} if named else text
 
 
-def _multi_query_falcon(model_type: str, text: dict[str, Any]) -> bool:
-    """Falcon's multi-query attention, one KV head (vLLM's FalconModelArchConfigConvertor; ``multi_query`` is
-    true by default in its config class), unless ``new_decoder_architecture`` is set."""
-    return model_type in ("falcon", "RefinedWeb", "RefinedWebModel") and \
-        not text.get("new_decoder_architecture", False) and bool(text.get("multi_query", True))
+def _falcon_kv_heads(model_type: str, text: dict[str, Any], kv_heads: int) -> int:
+    """Falcon's KV heads as vLLM counts them (its FalconModelArchConfigConvertor): one with multi-query attention
+    (``multi_query``, true by default in Falcon's config class) unless ``new_decoder_architecture`` is set."""
+    if model_type == "falcon" and not text.get("new_decoder_architecture", False) and \
+            bool(text.get("multi_query", True)):
+        return 1
+    return kv_heads
 
 
 def _positive_int(config: dict[str, Any], key: str) -> int:
