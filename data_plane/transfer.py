@@ -694,7 +694,7 @@ class NixlTransport(Transport):
             handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
                                            agent.get_xfer_descs(remote, "DRAM"), peer, message)
         except Exception as exc:  # noqa: BLE001 - every NIXL failure is a failed transfer
-            raise TransferFailed(f"preparing the {op} with {peer} failed: {exc}") from exc
+            raise TransferFailed(f"preparing the {op} with {peer} failed: {exc}", released=True) from exc
         try:
             return handle, agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
@@ -709,6 +709,9 @@ class NixlTransport(Transport):
         try:
             spins = 0
             while state == "PROC":
+                state = agent.check_xfer_state(handle)  # polled once at least: a piece posted ahead may be done
+                if state != "PROC":
+                    break
                 if time.monotonic() >= deadline:
                     # Released or not, bytes UCX already handed to a TCP socket still land when the path
                     # drains (after a cut heals, or a collapsed congestion window catches up; measured in
@@ -718,7 +721,6 @@ class NixlTransport(Transport):
                 spins += 1
                 if spins > _SPINS_BEFORE_SLEEP:
                     time.sleep(_POLL_SLEEP_S)
-                state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferFailed(f"{op} with {peer} failed ({state})")
         except TransferFailed as exc:

@@ -20,8 +20,8 @@ The rules are vLLM 0.32's on CPU (x86-64 and aarch64 Linux), read in its source:
   (``text_config`` when present), ``num_hidden_layers``; KV heads from ``n_head_kv``,
   ``num_kv_heads``, ``num_key_value_heads`` or ``multi_query_group_num``, else
   ``num_attention_heads`` (one for Falcon's multi-query attention); head size ``head_dim`` (when
-  positive), ``hidden_size_per_head``, else ``hidden_size // num_attention_heads``; GPT-2-style
-  names (``n_layer``, ``n_head``, ``n_embd`` ...) read as Hugging Face's attribute maps read
+  positive), ``hidden_size_per_head``, else ``hidden_size // num_attention_heads``; GPT-2, GPT-J,
+  Bloom and CodeGen's ``n_layer``, ``n_head``, ``n_embd`` read as their config classes read
   them. The CPU backend takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and
   block sizes that are multiples of 32.
 
@@ -46,11 +46,11 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "glm4")  # vLLM: numerical instability in float16
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
-# Other names configs give the geometry (Hugging Face's attribute maps: GPT-2, GPT-J and Bloom's n_layer / n_head /
-# n_embd, MPT's n_layers / n_heads / d_model, ChatGLM's num_layers): read when the usual key is absent.
-_ALIASES = {"num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
-            "num_attention_heads": ("n_head", "n_heads", "num_heads"),
-            "hidden_size": ("n_embd", "d_model")}
+# The other names some model types give the geometry (their Hugging Face config classes' attribute maps), read
+# where the usual key is absent. Only for these types: elsewhere such a name may mean something else (Mamba2's
+# num_heads are SSM heads; DBRX and MPT keep their KV heads in attn_config), and such a config stays refused.
+_ALIASES = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"}
+_ALIASED_MODEL_TYPES = ("gpt2", "gptj", "bloom", "codegen")
 
 
 class KVShapeError(ValueError):
@@ -114,7 +114,9 @@ class KVShape:
         """
         if not isinstance(config, dict):
             raise KVShapeError("config.json does not hold a JSON object")
-        text = _with_aliases(config["text_config"] if isinstance(config.get("text_config"), dict) else config)
+        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        if config.get("model_type") in _ALIASED_MODEL_TYPES:
+            text = {**{key: text[alias] for key, alias in _ALIASES.items() if alias in text}, **text}
         if text.get("kv_lora_rank") is not None:
             raise KVShapeError("multi-head latent attention (kv_lora_rank) is not derived here: give the block "
                                "bytes explicitly")
@@ -152,13 +154,6 @@ class KVShape:
         named = not isinstance(config, dict) or _config_dtype(config) is not None
         weights = None if named or dtype.lower() != "auto" else _safetensors_dtype(root)
         return cls.from_config(config, dtype=dtype, kv_cache_dtype=kv_cache_dtype, weights_dtype=weights)
-
-
-def _with_aliases(text: dict[str, Any]) -> dict[str, Any]:
-    """``text`` with the usual geometry keys filled from their other names where absent."""
-    named = {key: next(text[alias] for alias in aliases if alias in text)
-             for key, aliases in _ALIASES.items() if key not in text and any(alias in text for alias in aliases)}
-    return {**text, **named} if named else text
 
 
 def _falcon_kv_heads(model_type: str, text: dict[str, Any], kv_heads: int) -> int:

@@ -68,6 +68,16 @@ def test_gpt2_style_names_and_falcons_multi_query_attention() -> None:
     usual = KVShape.from_config({"model_type": "gpt2", "num_hidden_layers": 2, "n_layer": 12, "n_head": 12,
                                  "n_embd": 768})
     assert usual.num_layers == 2  # the usual key wins over another name
+    # the other names are read for the model types whose config classes map them, nowhere else: a Mamba2
+    # config's num_heads are SSM heads, DBRX keeps its 8 KV heads in attn_config (vLLM's count): both refused
+    with pytest.raises(KVShapeError, match="num_hidden_layers"):
+        KVShape.from_config({"model_type": "dbrx", "n_layers": 40, "n_heads": 48, "d_model": 6144,
+                             "attn_config": {"kv_n_heads": 8}})
+    with pytest.raises(KVShapeError, match="neither num_key_value_heads nor num_attention_heads"):
+        KVShape.from_config({"model_type": "mamba2", "num_heads": 128, "head_dim": 64, "hidden_size": 4096,
+                             "num_hidden_layers": 64})
+    with pytest.raises(KVShapeError, match="num_hidden_layers"):
+        KVShape.from_config({"model_type": "llama", "n_layer": 12, "n_head": 12, "n_embd": 768})
     falcon = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32}
     assert KVShape.from_config(falcon).kv_heads == 1  # Falcon-7B's shape; multi_query is Falcon's default
     assert KVShape.from_config({**falcon, "multi_query": False}).kv_heads == 71

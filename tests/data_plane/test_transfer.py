@@ -127,9 +127,9 @@ async def pieced(shm_dir, monkeypatch):
         yield transports
 
 
-def count_in_flight(transport: NixlTransport, monkeypatch) -> list[int]:
+def count_in_flight(transport: NixlTransport, monkeypatch) -> tuple[list[int], list[int]]:
     """Instruments ``transport``: after each request posted, how many of its requests are posted and not yet
-    released (the lane's requests in flight at once)."""
+    released (the lane's requests in flight at once); and that count now (``live[0]``)."""
     agent, seen, live = transport._agent, [], [0]
     post, release = agent.transfer, transport._release
 
@@ -144,7 +144,7 @@ def count_in_flight(transport: NixlTransport, monkeypatch) -> list[int]:
 
     monkeypatch.setattr(agent, "transfer", posted)
     monkeypatch.setattr(transport, "_release", released)
-    return seen
+    return seen, live
 
 
 async def test_a_write_in_pieces_keeps_several_requests_in_flight_and_lands_every_block(pieced, monkeypatch):
@@ -154,16 +154,16 @@ async def test_a_write_in_pieces_keeps_several_requests_in_flight_and_lands_ever
     src, dst, (src_region, dst_region) = pieced
     peer = src.add_peer(dst.metadata())
     src_region.array[:] = np.random.default_rng(3).integers(0, 256, src_region.array.size, dtype=np.uint8)
-    in_flight = count_in_flight(src, monkeypatch)
+    in_flight, live = count_in_flight(src, monkeypatch)
     offsets = [src_region.offset(s) for s in range(SLOTS)]
     remote = [dst_region.base_addr + dst_region.offset(s) for s in range(SLOTS)]
     await src.write(peer, offsets, remote, BLOCK, timeout_s=30.0, tag=b"lease")
     assert len(in_flight) == SLOTS // 4 and max(in_flight) == 4, in_flight
     assert np.array_equal(dst_region.array, src_region.array)
-    assert src._unreleased == 0
+    assert src._unreleased == 0 and live[0] == 0
     in_flight.clear()
     await src.write(peer, offsets, remote, BLOCK, timeout_s=30.0)  # control: untagged, one request
-    assert in_flight == [1]
+    assert in_flight == [1] and live[0] == 0
 
 
 async def test_a_write_in_pieces_that_times_out_releases_every_request_and_may_still_write(pieced, monkeypatch):
@@ -173,7 +173,7 @@ async def test_a_write_in_pieces_that_times_out_releases_every_request_and_may_s
     peer = src.add_peer(dst.metadata())
     offsets = [src_region.offset(s) for s in range(SLOTS)]
     remote = [dst_region.base_addr + dst_region.offset(s) for s in range(SLOTS)]
-    in_flight = count_in_flight(src, monkeypatch)
+    in_flight, live = count_in_flight(src, monkeypatch)
     bound = 0.0005
     for _ in range(16):  # a bound that falls while pieces are in flight (not before the first is posted)
         with pytest.raises(TransferFailed) as failed:
@@ -187,5 +187,62 @@ async def test_a_write_in_pieces_that_times_out_releases_every_request_and_may_s
     assert max(in_flight) > 1, "no bound fell while several pieces were in flight"
     assert "timed out" in str(failed.value) and failed.value.may_still_write
     assert failed.value.released and src._unreleased == 0
+    assert live[0] == 0, "a request still in flight was not released"
     with pytest.raises(TransferFailed, match="unknown peer"):
         await src.write(peer, offsets[:1], remote[:1], BLOCK, timeout_s=30.0)
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.releases = 0
+
+    def release(self) -> None:
+        self.releases += 1
+
+
+class _ScriptedAgent:
+    """Stands in for a NIXL agent (beside the real-agent tests above) to place the deadline exactly: every request
+    is posted in flight ("PROC"), polling answers ``polled``, and the clock reaches the deadline once
+    ``deadline_after`` requests are posted, or while a request still in flight is polled."""
+
+    def __init__(self, clock: list[float], deadline_after: int, polled: str) -> None:
+        self.clock, self.deadline_after, self.polled = clock, deadline_after, polled
+        self.handles: list[_Handle] = []
+
+    def get_xfer_descs(self, addrs, memory):
+        return addrs
+
+    def initialize_xfer(self, op, local, remote, peer, message):
+        self.handles.append(_Handle())
+        return self.handles[-1]
+
+    def transfer(self, handle) -> str:
+        if len(self.handles) == self.deadline_after:
+            self.clock[0] = 100.0
+        return "PROC"
+
+    def check_xfer_state(self, handle) -> str:
+        if self.polled == "PROC":
+            self.clock[0] = 100.0
+        return self.polled
+
+
+@pytest.mark.parametrize("polled, may_still_write", [("DONE", False), ("PROC", True)])
+def test_a_deadline_between_posts_polls_the_pieces_in_flight_before_calling_them_timed_out(
+        monkeypatch, polled: str, may_still_write: bool):
+    """Six pieces, four in flight at most. Pieces that in fact landed: the deadline passes once five are posted
+    (four unpolled), and the failure is clean (nothing may still write). Pieces still moving: the deadline passes
+    while the first is polled, and the failure may still write. Either way nothing is posted past the deadline
+    and every posted request is released once."""
+    clock = [0.0]
+    monkeypatch.setattr("data_plane.transfer.time.monotonic", lambda: clock[0])
+    transport = NixlTransport.__new__(NixlTransport)
+    transport._agent, transport._unreleased = _ScriptedAgent(clock, 5, polled), 0
+    pieces = [(np.zeros((1, 3), dtype=np.uint64), np.zeros((1, 3), dtype=np.uint64), b"") for _ in range(6)]
+    with pytest.raises(TransferFailed) as failed:
+        transport._xfer_blocking("WRITE", "peer", pieces, deadline=50.0)
+    assert not isinstance(failed.value, NotPosted)
+    assert failed.value.may_still_write is may_still_write, str(failed.value)
+    posted = 5 if polled == "DONE" else 4
+    assert len(transport._agent.handles) == posted  # none posted past the deadline
+    assert [h.releases for h in transport._agent.handles] == [1] * posted
