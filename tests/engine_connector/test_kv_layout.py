@@ -125,12 +125,7 @@ def test_gpu_loads_and_saves_give_the_bytes_the_cpu_path_gives(dtype: torch.dtyp
         load_slots = rng.permutation(len(slots_cpu))[:5].tolist()
         on_cpu.write_blocks(loads, slots_cpu, load_slots)
         on_gpu.write_blocks(loads, slots_gpu, load_slots)
-        fence = on_gpu.fence()
-        waited_until = time.monotonic() + 10.0
-        while not PagedKVLayout.landed(fence):
-            assert time.monotonic() < waited_until, "the fence never reported the loads landed"
-        for name in cpu:  # read as soon as the fence says so, with no synchronize: the loads are there
-            assert torch.equal(gpu[name][loads].cpu().view(torch.uint8), cpu[name][loads].view(torch.uint8))
+        assert _there_once_fenced(on_gpu.fence(), gpu, cpu, loads)
         saves = rng.permutation(SHAPE[0])[:4].tolist()
         save_slots = rng.permutation(len(slots_cpu))[:4].tolist()
         on_cpu.read_blocks(saves, slots_cpu, save_slots)
@@ -138,6 +133,41 @@ def test_gpu_loads_and_saves_give_the_bytes_the_cpu_path_gives(dtype: torch.dtyp
         assert np.array_equal(slots_gpu, slots_cpu)
     for name in cpu:
         assert torch.equal(gpu[name].cpu().view(torch.uint8), cpu[name].view(torch.uint8))
+
+
+def _there_once_fenced(fence, gpu: dict[str, torch.Tensor], cpu: dict[str, torch.Tensor], blocks: list[int]) -> bool:
+    """Whether ``blocks`` of the GPU cache hold the CPU cache's bytes when read as soon as ``fence`` says the loads
+    landed, with no synchronize."""
+    waited_until = time.monotonic() + 10.0
+    while not PagedKVLayout.landed(fence):
+        assert time.monotonic() < waited_until, "the fence never reported the loads landed"
+    return all(torch.equal(gpu[name][blocks].cpu().view(torch.uint8), cpu[name][blocks].view(torch.uint8))
+               for name in cpu)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fenced_on", ["side stream", "current stream"])
+def test_slow_loads_are_there_once_their_fence_says_so(fenced_on: str) -> None:
+    """Loads held back ~150 ms on the side stream (a sleep kernel ahead of them) are there when the layout's fence
+    says so; the same check reading behind a fence recorded on the current stream instead finds them missing (the
+    check can fail)."""
+    cpu = _caches(3)
+    gpu = {name: torch.zeros(SHAPE, device="cuda") for name in cpu}
+    layout, host = PagedKVLayout(gpu), PagedKVLayout(cpu)
+    slots = _slots(host)
+    host.read_blocks([1, 5], slots, [0, 2])
+    torch.cuda.synchronize()
+    with torch.cuda.stream(layout._stream):
+        torch.cuda._sleep(300_000_000)
+    layout.write_blocks([1, 5], slots, [0, 2])
+    if fenced_on == "side stream":
+        assert _there_once_fenced(layout.fence(), gpu, cpu, [1, 5])
+    else:
+        wrong = torch.cuda.Event()
+        wrong.record(torch.cuda.current_stream())
+        assert not _there_once_fenced(wrong, gpu, cpu, [1, 5])
+    layout.synchronize()
+    assert _there_once_fenced(layout.fence(), gpu, cpu, [1, 5])
 
 
 @needs_cuda
