@@ -23,13 +23,21 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 
 import numpy as np
 from crc32c import crc32c
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
 _BITS = np.arange(32, dtype=np.uint32)
-_COPY_CHUNK = 256 * 1024  # copied, then its CRC taken while it is still in cache (measured: 64 KiB-1 MiB alike)
+# A copy goes a chunk at a time, its CRC taken while the chunk is still in cache: 256 KiB for one or two check
+# threads (64 KiB-1 MiB measured alike), 4 MiB for more, where each chunk's two native calls hand the GIL over
+# (128 MiB copied and checked on a 16-core host: 16.1 ms over 4 threads in 256 KiB chunks, 7.9 ms in 4 MiB ones).
+_COPY_CHUNK = 256 * 1024
+_COPY_CHUNK_MANY_THREADS = 4 * 1024 * 1024
+# More threads copied faster there (5.5 ms over 8) but made a pull of 64 KiB blocks, and the Acquire after it,
+# slower (more GIL handovers per run): docs/data_plane.md, "Issue 22, item 3, on 16 cores".
+MAX_AUTO_THREADS = 4
 
 
 def checksum(data) -> int:
@@ -101,13 +109,19 @@ def slot_runs(slots: np.ndarray, other: np.ndarray | None = None) -> np.ndarray:
     return np.concatenate([[0], np.flatnonzero(steps) + 1, [n]]).astype(np.intp)
 
 
-def copy_and_checksum(dst: np.ndarray, src: np.ndarray, checksum: bool = True) -> int:
-    """Copies ``src`` into ``dst`` (flat uint8 arrays of one length) a chunk at a time, and returns the CRC-32C of
-    what ``dst`` holds after each chunk's copy (0 when ``checksum`` is off): the check of the copy, never of a
-    source that may change under it."""
+def check_threads(configured: int) -> int:
+    """The threads a pull's copy and check use: ``configured``, or for 0 one per CPU this process may run on, at
+    most :data:`MAX_AUTO_THREADS`."""
+    return configured or max(1, min(MAX_AUTO_THREADS, len(os.sched_getaffinity(0))))
+
+
+def copy_and_checksum(dst: np.ndarray, src: np.ndarray, checksum: bool = True, chunk: int = _COPY_CHUNK) -> int:
+    """Copies ``src`` into ``dst`` (flat uint8 arrays of one length) ``chunk`` bytes at a time, and returns the
+    CRC-32C of what ``dst`` holds after each chunk's copy (0 when ``checksum`` is off): the check of the copy, never
+    of a source that may change under it."""
     crc, to, frm, view = 0, dst.ctypes.data, src.ctypes.data, memoryview(dst)
-    for at in range(0, len(src), _COPY_CHUNK):
-        n = min(_COPY_CHUNK, len(src) - at)
+    for at in range(0, len(src), chunk):
+        n = min(chunk, len(src) - at)
         ctypes.memmove(to + at, frm + at, n)  # a foreign call: the GIL is released
         if checksum:
             crc = crc32c(view[at:at + n], crc)
@@ -124,6 +138,7 @@ class RunChecker:
         self._region = region
         self._bb = block_bytes
         self._threads = max(1, threads)
+        self._chunk = _COPY_CHUNK if self._threads <= 2 else _COPY_CHUNK_MANY_THREADS
         self._folder = CrcFolder(block_bytes)
 
     def _parts(self, slots: np.ndarray, threads: int, source_slots: np.ndarray | None) -> list[tuple[int, int]]:
@@ -146,7 +161,8 @@ class RunChecker:
             lo, size = int(slots[start]) * bb, (end - start) * bb
             if source is not None:
                 at = int(source[1][start]) * bb
-                actual = copy_and_checksum(region[lo:lo + size], source[0][at:at + size], expected is not None)
+                actual = copy_and_checksum(region[lo:lo + size], source[0][at:at + size], expected is not None,
+                                           self._chunk)
             else:
                 actual = crc32c(region[lo:lo + size])
             if expected is None or actual == self._folder.fold(expected[start:end]):

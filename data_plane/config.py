@@ -71,7 +71,8 @@ class DataPlaneConfig(BaseSettings):
         "the old arena's pages go back to the OS; then the source is pulled from again only once it proves them "
         "over")
     verify_pulls: bool = Field(True, description="check each pulled block's CRC-32C before committing it")
-    verify_threads: int = Field(2, ge=1, description="threads that share the CRC-32C check of one pull")
+    verify_threads: int = Field(0, ge=0, description="threads that share the copy and CRC-32C check of one pull "
+                                "(or Acquire); 0: one per CPU this process may run on, at most 4")
     transfer_lanes: int = Field(1, ge=1, le=16, description="NIXL transfer requests (each on a UCX worker of its "
                                 "own, posted at once from as many threads) one pull's or send's blocks are split into")
     transfer_piece_bytes: int = Field(0, ge=0, description="a send's WRITE goes in pieces of at most this many "

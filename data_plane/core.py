@@ -37,7 +37,7 @@ from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Permiss
 from kvmesh.channels import ClientTLS
 from kvmesh.namespace import Namespace
 
-from data_plane.checksum import RunChecker, checksum
+from data_plane.checksum import RunChecker, check_threads, checksum
 from data_plane.client import TierDescription
 from data_plane.config import DataPlaneConfig
 from data_plane.disk import DiskTier
@@ -106,7 +106,7 @@ class DataPlaneCore:
         self.region = region
         self.block_bytes = region.block_bytes
         self.tier = MemoryTier(region, policy, self._demote)
-        self._checker = RunChecker(region, self.block_bytes, config.verify_threads)
+        self._checker = RunChecker(region, self.block_bytes, check_threads(config.verify_threads))
         self.disk = disk
         self.transport = transport
         self.events: EventSink = events or NoEvents()

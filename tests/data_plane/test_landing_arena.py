@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from data_plane.client import DataPlaneClient, SharedTier
-from data_plane.checksum import RunChecker, checksum, copy_and_checksum
+from data_plane.checksum import MAX_AUTO_THREADS, RunChecker, check_threads, checksum, copy_and_checksum
 from data_plane.config import DataPlaneConfig
 from data_plane.landing import LandingArena
 from data_plane.nixl_metadata import read_agent_metadata
@@ -239,9 +239,34 @@ def test_the_check_is_of_the_copy_in_the_tier():
     assert region.array[slots[11] * bb:(slots[11] + 1) * bb].any(), "copied, not checked"
 
 
-def test_copy_and_checksum_is_the_crc_of_what_was_copied():
-    src = np.frombuffer(os.urandom(600_000), dtype=np.uint8)
+@pytest.mark.parametrize("chunk", [256 << 10, 4 << 20])
+def test_copy_and_checksum_is_the_crc_of_what_was_copied(chunk):
+    src = np.frombuffer(os.urandom(9 * (1 << 20) + 5), dtype=np.uint8)  # chunks and a ragged end
     dst = np.zeros_like(src)
-    assert copy_and_checksum(dst, src) == checksum(src)
+    assert copy_and_checksum(dst, src, chunk=chunk) == checksum(src)
     assert np.array_equal(dst, src)
-    assert copy_and_checksum(dst, src, checksum=False) == 0
+    assert copy_and_checksum(dst, src, checksum=False, chunk=chunk) == 0
+
+
+def test_check_threads_default_to_the_cpus_this_process_may_run_on_at_most_four():
+    assert check_threads(3) == 3
+    assert check_threads(0) == min(MAX_AUTO_THREADS, len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_runs_longer_than_a_copy_chunk_are_copied_and_checked_whole(threads):
+    """A checker with more than two threads copies 4 MiB at a time: 2 MiB blocks in runs of 3 and 2, intact, then
+    one byte changed in the arena near the end of the longest run."""
+    bb, n = 2 << 20, 5
+    data = np.frombuffer(os.urandom(n * bb), dtype=np.uint8)
+    expected = [checksum(data[i * bb:(i + 1) * bb]) for i in range(n)]
+    arena = LandingArena("src", n, bb)
+    landing = arena.take(n)
+    arena.array[:] = data
+    region = type("Region", (), {"array": np.zeros(8 * bb, dtype=np.uint8)})()
+    slots = np.array([0, 1, 2, 6, 7])
+    checker = RunChecker(region, bb, threads=threads)
+    assert asyncio.run(checker.first_mismatch(slots, expected, source=(arena.array, landing))) == n
+    assert np.array_equal(region.array[6 * bb:], data[3 * bb:])
+    arena.array[3 * bb - 1] ^= 0x01
+    assert asyncio.run(checker.first_mismatch(slots, expected, source=(arena.array, landing))) == 2
