@@ -5,9 +5,9 @@ request's follow-up turn (a later request whose hash ids extend its prefix) come
 so a 24-request window holds almost none. A conversation window keeps the trace's prefix structure and its
 order but gathers whole conversations:
 
-1. scan ``horizon`` requests of the trace from ``start``, each scaled to ``block_tokens`` tokens per 512-token
-   trace block; a request whose scaled prompt exceeds ``max_prompt`` is skipped (never truncated: a truncated
-   turn would repeat its predecessor's prompt);
+1. scan ``horizon`` requests of the trace from ``start``, each scaled to ``block_tokens`` tokens per trace block
+   (a hash id: ``fmt.block_tokens`` tokens, 512 in Mooncake's traces); a request whose scaled prompt exceeds
+   ``max_prompt`` is skipped (never truncated: a truncated turn would repeat its predecessor's prompt);
 2. a request joins the thread of the earlier scanned request with which it shares the longest prefix of at least
    ``MIN_SHARED_BLOCKS`` trace blocks (more than the one system block every request shares), else it starts a
    thread;
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_window
+from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, TraceError, TraceFormat, TraceRequest, load_window
 
 MIN_SHARED_BLOCKS = 2
 
@@ -39,15 +39,17 @@ class ConversationWindow:
     previous: list[int | None]     # per request, the index of that earlier request (None: no shared prefix)
 
 
-def scaled_tokens(r: TraceRequest, block_tokens: int) -> int:
-    return max(block_tokens, r.input_tokens * block_tokens // TRACE_BLOCK_TOKENS)
+def scaled_tokens(r: TraceRequest, block_tokens: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> int:
+    """``r``'s prompt with each ``trace_block_tokens``-token trace block made ``block_tokens`` tokens."""
+    return max(block_tokens, r.input_tokens * block_tokens // trace_block_tokens)
 
 
 def conversation_window(trace: Path, start: int, horizon: int, count: int, block_tokens: int,
-                        max_prompt: int) -> ConversationWindow:
+                        max_prompt: int, fmt: TraceFormat = TraceFormat()) -> ConversationWindow:
     """The window of ``count`` requests built from ``horizon`` requests from ``start`` (module docstring);
     TraceError when none of them fits ``max_prompt``."""
-    scanned = [r for r in load_window(trace, start, horizon) if scaled_tokens(r, block_tokens) <= max_prompt]
+    window = load_window(trace, start, horizon, fmt=fmt)
+    scanned = [r for r in window if scaled_tokens(r, block_tokens, fmt.block_tokens) <= max_prompt]
     if not scanned:
         raise TraceError(f"{trace}: no request from request {start} fits --max-prompt {max_prompt} once scaled to "
                          f"{block_tokens} tokens a trace block")
@@ -73,7 +75,7 @@ def conversation_window(trace: Path, start: int, horizon: int, count: int, block
     out, shared, previous, seen = [], [], [], {}
     for i in chosen:
         r = scanned[i]
-        tokens = scaled_tokens(r, block_tokens)
+        tokens = scaled_tokens(r, block_tokens, fmt.block_tokens)
         full = r.hash_ids[: tokens // block_tokens]
         held = next((k for k in range(len(full), 0, -1) if full[:k] in seen), 0)
         follows = held >= MIN_SHARED_BLOCKS

@@ -22,8 +22,9 @@ the fleet's mean link (:func:`kvmesh_apps.replay.runs.threshold_tokens`).
 
 The workload: conversation windows of the trace (Mooncake JSONL; :mod:`kvmesh_apps.bench.conversation_windows`:
 whole conversations gathered from ``--horizon`` requests, so that follow-ups find their prefix on the engine that
-served the previous turn; each 512-token trace block becomes ``--block-tokens`` token ids drawn from its hash id;
-requests longer than ``--max-prompt`` once scaled are left out), arriving in the trace's order and relative gaps
+served the previous turn; each trace block (``--trace-block-tokens``, 512 in Mooncake's traces) becomes
+``--block-tokens`` token ids drawn from its hash id; requests longer than ``--max-prompt`` once scaled are left
+out), arriving in the trace's order and relative gaps
 at each ``--paces`` multiple of what the engines could prefill without any reuse; a follow-up is sent no earlier
 than ``--think-ms`` after its previous turn's first token. Each engine serves one request at a time (the driver
 queues; TTFT = queue + the engine's time for a 1-token request, any pull included). Policies:
@@ -79,7 +80,7 @@ from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import pct, threshold_tokens
 from kvmesh_apps.replay.sim import Simulation, Variant
-from kvmesh_apps.replay.trace import BlockHashes, TraceRequest, scan, select_windows
+from kvmesh_apps.replay.trace import BlockHashes, TraceRequest, add_format_arguments, format_of, scan, select_windows
 from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 PROG = "kvmesh bench routing"
@@ -434,6 +435,7 @@ def simulate(window: list[TraceRequest], name: str, measured: Measured, costs: F
 def _parser() -> Parser:
     parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=str(_default_trace()), help="Mooncake-format JSONL trace")
+    add_format_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="3 nodes, 1 pace, 2 repetitions, short windows")
     parser.add_argument("--nodes", type=positive_int, default=3, help="nodes (each a namespace, a data plane, an engine)")
     parser.add_argument("--requests", type=positive_int, default=40, help="requests per window")
@@ -467,11 +469,12 @@ def main(argv: list[str]) -> int:
         raise UsageError("--nodes: at least 2")
     if os.geteuid() != 0:
         raise UsageError("network namespaces need root: run it as root")
-    info = scan(Path(args.trace))   # every window its own stretch of the trace: as many as --repetitions
+    fmt = format_of(args)
+    info = scan(Path(args.trace), fmt)   # every window its own stretch of the trace: as many as --repetitions
     horizon = max(1, min(args.horizon, info.requests // args.repetitions))
     plan = select_windows(info, 0, args.repetitions, horizon, spacing=horizon)
     windows = [conversation_window(Path(args.trace), start, plan.requests, args.requests, args.block_tokens,
-                                   args.max_prompt) for start in plan.starts]
+                                   args.max_prompt, fmt) for start in plan.starts]
     started = time.monotonic()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvmesh-routing-") as tmp:

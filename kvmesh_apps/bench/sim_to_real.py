@@ -1,8 +1,9 @@
 """``kvmesh bench sim-to-real [--json]``: the replay simulator's TTFT prediction against real vLLM CPU engines.
 
-A scaled-down window of the trace (``--requests`` requests; each 512-token trace
-block becomes ``--block-tokens`` tokens of random ids drawn from its hash id, so
-equal trace prefixes are equal token prefixes) is replayed twice per policy:
+A scaled-down window of the trace (``--requests`` requests; each trace block (a
+hash id: ``--trace-block-tokens``, 512 in Mooncake's traces) becomes ``--block-tokens``
+tokens of random ids drawn from its hash id, so equal trace prefixes are equal
+token prefixes) is replayed twice per policy:
 
 - **real**: a local fleet (Redis, control plane, two data planes) and two vLLM
   CPU engines on a random-weight tiny Llama, each with the kvmesh connector on its
@@ -53,8 +54,8 @@ from kvmesh_apps.replay.costs import FittedCosts
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import mean_ci, pct
 from kvmesh_apps.replay.sim import Simulation, variants
-from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS, BlockHashes, TraceRequest, load_window, scan, \
-    select_windows
+from kvmesh_apps.replay.trace import BlockHashes, TraceFormat, TraceRequest, add_format_arguments, format_of, \
+    load_window, scan, select_windows
 from kvmesh_apps.tiny_model import TinyLlamaSpec, build_tiny_llama
 from tenancy.api_keys import new_key
 
@@ -135,10 +136,10 @@ def sign_agreement(real: dict[tuple[str, str], int], sim: dict[tuple[str, str], 
 
 
 def scaled_window(trace: Path, start: int, count: int, block_tokens: int, max_prompt: int,
-                  output_tokens: int) -> list[TraceRequest]:
+                  output_tokens: int, fmt: TraceFormat = TraceFormat()) -> list[TraceRequest]:
     out = []
-    for r in load_window(trace, start, count):
-        tokens = min(max_prompt, max(block_tokens, r.input_tokens * block_tokens // TRACE_BLOCK_TOKENS))
+    for r in load_window(trace, start, count, fmt=fmt):
+        tokens = min(max_prompt, max(block_tokens, r.input_tokens * block_tokens // fmt.block_tokens))
         out.append(TraceRequest(r.arrival_ms, tokens, output_tokens, r.hash_ids))
     return out
 
@@ -246,10 +247,11 @@ def main(argv: list[str]) -> int:
     known = [v.name for v in variants()]
     parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=str(_default_trace()), help="Mooncake-format JSONL trace")
+    add_format_arguments(parser)
     parser.add_argument("--start", type=non_negative_int, default=0, help="the window's first request (from 0)")
     parser.add_argument("--requests", type=positive_int, default=36)
     parser.add_argument("--block-tokens", type=positive_int, default=2 * BLOCK_SIZE,
-                        help="tokens per 512-token trace block")
+                        help="tokens per trace block (hash id) in the scaled window")
     parser.add_argument("--max-prompt", type=positive_int, default=2048)
     parser.add_argument("--max-tokens", type=positive_int, default=1, help="output tokens per request")
     parser.add_argument("--load", type=positive_float, default=0.7, help="arrival rate over the two engines' capacity")
@@ -258,10 +260,11 @@ def main(argv: list[str]) -> int:
     # all input, the whole trace included, checked before a model, a fleet or an engine starts (bad input:
     # run_command's one line, exit 2)
     args = parser.parse_args(argv)
-    plan = select_windows(scan(Path(args.trace)), args.start, 1, args.requests)
+    fmt = format_of(args)
+    plan = select_windows(scan(Path(args.trace), fmt), args.start, 1, args.requests)
     started = time.monotonic()
     window = scaled_window(Path(args.trace), plan.starts[0], plan.requests, args.block_tokens, args.max_prompt,
-                           args.max_tokens)
+                           args.max_tokens, fmt)
     policies = args.policies
     _, admin_key, _ = new_key()
     with tempfile.TemporaryDirectory(prefix="kvmesh-sim-to-real-") as tmp:

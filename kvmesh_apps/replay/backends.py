@@ -161,7 +161,9 @@ class ControlPlaneBackend(Backend):
         for kind, medium, h in events + [(0, 0, b"")]:
             if (kind, medium) != key and run:
                 k, m = key
-                batch.append(pb.KvEvent(stored=pb.BlockStored(block_hashes=run, block_size=512, medium=m))
+                batch.append(pb.KvEvent(stored=pb.BlockStored(block_hashes=run,
+                                                                        block_size=self.ns.cache_config.block_size,
+                                                                        medium=m))
                              if k == STORED else pb.KvEvent(removed=pb.BlockRemoved(block_hashes=run, medium=m)))
                 run = []
             key = (kind, medium)

@@ -8,7 +8,8 @@ window through a real control-plane process and Redis). Then the sweep
 (:mod:`kvmesh_apps.replay.sweep`) on ``--sweep-requests``-request windows.
 Writes ``replay.json`` and ``replay.png`` to ``--out``; the last line printed is
 the JSON: ``{"policies", "profile", "trace", "sweep", ...}``. Bad input (the trace
-checked line by line first) exits 2 with one line on stderr.
+checked line by line first) exits 2 with one line on stderr. A trace in other units than
+Mooncake's (``--trace-block-tokens``, ``--trace-time-unit``): :class:`~kvmesh_apps.replay.trace.TraceFormat`.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.runs import BASELINE, RunSpec, baseline_settings, combine, paired, run_many, summarize
 from kvmesh_apps.replay.sim import Simulation, variants
 from kvmesh_apps.replay.sweep import LOAD_CURVE, PARAMS, VARIANTS, sweep, winners
-from kvmesh_apps.replay.trace import BlockHashes, TraceError, load_window, scan, select_windows
+from kvmesh_apps.replay.trace import BlockHashes, TraceError, TraceFormat, add_format_arguments, check_arrivals, \
+    format_of, load_window, scan, select_windows
 from tenancy.api_keys import new_key
 
 
 async def _through_control_plane(base: RunSpec, names: list[str], cp_address: str, key: str) -> dict:
-    requests = load_window(Path(base.trace), base.start, base.requests, base.time_scale)
+    requests = base.window()
     metadata = (("authorization", f"Bearer {key}"),)
     run_id = uuid.uuid4().hex[:8]
     async with grpc.aio.insecure_channel(cp_address, options=channel_options()) as channel:
@@ -52,11 +54,12 @@ async def _through_control_plane(base: RunSpec, names: list[str], cp_address: st
         for v in variants():
             if v.name not in names:
                 continue
-            ns = Namespace("replay", f"trace-{v.slug}", run_id, CacheConfig(block_size=512)).validate()
+            cache = CacheConfig(block_size=base.profile.block_tokens)
+            ns = Namespace("replay", f"trace-{v.slug}", run_id, cache).validate()
             backend = ControlPlaneBackend(SchedulerClient(cp_address, ns, api_key=key, timeout_s=30.0), stub,
                                           metadata)
-            sims.append((v.name, Simulation(v, requests, BlockHashes(), base.profile, base.engines, backend,
-                                            base.event_delay_ms)))
+            sims.append((v.name, Simulation(v, requests, BlockHashes(base.profile.block_tokens), base.profile,
+                                            base.engines, backend, base.event_delay_ms)))
         try:
             results = await asyncio.gather(*(s.run() for _, s in sims))
         finally:
@@ -94,6 +97,7 @@ def _parser() -> Parser:
     all_names = [v.name for v in variants()]
     parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    add_format_arguments(parser)
     parser.add_argument("--engines", type=positive_int, default=8)
     parser.add_argument("--start", type=non_negative_int, default=0,
                         help="first request of the first window (from 0; blank lines do not count)")
@@ -109,8 +113,10 @@ def _parser() -> Parser:
                         help="comma-separated subset (default: all nine)")
     parser.add_argument("--speed", type=positive_float, default=d.speed, help="step times divided by this")
     parser.add_argument("--inter-rack-gbytes-per-s", type=positive_float, default=d.inter_rack_bytes_per_s / 1e9)
-    parser.add_argument("--cpu-tier-blocks", type=positive_int, default=d.cpu_tier_blocks)
-    parser.add_argument("--gpu-kv-blocks", type=positive_int, default=d.gpu_kv_blocks)
+    parser.add_argument("--cpu-tier-blocks", type=positive_int, default=d.cpu_tier_blocks,
+                        help="each node's CPU tier, in 512-token blocks whatever --trace-block-tokens")
+    parser.add_argument("--gpu-kv-blocks", type=positive_int, default=d.gpu_kv_blocks,
+                        help="each engine's GPU KV memory, in 512-token blocks whatever --trace-block-tokens")
     parser.add_argument("--no-sweep", action="store_true", help="the default point only")
     parser.add_argument("--sweep-requests", type=positive_int, default=1000, help="requests per window in the sweep")
     parser.add_argument("--sweep-windows", type=positive_int, default=5,
@@ -136,18 +142,39 @@ def _ci(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def _arrivals(trace: Path, starts: tuple[int, ...], requests: int, fmt: TraceFormat) -> dict:
+    """The default point's windows' arrivals checked (within a day, at most MAX_REQUESTS_PER_S a second) before any
+    run starts; their mean rate and peak, for the report."""
+    found = [check_arrivals(trace, s, load_window(trace, s, requests, fmt=fmt), fmt) for s in starts]
+    rates = [a.rate_rps for a in found if a.rate_rps is not None]
+    return {"arrival_rate_rps": round(sum(rates) / len(rates), 3) if rates else None,
+            "peak_requests_per_s": max(a.peak_per_s for a in found)}
+
+
+def _rate_line(fmt: TraceFormat, arrivals: dict) -> str:
+    rate = arrivals["arrival_rate_rps"]
+    return (f"arrivals {'all at once' if rate is None else f'{rate:.3g} requests/s'}, at most "
+            f"{arrivals['peak_requests_per_s']} in a second (timestamps in {fmt.time_unit}, "
+            f"{fmt.block_tokens} tokens a hash id)")
+
+
 def main(argv: list[str]) -> int:
     # every input checked (the whole trace too) before any run starts (bad input: run_command's one line, exit 2)
     args = _parser().parse_args(argv)
-    info = scan(Path(args.trace))
-    info.check_fits(args.gpu_kv_blocks, Profile.block_tokens, "--gpu-kv-blocks")
+    fmt = format_of(args)
+    trace = Path(args.trace)
+    profile = Profile(speed=args.speed, inter_rack_bytes_per_s=args.inter_rack_gbytes_per_s * 1e9,
+                      cpu_tier_blocks=args.cpu_tier_blocks, gpu_kv_blocks=args.gpu_kv_blocks,
+                      block_tokens=fmt.block_tokens)
+    info = scan(trace, fmt)
+    info.check_fits(profile.gpu_blocks, profile.block_tokens, "--gpu-kv-blocks", args.gpu_kv_blocks)
     plan = select_windows(info, args.start, args.windows, args.requests)
-    for s in plan.starts:  # each window's arrivals checked (within a day) before any run starts
-        load_window(Path(args.trace), s, plan.requests)
+    arrivals = _arrivals(trace, plan.starts, plan.requests, fmt)
     sweep_plan = None if args.no_sweep else select_windows(info, args.start, args.sweep_windows,
                                                            args.sweep_requests)
     for s in sweep_plan.starts if sweep_plan else ():   # the load curve is in multiples of each one's rate
-        if load_window(Path(args.trace), s, sweep_plan.requests)[-1].arrival_ms == 0:
+        window = load_window(trace, s, sweep_plan.requests, fmt=fmt)
+        if check_arrivals(trace, s, window, fmt).rate_rps is None:
             raise TraceError(f"{args.trace}: requests {s} to {s + sweep_plan.requests - 1} all arrive at one "
                              f"time, so the sweep's arrival rates are undefined (--no-sweep: the default point "
                              f"only; or more --sweep-requests)")
@@ -157,13 +184,9 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         raise UsageError(f"--out {args.out}: {exc.strerror or exc}") from None
     started = time.monotonic()
-    d = Profile()
-    profile = dataclasses.replace(d, speed=args.speed, inter_rack_bytes_per_s=args.inter_rack_gbytes_per_s * 1e9,
-                                  cpu_tier_blocks=args.cpu_tier_blocks, gpu_kv_blocks=args.gpu_kv_blocks)
     names = args.variants
-    trace = Path(args.trace)
     base = RunSpec(str(trace), "", profile, args.engines, args.start, plan.requests, args.time_scale,
-                   args.event_delay_ms)
+                   args.event_delay_ms, trace_format=fmt)
     windows = list(plan.starts)
     specs = [dataclasses.replace(base, variant=n, start=s, seed=w) for n in names for w, s in enumerate(windows)]
     rows = run_many(specs, args.ttft_slo_ms, args.jobs)
@@ -177,9 +200,9 @@ def main(argv: list[str]) -> int:
         "policies": policies,
         "profile": {**profile.as_dict(), "engines": args.engines, "min_cached_token_delta":
                     baseline_settings(profile, args.engines).route_min_cached_token_delta},
-        "trace": {"path": str(trace), **plan.as_dict(), "time_scale": args.time_scale,
+        "trace": {"path": str(trace), **plan.as_dict(), **fmt.as_dict(), **arrivals, "time_scale": args.time_scale,
                   "event_delay_ms": args.event_delay_ms, "ttft_slo_ms": args.ttft_slo_ms,
-                  "block_hashes": "sha256(parent || hash_id as 8 bytes), full 512-token blocks only"},
+                  "block_hashes": f"sha256(parent || hash_id as 8 bytes), full {fmt.block_tokens}-token blocks only"},
     }
     if args.control_plane == "real":
         result["control_plane"] = control_plane_check(dataclasses.replace(base, start=windows[0]), names,
@@ -194,7 +217,8 @@ def main(argv: list[str]) -> int:
     (out / "replay.json").write_text(json.dumps(result, indent=2) + "\n")
     from kvmesh_apps.replay.plot import write_plot
     plot_note = write_plot(result, out / "replay.png")
-    print(f"profile: {profile.name}; {args.engines} engines; windows {windows} of {plan.requests} requests")
+    print(f"profile: {profile.name}; {args.engines} engines; windows {windows} of {plan.requests} requests; "
+          f"{_rate_line(fmt, arrivals)}")
     for what, p in (("", plan), ("sweep: ", sweep_plan)):
         if p is not None and p.note:
             print(f"note: {what}{p.note}")

@@ -4,6 +4,11 @@ Defaults: 8 engines, each one 4-GPU H100 replica of Llama-2-70B (327,680 KV byte
 per token), in two racks. Each node has a 25 GB/s RDMA NIC; the racks share one
 uplink (``inter_rack_bytes_per_s``) that every cross-rack pull crosses. The
 figures are assumptions, printed with every result; flags change them.
+
+KV memory (``gpu_kv_blocks``, ``cpu_tier_blocks``) is counted in 512-token blocks
+(:data:`CAPACITY_BLOCK_TOKENS`) whatever ``block_tokens`` is: a trace of 16-token
+blocks replays on engines of the same memory, holding 32 times as many blocks
+(:attr:`Profile.gpu_blocks`: memory // block, as vLLM sizes its block pool).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import asdict, dataclass
 from kvmesh_apps.replay.costs import KV_BYTES_PER_TOKEN
 from kvmesh_apps.replay.trace import TRACE_BLOCK_TOKENS
 
+CAPACITY_BLOCK_TOKENS = 512   # the unit of gpu_kv_blocks and cpu_tier_blocks
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -20,7 +27,7 @@ class Profile:
     speed: float = 1.0                  # step times divided by this (the "prefill speed" sweep)
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
     gpu_kv_blocks: int = 880            # ~148 GB of KV per replica: 90 % of 4x80 GB less 140 GB of weights
-    cpu_tier_blocks: int = 3_200        # ~512 GiB of host memory per node
+    cpu_tier_blocks: int = 3_200        # ~512 GiB of host memory per node (both in 512-token blocks)
     max_batched_tokens: int = 2_048     # chunked-prefill token budget per step (vLLM's default)
     max_running: int = 128
     nic_bytes_per_s: float = 25e9       # each node's RDMA NIC, each direction
@@ -37,9 +44,18 @@ class Profile:
     load_report_ms: float = 250.0       # the router's view of each engine's queue is a snapshot this old at most
     pull_timeout_ms: float = 5000.0     # a pull not done by then is cancelled and its tokens recomputed (the
                                         # connector's pull timeout)
-    block_tokens: int = TRACE_BLOCK_TOKENS
+    block_tokens: int = TRACE_BLOCK_TOKENS   # the engines' KV block: the trace's tokens per hash id
     shared_machine: float = 0.0         # engines share one machine's cores (sim-to-real): each other busy engine
                                         # makes a step this much slower (0: engines have their own hardware)
+
+    @property
+    def gpu_blocks(self) -> int:
+        """``gpu_kv_blocks``' memory in blocks of ``block_tokens``."""
+        return self.gpu_kv_blocks * CAPACITY_BLOCK_TOKENS // self.block_tokens
+
+    @property
+    def cpu_blocks(self) -> int:
+        return self.cpu_tier_blocks * CAPACITY_BLOCK_TOKENS // self.block_tokens
 
     @property
     def block_bytes(self) -> int:

@@ -21,7 +21,7 @@ from kvmesh_apps.replay.costs import StepCosts
 from kvmesh_apps.replay.network import Network
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.sim import Simulation, Totals, variants
-from kvmesh_apps.replay.trace import BlockHashes, load_window
+from kvmesh_apps.replay.trace import BlockHashes, TraceFormat, TraceRequest, load_window
 
 SLO_ATTAINMENT = 0.9   # the "highest rate meeting the SLO": at least this fraction of TTFTs within it
 NEVER = 2**31 - 1      # a threshold no prefix reaches: the threshold rule never pulls
@@ -40,6 +40,11 @@ class RunSpec:
     event_delay_ms: float
     seed: int = 0
     min_cached_token_delta: int | None = None   # the threshold rule's delta (None: the profile's break-even)
+    trace_format: TraceFormat = TraceFormat()    # its block size is the profile's block_tokens
+
+    def window(self) -> list[TraceRequest]:
+        """The run's requests: its window of the trace, at its time scale."""
+        return load_window(Path(self.trace), self.start, self.requests, self.time_scale, self.trace_format)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -49,7 +54,7 @@ def pct(values: list[float], q: float) -> float:
 
 def arrival_rate(spec: RunSpec) -> float:
     """Requests per second the window arrives at, at its time scale."""
-    window = load_window(Path(spec.trace), spec.start, spec.requests, spec.time_scale)
+    window = spec.window()
     return len(window) / max(1e-9, window[-1].arrival_ms / 1000.0)
 
 
@@ -113,14 +118,15 @@ def baseline_settings(profile: Profile, engines: int, costs: StepCosts | None = 
 def run_one(spec: RunSpec) -> Totals:
     """One in-process replay (see :mod:`kvmesh_apps.replay.backends`)."""
     variant = next(v for v in variants() if v.name == spec.variant)
-    requests = load_window(Path(spec.trace), spec.start, spec.requests, spec.time_scale)
-    ns = Namespace("replay", f"trace-{variant.slug}", "sim", CacheConfig(block_size=512)).validate()
+    requests = spec.window()
+    cache = CacheConfig(block_size=spec.profile.block_tokens)
+    ns = Namespace("replay", f"trace-{variant.slug}", "sim", cache).validate()
     settings = baseline_settings(spec.profile, spec.engines)
     if spec.min_cached_token_delta is not None:
         settings = settings.model_copy(update={"route_min_cached_token_delta": spec.min_cached_token_delta})
     backend = InProcessBackend(ns, settings)
-    sim = Simulation(variant, requests, BlockHashes(), spec.profile, spec.engines, backend, spec.event_delay_ms,
-                     seed=spec.seed)
+    sim = Simulation(variant, requests, BlockHashes(spec.profile.block_tokens), spec.profile, spec.engines, backend,
+                     spec.event_delay_ms, seed=spec.seed)
     return asyncio.run(sim.run())
 
 

@@ -100,8 +100,8 @@ class Simulation:
         self.delay = event_delay_ms
         self.rng = random.Random(seed)
         self.costs = costs or StepCosts(profile.speed)
-        self.engines = [Engine(i, f"{variant.slug}-e{i}", profile.gpu_kv_blocks, profile.cpu_tier_blocks,
-                               profile.block_tokens) for i in range(engines)]
+        self.engines = [Engine(i, f"{variant.slug}-e{i}", profile.gpu_blocks, profile.cpu_blocks, profile.block_tokens)
+                        for i in range(engines)]
         self.factor = [self.rng.lognormvariate(0.0, profile.engine_noise) for _ in range(engines)]
         self.by_node = {e.node_id: e for e in self.engines}
         self.net = Network(engines, profile.racks, profile.nic_bytes_per_s, profile.inter_rack_bytes_per_s)

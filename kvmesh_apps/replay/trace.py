@@ -1,13 +1,17 @@
 """Mooncake-format traces: one JSON object per line with ``timestamp`` (ms), ``input_length``,
-``output_length`` and ``hash_ids`` (ids of prefix-chained 512-token blocks).
+``output_length`` and ``hash_ids`` (ids of prefix-chained 512-token blocks). Traces of the same shape in other
+units (Alibaba's Qwen traces: seconds, 16-token blocks) are read with a :class:`TraceFormat` saying so
+(``--trace-time-unit``, ``--trace-block-tokens``); nothing guesses it.
 
 Parsing: every row is checked (:func:`parse_row`, :meth:`TraceRequest.validate`) and a bad
 one is a :class:`TraceError` naming the file, the line (1-based) and the field. Blank
 lines are skipped and do not count as requests; other keys are ignored. A request's
 index (``--start``) counts requests, from 0. A gzip-compressed file (``.jsonl.gz``) is read
 as it is; a UTF-8 byte-order mark is skipped. A row's ``hash_ids`` must be its prompt's
-512-token blocks: at least ``input_length // 512`` and at most ``ceil(input_length / 512)``
-(a trace cut in blocks of another size would give wrong hit rates, so it is refused).
+blocks of the format's ``block_tokens`` (B): at least ``input_length // B`` and at most ``ceil(input_length / B)``
+(a trace cut in blocks of another size would give wrong hit rates, so it is refused, naming the size its ids
+imply). A window whose arrivals come faster than :data:`MAX_REQUESTS_PER_S` in some second is refused
+(:func:`check_arrivals`): timestamps in seconds read as milliseconds, most likely.
 
 Windows: :func:`select_windows` picks disjoint windows of consecutive requests
 (never the same window twice); :func:`load_window` reads one, sorted by arrival
@@ -17,12 +21,13 @@ order, ties in file order) and shifted so its first arrival is at 0.
 Block hashes: hash id ``i`` at chain position ``k`` becomes
 ``sha256(parent_hash || i as 8 bytes big-endian)`` with parent ``b""`` for the
 first block: 32 bytes, deterministic, and equal for equal prefixes exactly as
-the trace's ids are. Only full blocks (``input_length // 512``) are hashed:
+the trace's ids are. Only full blocks (``input_length // B``) are hashed:
 vLLM caches full blocks only.
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
@@ -30,9 +35,15 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from kvmesh.namespace import MAX_BLOCK_SIZE
 
 TRACE_BLOCK_TOKENS = 512
 MAX_WINDOW_SPAN_MS = 86_400_000  # a window's arrivals within one day: timestamps are milliseconds from one origin
+# Far above a real deployment's trace (Mooncake's conversation trace, first 1,000 requests: at most 17 in a second);
+# a trace in seconds read as milliseconds arrives 1,000 times faster than it did.
+MAX_REQUESTS_PER_S = 1000
 FORMAT_HELP = "docs/scheduling.md, 'The trace format, checks and windows', says what a trace holds"
 WINDOW_SPACING = 4000    # requests between the starts of consecutive windows, when the trace is long enough
 _MAX_HASH_ID = 2**64     # a hash id is hashed as 8 bytes
@@ -42,6 +53,66 @@ class TraceError(ValueError):
     """A trace that cannot be replayed; the message names the file, and the line and field where there is one."""
 
 
+TimeUnit = Literal["ms", "s"]
+_MS_PER = {"ms": 1.0, "s": 1000.0}
+
+
+@dataclass(frozen=True, slots=True)
+class TraceFormat:
+    """What a trace's numbers mean: ``block_tokens`` tokens per hash id, timestamps in ``time_unit``."""
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    time_unit: TimeUnit = "ms"
+
+    @property
+    def ms_per_unit(self) -> float:
+        return _MS_PER[self.time_unit]
+
+    def as_dict(self) -> dict:
+        return {"block_tokens": self.block_tokens, "time_unit": self.time_unit}
+
+
+def block_tokens_flag(text: str) -> int:
+    """``--trace-block-tokens``: an integer in 1..MAX_BLOCK_SIZE (the router's largest block)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_BLOCK_SIZE} (the tokens of one hash "
+                                         f"id: 512 for Mooncake's traces, 16 for Alibaba's blksz_16), got {text!r}")
+    return value
+
+
+def add_format_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace-block-tokens", type=block_tokens_flag, default=TRACE_BLOCK_TOKENS,
+                        help="tokens per hash id of the trace (default 512, Mooncake's; 16 for Alibaba's "
+                             "qwen_trace*_blksz_16); the simulated engines' KV block size follows it")
+    parser.add_argument("--trace-time-unit", choices=tuple(_MS_PER), default="ms",
+                        help="unit of the trace's timestamps (default ms, Mooncake's; s for Alibaba's Qwen traces)")
+
+
+def format_of(args: argparse.Namespace) -> TraceFormat:
+    return TraceFormat(args.trace_block_tokens, args.trace_time_unit)
+
+
+def implied_block_sizes(input_tokens: int, ids: int) -> tuple[int, float]:
+    """The block sizes B (lowest, highest; inf: no bound) for which ``ids`` ids fit a prompt of ``input_tokens``:
+    ``input_tokens // B <= ids <= ceil(input_tokens / B)``; lowest > highest when none does."""
+    lowest = input_tokens // (ids + 1) + 1
+    highest = math.inf if ids <= 1 else -(-input_tokens // (ids - 1)) - 1
+    return lowest, highest
+
+
+def _implied(input_tokens: int, ids: int) -> str:
+    lowest, highest = implied_block_sizes(input_tokens, ids)
+    if lowest == highest:
+        return f"its ids imply {lowest}-token blocks; replay with --trace-block-tokens {lowest}"
+    if lowest > highest:
+        return "no block size gives that many ids"
+    sizes = f"at least {lowest}" if highest == math.inf else f"{lowest} to {highest}"
+    return f"its ids imply blocks of {sizes} tokens; replay with --trace-block-tokens set to the trace's block size"
+
+
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
     arrival_ms: float
@@ -49,8 +120,8 @@ class TraceRequest:
     output_tokens: int
     hash_ids: tuple[int, ...]
 
-    def validate(self) -> TraceRequest:
-        """Raises ValueError naming the trace field at fault; returns self."""
+    def validate(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceRequest:
+        """Raises ValueError naming the trace field at fault; returns self. ``block_tokens``: tokens per hash id."""
         if not math.isfinite(self.arrival_ms) or self.arrival_ms < 0:
             raise ValueError(f"timestamp: must be a finite number >= 0, got {self.arrival_ms!r}")
         if self.input_tokens < 1:
@@ -60,13 +131,12 @@ class TraceRequest:
         for k, h in enumerate(self.hash_ids):
             if not 0 <= h < _MAX_HASH_ID:
                 raise ValueError(f"hash_ids[{k}]: must be an integer in [0, 2**64), got {h}")
-        low, high = self.input_tokens // TRACE_BLOCK_TOKENS, -(-self.input_tokens // TRACE_BLOCK_TOKENS)
+        low, high = self.input_tokens // block_tokens, -(-self.input_tokens // block_tokens)
         if not low <= len(self.hash_ids) <= high:
-            implied = f" (about {self.input_tokens // len(self.hash_ids)} tokens an id)" if self.hash_ids else ""
-            raise ValueError(
-                f"hash_ids: {len(self.hash_ids)} ids for input_length {self.input_tokens}{implied}; a Mooncake "
-                f"trace has one id per {TRACE_BLOCK_TOKENS}-token block of the prompt ({high} here), and a trace "
-                f"in blocks of another size would replay with wrong hit rates")
+            expected = high if low == high else f"{low} or {high}"
+            raise ValueError(f"hash_ids: {len(self.hash_ids)} ids for input_length {self.input_tokens}, not one per "
+                             f"{block_tokens}-token block (that is {expected}): "
+                             f"{_implied(self.input_tokens, len(self.hash_ids))}")
         return self
 
 
@@ -74,8 +144,9 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def parse_row(text: str) -> TraceRequest:
-    """One line of a trace -> a validated request; ValueError naming the field (or "not a JSON object")."""
+def parse_row(text: str, fmt: TraceFormat = TraceFormat()) -> TraceRequest:
+    """One line of a trace -> a validated request (arrival in ms); ValueError naming the field (or "not a JSON
+    object")."""
     try:
         row = json.loads(text)
     except ValueError as exc:
@@ -89,7 +160,7 @@ def parse_row(text: str) -> TraceRequest:
             raise ValueError(f"{name}: missing")
     ts = row["timestamp"]
     if not (_is_int(ts) or isinstance(ts, float)):
-        raise ValueError(f"timestamp: must be a number of milliseconds, got {ts!r}")
+        raise ValueError(f"timestamp: must be a number ({fmt.time_unit}), got {ts!r}")
     for name in ("input_length", "output_length"):
         if not _is_int(row[name]):
             raise ValueError(f"{name}: must be an integer, got {row[name]!r}")
@@ -100,10 +171,10 @@ def parse_row(text: str) -> TraceRequest:
         if not _is_int(h):
             raise ValueError(f"hash_ids[{k}]: must be an integer, got {h!r}")
     try:
-        arrival = float(ts)
+        arrival = float(ts) * fmt.ms_per_unit
     except OverflowError:
-        raise ValueError(f"timestamp: too large for a number of milliseconds ({str(ts)[:20]}...)") from None
-    return TraceRequest(arrival, row["input_length"], row["output_length"], tuple(ids)).validate()
+        raise ValueError(f"timestamp: too large a number ({str(ts)[:20]}...)") from None
+    return TraceRequest(arrival, row["input_length"], row["output_length"], tuple(ids)).validate(fmt.block_tokens)
 
 
 def _rows(path: Path) -> Iterator[tuple[int, str]]:
@@ -124,9 +195,9 @@ def _rows(path: Path) -> Iterator[tuple[int, str]]:
         raise TraceError(f"{path}: cannot read the trace ({getattr(exc, 'strerror', None) or exc})") from None
 
 
-def _parse(path: Path, lineno: int, text: str) -> TraceRequest:
+def _parse(path: Path, lineno: int, text: str, fmt: TraceFormat) -> TraceRequest:
     try:
-        return parse_row(text)
+        return parse_row(text, fmt)
     except ValueError as exc:
         raise TraceError(f"{path}, line {lineno}: {exc} ({FORMAT_HELP})") from None
 
@@ -139,21 +210,24 @@ class TraceInfo:
     largest_tokens: int = 0   # the largest request's prompt and output tokens together
     largest_line: int = 0     # its line
 
-    def check_fits(self, kv_blocks: int, block_tokens: int, flag: str) -> None:
+    def check_fits(self, kv_blocks: int, block_tokens: int, flag: str, given: int | None = None) -> None:
         """TraceError when the largest request needs more than ``kv_blocks`` blocks of ``block_tokens``: an
-        engine could never admit it (nor, behind it, the requests after it on that engine)."""
+        engine could never admit it (nor, behind it, the requests after it on that engine). ``given``: the
+        ``flag``'s value, where it counts other blocks than ``kv_blocks`` does."""
         need = -(-self.largest_tokens // block_tokens)
         if need > kv_blocks:
+            holds = f"{flag} {kv_blocks}" if given in (None, kv_blocks) else \
+                f"{flag} {given}: {kv_blocks} blocks of {block_tokens} tokens"
             raise TraceError(f"{self.path}, line {self.largest_line}: a request of {self.largest_tokens} tokens "
                              f"(prompt and output) needs {need} KV blocks of {block_tokens} tokens, more than an "
-                             f"engine holds ({flag} {kv_blocks}): raise {flag}, or leave the request out")
+                             f"engine holds ({holds}): raise {flag}, or leave the request out")
 
 
-def scan(path: Path) -> TraceInfo:
+def scan(path: Path, fmt: TraceFormat = TraceFormat()) -> TraceInfo:
     """Checks every row; TraceError at the first bad one, or for a trace without requests."""
     requests = last = largest = largest_line = 0
     for lineno, text in _rows(path):
-        r = _parse(path, lineno, text)
+        r = _parse(path, lineno, text, fmt)
         requests, last = requests + 1, lineno
         if r.input_tokens + max(1, r.output_tokens) > largest:
             largest, largest_line = r.input_tokens + max(1, r.output_tokens), lineno
@@ -211,8 +285,9 @@ def select_windows(info: TraceInfo, start: int, windows: int, requests: int,
     return WindowPlan(tuple(start + k * stride for k in range(count)), size, windows, requests, info.requests)
 
 
-def load_window(path: Path, start: int, count: int, time_scale: float = 1.0) -> list[TraceRequest]:
-    """Requests ``start`` to ``start + count - 1``, sorted by arrival, arrivals shifted to 0 and divided by
+def load_window(path: Path, start: int, count: int, time_scale: float = 1.0,
+                fmt: TraceFormat = TraceFormat()) -> list[TraceRequest]:
+    """Requests ``start`` to ``start + count - 1``, sorted by arrival, arrivals (in ms) shifted to 0 and divided by
     ``time_scale``. TraceError for a bad row in the window or a trace that ends before it does."""
     out: list[TraceRequest] = []
     seen = 0
@@ -221,7 +296,7 @@ def load_window(path: Path, start: int, count: int, time_scale: float = 1.0) -> 
             break
         seen = index + 1
         if index >= start:
-            out.append(_parse(path, lineno, text))
+            out.append(_parse(path, lineno, text, fmt))
     if len(out) < count:
         raise TraceError(f"{path}: a window of {count} requests from request {start} does not fit: the trace has "
                          f"{seen} requests")
@@ -230,15 +305,45 @@ def load_window(path: Path, start: int, count: int, time_scale: float = 1.0) -> 
     if out[-1].arrival_ms - t0 > MAX_WINDOW_SPAN_MS:
         raise TraceError(f"{path}: requests {start} to {start + count - 1} arrive over "
                          f"{(out[-1].arrival_ms - t0) / 3.6e6:.3g} hours (first at {t0:.0f} ms, last at "
-                         f"{out[-1].arrival_ms:.0f} ms), more than a day: timestamps must be milliseconds from one "
-                         f"origin (a row in epoch milliseconds among relative ones, or seconds read as ms?)")
+                         f"{out[-1].arrival_ms:.0f} ms), more than a day: timestamps must count from one origin "
+                         f"(a row in epoch time among relative ones?) in the --trace-time-unit ({fmt.time_unit})")
     return [TraceRequest((r.arrival_ms - t0) / time_scale, r.input_tokens, r.output_tokens, r.hash_ids)
             for r in out]
 
 
+@dataclass(frozen=True, slots=True)
+class Arrivals:
+    """How fast a window's requests arrive, at time scale 1."""
+    rate_rps: float | None   # its requests over its span (None: all at one time)
+    peak_per_s: int          # the most of them arriving within one second
+
+
+def arrivals(window: list[TraceRequest]) -> Arrivals:
+    """``window``: sorted by arrival (as :func:`load_window` gives it)."""
+    span_s = (window[-1].arrival_ms - window[0].arrival_ms) / 1000.0
+    peak = first = 0
+    for last, r in enumerate(window):
+        while r.arrival_ms - window[first].arrival_ms >= 1000.0:
+            first += 1
+        peak = max(peak, last - first + 1)
+    return Arrivals(len(window) / span_s if span_s else None, peak)
+
+
+def check_arrivals(path: Path, start: int, window: list[TraceRequest], fmt: TraceFormat) -> Arrivals:
+    """The window's :class:`Arrivals`; TraceError when more than :data:`MAX_REQUESTS_PER_S` arrive in a second."""
+    found = arrivals(window)
+    if found.peak_per_s > MAX_REQUESTS_PER_S:
+        fix = ("--trace-time-unit s if its timestamps are seconds" if fmt.time_unit == "ms"
+               else "check its timestamps")
+        raise TraceError(f"{path}: {found.peak_per_s} of requests {start} to {start + len(window) - 1} arrive within "
+                         f"one second (timestamps read as {fmt.time_unit}), more than {MAX_REQUESTS_PER_S} a second, "
+                         f"far above any real deployment's trace: {fix}")
+    return found
+
+
 class BlockHashes:
     """Maps a request's hash ids to chained 32-byte block hashes (memoised by chain). ``block_tokens``: the
-    tokens of one hash id (a scaled-down trace has fewer than the trace's 512)."""
+    tokens of one hash id (the trace's, or fewer in a scaled-down window)."""
 
     def __init__(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
         self._memo: dict[tuple[bytes, int], bytes] = {}

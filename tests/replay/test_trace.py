@@ -35,7 +35,8 @@ BAD_ROWS = [   # (the line, what the message must name)
     ('{"timestamp": 1' + "0" * 400 + ', "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}',
      "timestamp: too large"),
     # one id per 16 tokens (a trace cut in smaller blocks): replayed as 512-token blocks, its hit rates were wrong
-    (json.dumps({**GOOD, "hash_ids": list(range(38))}), "hash_ids: 38 ids for input_length 600 (about 15 tokens"),
+    (json.dumps({**GOOD, "hash_ids": list(range(38))}), "hash_ids: 38 ids for input_length 600, not one per 512-token "
+     "block (that is 1 or 2): its ids imply 16-token blocks; replay with --trace-block-tokens 16"),
     (json.dumps({**GOOD, "input_length": 2048}), "hash_ids: 2 ids for input_length 2048"),
     (json.dumps({**GOOD, "output_length": None}), "output_length: must be an integer"),
     (json.dumps({**GOOD, "output_length": -3}), "output_length: must be >= 0"),
