@@ -17,17 +17,23 @@ The rules are vLLM 0.32's on CPU (x86-64 and aarch64 Linux), read in its source:
   model dtype; ``fp8``, ``fp8_e4m3`` and ``fp8_e5m2`` store one byte per element (head size a
   multiple of 32); the CPU backend takes no other.
 * geometry (``vllm/transformers_utils/model_arch_config_convertor.py``): the text config
-  (``text_config`` when present), ``num_hidden_layers``; KV heads from ``n_head_kv``,
-  ``num_kv_heads``, ``num_key_value_heads`` or ``multi_query_group_num``, else
-  ``num_attention_heads`` (one for Falcon's multi-query attention); head size ``head_dim`` (when
-  positive), ``hidden_size_per_head``, else ``hidden_size // num_attention_heads``; GPT-2, GPT-J,
-  Bloom and CodeGen's ``n_layer``, ``n_head``, ``n_embd`` read as their config classes read
-  them. The CPU backend takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 and
-  block sizes that are multiples of 32.
+  (``text_config`` when present), ``num_hidden_layers``; KV heads from ``n_head_kv``, ``num_kv_heads``,
+  ``num_key_value_heads``, ``multi_query_group_num`` or ``num_attention_groups``, else ``num_attention_heads``;
+  head size ``head_dim`` (when positive), ``hidden_size_per_head``, else ``hidden_size // num_attention_heads``.
+  Some model types name these otherwise or count KV heads by their own rule, read as their config classes do:
+  GPT-2, GPT-SW3, GPT-J, GPT-BigCode (``n_layer``, ``n_head``, ``n_embd``; one KV head with BigCode's
+  ``multi_query``), Bloom (``n_embed`` wins), DBRX (``n_layers``, ``n_heads``, ``d_model``, ``attn_config.kv_n_heads``),
+  ChatGLM (``num_layers``, ``multi_query_group_num``), Falcon (one KV head with ``multi_query`` unless
+  ``new_decoder_architecture``). The CPU backend takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512
+  and block sizes that are multiples of 32.
+* refused (give the block bytes): multi-head latent attention (``kv_lora_rank``); hybrid, attention-free and
+  per-layer-geometry models (their model types, Mamba/SSM keys, ``layer_types`` other than full or sliding
+  attention); and a config that omits the KV heads or ``head_dim`` unless its model type's config class is known
+  to fall back as above: another class may fill in a default of its own, which vLLM reads and config.json does
+  not show.
 
 One block is ``2 (K and V) x layers x KV heads x head size x element bytes x block tokens``:
-what one worker of a single-GPU/CPU engine (tensor parallel 1) holds, for plain full-attention
-models. Latent-attention (MLA) checkpoints are refused: give the slot size explicitly.
+what one worker of a single-GPU/CPU engine (tensor parallel 1) holds, for plain full-attention models.
 """
 
 from __future__ import annotations
@@ -45,12 +51,44 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16", **{name: name for name i
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "glm4")  # vLLM: numerical instability in float16
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
-# The other names some model types give the geometry (their Hugging Face config classes' attribute maps), read
-# where the usual key is absent. Only for these types: elsewhere such a name may mean something else (Mamba2's
-# num_heads are SSM heads; DBRX and MPT keep their KV heads in attn_config), and such a config stays refused.
-_ALIASES = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"}
-_ALIASED_MODEL_TYPES = ("gpt2", "gptj", "bloom", "codegen")
+_KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
+# The other names some model types give the geometry (their config classes' attribute maps), read where the usual
+# key is absent; only for these types: elsewhere such a name may mean something else (Mamba2's num_heads).
+_GPT2_NAMES = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"}
+_ALIASES = {**dict.fromkeys(("gpt2", "gpt-sw3", "gptj", "gpt_bigcode"), _GPT2_NAMES),
+            "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"},
+            "dbrx": {"num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "hidden_size": "d_model"},
+            "chatglm": {"num_hidden_layers": "num_layers"}}
+# The model types (of the text config) whose config classes, when config.json names no KV heads, take the
+# attention heads (transformers 5.19, checked by tests/test_kv_shape.py), and those that, when it names no head_dim,
+# take hidden_size // num_attention_heads. Elsewhere a class may default them to a number of its own, which vLLM
+# reads and config.json does not show: such a config is refused.
+_KV_HEADS_DEFAULT_TO_HEADS = frozenset((
+    "afmoe", "apertus", "arcee", "bloom", "cohere", "cohere2", "cohere2_moe", "falcon", "flex_olmo", "gpt-sw3",
+    "gpt2", "gpt_neox", "gptj", "granite", "granitemoe", "granitemoe_swa", "granitemoeshared", "hrm_text",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "jais2", "llama", "olmo", "olmo2", "olmo3", "olmoe", "opt", "phi", "phi3"))
+_HEAD_DIM_DEFAULTS_TO_DIVISION = frozenset((
+    "apertus", "arcee", "aria_text", "bloom", "chatglm", "cohere", "cohere2", "cohere_compass_text", "dbrx",
+    "emu3_text_model", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe_text", "exaone4", "exaone_moe", "falcon",
+    "flex_olmo", "glm4v_text", "glm_ocr_text", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite",
+    "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "hunyuan_v1_dense", "hunyuan_v1_moe",
+    "hunyuan_vl_text", "hy_v3", "hyperclovax", "jais2", "llama", "minimax_m2", "mistral", "mixtral", "olmo",
+    "olmo2", "olmo3", "olmoe", "opt", "paddleocr_vl_text", "phi", "phi3", "phimoe", "qwen2", "qwen2_5_vl_text",
+    "qwen2_moe", "qwen2_vl_text", "qwen3_moe", "qwen3_vl_moe_text", "smollm3", "stablelm", "starcoder2"))
+# Models whose layers are not all one full-attention shape: vLLM's hybrid (Mamba, linear attention) and
+# attention-free models, and those with per-layer geometry (Gemma 4's global_head_dim). Their config types, and
+# the config.json keys that give them away in types not listed.
+_NOT_UNIFORM_MODEL_TYPES = frozenset((
+    "bailing_moe_v2_5", "bailing_moe_v3", "bamba", "cosmos3_edge", "cosmos3_edge_text", "diffusion_gemma",
+    "diffusion_gemma_text", "falcon_h1", "falcon_mamba", "gemma4", "gemma4_text", "gemma4_unified",
+    "gemma4_unified_text", "granitemoehybrid", "jamba", "kimi_k3", "kimi_linear", "lfm2", "lfm2_moe", "lfm2_vl",
+    "mamba", "mamba2", "minimax", "nemotron-nas", "nemotron_h", "neomme", "olmo_hybrid", "plamo2", "qwen3_5",
+    "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "step3p7",
+    "zamba", "zamba2"))
+_NOT_UNIFORM_KEYS = ("per_layer_config", "layers_block_type", "attn_type_list", "hybrid_override_pattern",
+                     "block_configs", "attn_layer_period", "attn_layer_indices", "full_attn_idxs", "mamba_d_state",
+                     "ssm_state_size", "conv_L_cache")
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class KVShapeError(ValueError):
@@ -114,29 +152,19 @@ class KVShape:
         """
         if not isinstance(config, dict):
             raise KVShapeError("config.json does not hold a JSON object")
+        model_type = str(config.get("model_type", ""))
         text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-        if config.get("model_type") in _ALIASED_MODEL_TYPES:
-            text = {**{key: text[alias] for key, alias in _ALIASES.items() if alias in text}, **text}
-        if text.get("kv_lora_rank") is not None:
-            raise KVShapeError("multi-head latent attention (kv_lora_rank) is not derived here: give the block "
-                               "bytes explicitly")
+        text_type = str(text.get("model_type", model_type))
+        types = {model_type, text_type}
+        _refuse_other_attention(text, types)
+        text = {**{key: text[alias] for key, alias in _ALIASES.get(model_type, {}).items() if alias in text}, **text}
+        if model_type == "bloom" and text.get("n_embed") is not None:
+            text["hidden_size"] = text["n_embed"]  # BloomConfig: the older name wins
         layers = _positive_int(text, "num_hidden_layers")
         heads = _positive_int(text, "num_attention_heads") if "num_attention_heads" in text else None
-        kv_key = next((key for key in _KV_HEAD_KEYS if text.get(key) is not None), None)
-        if kv_key is None and heads is None:
-            raise KVShapeError("config.json names neither num_key_value_heads nor num_attention_heads")
-        kv_heads = _positive_int(text, kv_key) if kv_key else heads
-        kv_heads = _falcon_kv_heads(str(config.get("model_type", "")), text, kv_heads)
-        if isinstance(text.get("head_dim"), int) and text["head_dim"] > 0:
-            head_dim = text["head_dim"]
-        elif text.get("hidden_size_per_head") is not None:
-            head_dim = _positive_int(text, "hidden_size_per_head")
-        elif heads is not None:
-            head_dim = _positive_int(text, "hidden_size") // heads
-        else:
-            raise KVShapeError("config.json names no head_dim and no num_attention_heads to derive it")
-        served = _served_dtype(str(config.get("model_type", "")), _config_dtype(config) or weights_dtype or "float32",
-                               dtype)
+        kv_heads = _kv_heads(model_type, text_type, text, heads)
+        head_dim = _head_dim(text_type, text, heads)
+        served = _served_dtype(model_type, _config_dtype(config) or weights_dtype or "float32", dtype)
         return cls(layers, kv_heads, head_dim, served, kv_cache_dtype).validate()
 
     @classmethod
@@ -156,13 +184,60 @@ class KVShape:
         return cls.from_config(config, dtype=dtype, kv_cache_dtype=kv_cache_dtype, weights_dtype=weights)
 
 
-def _falcon_kv_heads(model_type: str, text: dict[str, Any], kv_heads: int) -> int:
-    """Falcon's KV heads as vLLM counts them (its FalconModelArchConfigConvertor): one with multi-query attention
-    (``multi_query``, true by default in Falcon's config class) unless ``new_decoder_architecture`` is set."""
+def _refuse_other_attention(text: dict[str, Any], types: set[str]) -> None:
+    """:class:`KVShapeError` for a model whose KV block is not ``layers`` equal full-attention layers."""
+    if text.get("kv_lora_rank") is not None:
+        raise KVShapeError("multi-head latent attention (kv_lora_rank) is not derived here: give the block bytes "
+                           "explicitly")
+    listed = sorted(types & _NOT_UNIFORM_MODEL_TYPES)
+    key = next((key for key in _NOT_UNIFORM_KEYS if text.get(key) is not None), None)
+    other_layers = sorted({str(t) for t in text.get("layer_types") or ()} - set(_ATTENTION_LAYER_TYPES))
+    why = (f"model type {listed[0]}" if listed else key or
+           (f"layer types {', '.join(other_layers)}" if other_layers else None))
+    if why:
+        raise KVShapeError(f"hybrid, attention-free or per-layer attention ({why}) is not derived here: give the "
+                           f"block bytes explicitly")
+
+
+def _kv_heads(model_type: str, text_type: str, text: dict[str, Any], heads: int | None) -> int:
+    """KV heads as vLLM counts them: the first KV-head key, else the attention heads, with the rules of the
+    model types whose config classes decide otherwise."""
     if model_type == "falcon" and not text.get("new_decoder_architecture", False) and \
             bool(text.get("multi_query", True)):
-        return 1
-    return kv_heads
+        return 1  # Falcon's multi-query attention (multi_query: true in its config class)
+    if model_type == "gpt_bigcode":
+        return 1 if bool(text.get("multi_query", True)) else _positive_int(text, "num_attention_heads")
+    if model_type == "dbrx":
+        attn = text.get("attn_config") if isinstance(text.get("attn_config"), dict) else {}
+        return _positive_int({"kv_n_heads": 1, **attn}, "kv_n_heads")  # DbrxAttentionConfig's default: 1
+    if model_type == "chatglm":
+        if not text.get("multi_query_attention", False):
+            raise KVShapeError("ChatGLM without multi_query_attention: vLLM's config counts multi_query_group_num "
+                               "KV heads, its model all attention heads; give the block bytes explicitly")
+        return _positive_int({"multi_query_group_num": 1, **text}, "multi_query_group_num")
+    kv_key = next((key for key in _KV_HEAD_KEYS if text.get(key) is not None), None)
+    if kv_key:
+        return _positive_int(text, kv_key)
+    if heads is None:
+        raise KVShapeError("config.json names neither num_key_value_heads nor num_attention_heads")
+    if text_type not in _KV_HEADS_DEFAULT_TO_HEADS:
+        raise KVShapeError(f"config.json names no num_key_value_heads and the {text_type or 'unnamed'} config class "
+                           f"may default it otherwise: add it to config.json or give the block bytes explicitly")
+    return heads
+
+
+def _head_dim(text_type: str, text: dict[str, Any], heads: int | None) -> int:
+    """``head_dim`` when positive, else ``hidden_size_per_head``, else ``hidden_size // num_attention_heads``."""
+    if isinstance(text.get("head_dim"), int) and text["head_dim"] > 0:
+        return text["head_dim"]
+    if text.get("hidden_size_per_head") is not None:
+        return _positive_int(text, "hidden_size_per_head")
+    if heads is None:
+        raise KVShapeError("config.json names no head_dim and no num_attention_heads to derive it")
+    if "head_dim" not in text and text_type not in _HEAD_DIM_DEFAULTS_TO_DIVISION:
+        raise KVShapeError(f"config.json names no head_dim and the {text_type or 'unnamed'} config class may default "
+                           f"it otherwise: add it to config.json or give the block bytes explicitly")
+    return _positive_int(text, "hidden_size") // heads
 
 
 def _positive_int(config: dict[str, Any], key: str) -> int:

@@ -68,12 +68,12 @@ def test_gpt2_style_names_and_falcons_multi_query_attention() -> None:
     usual = KVShape.from_config({"model_type": "gpt2", "num_hidden_layers": 2, "n_layer": 12, "n_head": 12,
                                  "n_embd": 768})
     assert usual.num_layers == 2  # the usual key wins over another name
-    # the other names are read for the model types whose config classes map them, nowhere else: a Mamba2
-    # config's num_heads are SSM heads, DBRX keeps its 8 KV heads in attn_config (vLLM's count): both refused
-    with pytest.raises(KVShapeError, match="num_hidden_layers"):
-        KVShape.from_config({"model_type": "dbrx", "n_layers": 40, "n_heads": 48, "d_model": 6144,
-                             "attn_config": {"kv_n_heads": 8}})
-    with pytest.raises(KVShapeError, match="neither num_key_value_heads nor num_attention_heads"):
+    # the other names are read for the model types whose config classes map them, nowhere else: DBRX's (its KV
+    # heads in attn_config, vLLM's count), not Mamba2's num_heads (SSM heads: an attention-free model, refused)
+    dbrx = KVShape.from_config({"model_type": "dbrx", "n_layers": 40, "n_heads": 48, "d_model": 6144,
+                                "attn_config": {"kv_n_heads": 8}})
+    assert (dbrx.num_layers, dbrx.kv_heads, dbrx.head_dim) == (40, 8, 128)
+    with pytest.raises(KVShapeError, match="attention-free"):
         KVShape.from_config({"model_type": "mamba2", "num_heads": 128, "head_dim": 64, "hidden_size": 4096,
                              "num_hidden_layers": 64})
     with pytest.raises(KVShapeError, match="num_hidden_layers"):
@@ -199,6 +199,25 @@ VLLM_CASES = {
              "rotary_dim": 32, "vocab_size": 1000, "torch_dtype": "float16"},
     "bloom": {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "hidden_size": 1024, "n_head": 16,
               "n_layer": 2, "vocab_size": 1000, "torch_dtype": "bfloat16"},
+    # families derived as their config classes and vLLM count them (each refused or miscounted before)
+    "bloom-n-embed": {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "n_embed": 2048, "n_head": 16,
+                      "n_layer": 2, "vocab_size": 1000, "torch_dtype": "bfloat16"},
+    "gpt-sw3": {"model_type": "gpt-sw3", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_head": 16,
+                "n_embd": 2048, "vocab_size": 1000, "n_positions": 2048, "torch_dtype": "float16"},
+    "starcoder-multi-query": {"model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"], "n_layer": 2,
+                              "n_head": 48, "n_embd": 6144, "multi_query": True, "n_positions": 8192,
+                              "vocab_size": 1000, "torch_dtype": "bfloat16"},
+    "gpt-bigcode-multi-head": {"model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"], "n_layer": 2,
+                               "n_head": 16, "n_embd": 1024, "multi_query": False, "vocab_size": 1000,
+                               "torch_dtype": "bfloat16"},
+    "dbrx": {"model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "n_layers": 2, "n_heads": 48, "d_model": 6144,
+             "attn_config": {"kv_n_heads": 8}, "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16,
+                                                              "moe_top_k": 4}, "vocab_size": 1000,
+             "max_seq_len": 4096, "torch_dtype": "bfloat16"},
+    "glm-4-chatglm": {"model_type": "chatglm", "architectures": ["ChatGLMModel"], "num_layers": 2, "hidden_size": 4096,
+                      "num_attention_heads": 32, "multi_query_attention": True, "multi_query_group_num": 2,
+                      "kv_channels": 128, "ffn_hidden_size": 13696, "padded_vocab_size": 1000, "seq_length": 8192,
+                      "torch_dtype": "bfloat16"},
 }
 
 
@@ -221,3 +240,82 @@ def test_the_derivation_agrees_with_vllms_model_config(tmp_path: Path, dtype: st
                                      head_size=vllm.get_head_size(),
                                      dtype=kv_cache_dtype_str_to_dtype("auto", vllm))
             assert ours.block_bytes(block_tokens) == spec.page_size_bytes * ours.num_layers, name
+
+
+@pytest.mark.parametrize("config, message", [
+    (_config(model_type="qwen3", hidden_size=1024, num_attention_heads=16), "no head_dim and the qwen3 config"),
+    (_config(model_type="mistral", num_key_value_heads=None), "no num_key_value_heads and the mistral config"),
+    ({**_config(model_type="jamba"), "attn_layer_period": 8}, "hybrid"),
+    ({**_config(), "layer_types": ["full_attention", "linear_attention"]}, "layer types linear_attention"),
+    (_config(model_type="gemma4_text", head_dim=256), "per-layer"),
+    ({**_config(model_type="chatglm", num_layers=2), "multi_query_attention": False}, "ChatGLM"),
+])
+def test_what_vllm_counts_from_elsewhere_is_refused(config: dict, message: str) -> None:
+    with pytest.raises(KVShapeError, match=message):
+        KVShape.from_config(config)
+
+
+_KV_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
+
+
+def _without_head_dim(text: dict) -> None:
+    """Drops head_dim and doubles the width: hidden_size // heads then differs from any class default."""
+    text.pop("head_dim", None)
+    for key in ("hidden_size", "n_embd", "d_model"):
+        if isinstance(text.get(key), int):
+            text[key] *= 2
+
+
+def _without_kv_heads(text: dict) -> None:
+    """Drops the KV-head keys and doubles the heads (and width): the heads then differ from any class default."""
+    for key in _KV_KEYS:
+        text.pop(key, None)
+    for key in ("num_attention_heads", "n_head", "n_heads", "hidden_size", "n_embd", "d_model"):
+        if isinstance(text.get(key), int):
+            text[key] *= 2
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("variant", [None, _without_head_dim, _without_kv_heads])
+def test_transformers_default_configs_agree_with_vllm_or_are_refused(tmp_path: Path, variant) -> None:
+    """Every model type vLLM serves as a generator with a transformers config class: its class defaults as
+    config.json, through vLLM's own config loading, geometry convertor and dtype rule (what ModelConfig calls,
+    without inspecting the model class); kv_shape must give the same shape or refuse."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+    from vllm.config.model import _get_and_verify_dtype
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.transformers_utils.config import get_config, get_hf_text_config
+    from vllm.transformers_utils.model_arch_config_convertor import (MODEL_ARCH_CONFIG_CONVERTORS,
+                                                                     ModelArchConfigConvertorBase)
+
+    supported = {arch.lower(): arch for arch in ModelRegistry.get_supported_archs()}  # PhiMoE, not Phimoe
+    generators = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                  modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    compared, unloadable = [], []
+    for model_type in dict.fromkeys(CONFIG_MAPPING.keys()):  # vLLM registers some types a second time
+        named = [names.get(model_type) for names in generators]
+        named = [arch for found in named for arch in ([found] if isinstance(found, str) else found or ())]
+        archs = [supported[arch.lower()] for arch in named if arch.lower() in supported]
+        if not archs:
+            continue
+        config = {**CONFIG_MAPPING[model_type]().to_dict(), "model_type": model_type, "architectures": archs[:1]}
+        if variant:
+            variant(config["text_config"] if isinstance(config.get("text_config"), dict) else config)
+        path = _checkpoint(tmp_path, json.dumps(config, default=str), model_type)
+        try:
+            hf = get_config(str(path), False)
+            arch = MODEL_ARCH_CONFIG_CONVERTORS.get(hf.model_type, ModelArchConfigConvertorBase)(
+                hf, get_hf_text_config(hf)).convert()
+            dtype = str(_get_and_verify_dtype(str(path), hf, "auto", is_pooling_model=False)).removeprefix("torch.")
+        except Exception:  # vLLM cannot load this default config itself
+            unloadable.append(model_type)
+            continue
+        try:
+            ours = KVShape.from_checkpoint(path)
+        except KVShapeError:
+            continue  # refused, with the reason
+        assert (ours.num_layers, ours.kv_heads, ours.head_dim, ours.dtype) == (
+            arch.total_num_hidden_layers, arch.total_num_kv_heads, arch.head_size, dtype), model_type
+        compared.append(model_type)
+    assert len(compared) >= 30 and len(unloadable) <= 10, (compared, unloadable)
