@@ -536,14 +536,15 @@ class DataPlaneCore:
         self.metrics.found("peer", "miss", n - len(pinned))
         self.metrics.bytes("served", len(pinned) * self.block_bytes)
         lease_id = self._lease(holder, pinned, lease_ms, lease_scope(ns, epoch), group=pins_of)
-        base, bb = self.region.base_addr, self.block_bytes
+        # where each block lies in this process: only a source that hands out its NIXL metadata (serve_peer_reads)
+        # is READ at addresses; otherwise no message names its tier's address (docs/security.md)
+        base, bb, reads = self.region.base_addr, self.block_bytes, self.config.serve_peer_reads
         if len(pinned) == n:  # every block a HIT: the answer's columns in native loops
-            return LookupAnswer([LookupStatus.HIT] * n,
-                                (np.array(list(map(SLOT, blocks)), dtype=np.int64) * bb + base).tolist(),
-                                list(map(CHECKSUM, blocks)), lease_id)
+            addrs = (np.array(list(map(SLOT, blocks)), dtype=np.int64) * bb + base).tolist() if reads else [0] * n
+            return LookupAnswer([LookupStatus.HIT] * n, addrs, list(map(CHECKSUM, blocks)), lease_id)
         return LookupAnswer(
             statuses=[LookupStatus.HIT if b else LookupStatus.MISS for b in blocks],
-            addrs=[base + b.slot * bb if b else -1 for b in blocks],
+            addrs=[base + b.slot * bb if b and reads else 0 if b else -1 for b in blocks],
             checksums=[b.checksum if b else 0 for b in blocks],
             lease_id=lease_id,
         )

@@ -116,15 +116,24 @@ async def store(source: DataPlaneProcess, ns: Namespace, n: int = N) -> tuple[li
     return hashes, secrets
 
 
-async def addresses(fleet: Fleet, source: DataPlaneProcess, hashes: list[bytes]) -> list[int]:
-    """Where A's blocks lie in the source's memory (the attacker is granted knowing them: slots are guessable)."""
+async def addresses(fleet: Fleet, source: DataPlaneProcess, hashes: list[bytes], serves_reads: bool) -> list[int]:
+    """Where A's blocks lie in the source's memory (the attacker is granted knowing them: slots are guessable),
+    read from the source process's memory map; a peer's Lookup answer names them only from a source that serves
+    peer READs (serve_peer_reads), and names none otherwise."""
     oracle_id = NodeIdentity()
     grant = fleet.grant(oracle_id.public_key, "oracle", source.node_id, TENANT_A)
     async with as_peer(oracle_id, source) as oracle:
         answer, _ = await oracle.lookup(TENANT_A, hashes, grant=grant)
         await oracle.release(answer.lease_id, grant=grant)
     assert answer.statuses == [LookupStatus.HIT] * len(hashes)
-    return answer.addrs
+    async with DataPlaneClient(source.address, key=source.api_key) as owner:
+        slots, lease = await owner.acquire(TENANT_A, hashes)
+        await owner.release(lease)
+    maps = Path(f"/proc/{source.proc.pid}/maps").read_text().splitlines()
+    base = int(next(line for line in maps if line.endswith(".tier") and source.node_id in line).split("-")[0], 16)
+    where = [base + slot * BLOCK for slot in slots]
+    assert answer.addrs == (where if serves_reads else [0] * len(hashes)), "a gated source names no address"
+    return where
 
 
 def nixl_read(agent, buf: np.ndarray, peer: str, addrs: list[int]) -> str:
@@ -152,7 +161,7 @@ async def test_a_grant_for_tenant_b_reads_none_of_tenant_as_bytes(fleet, attacke
 
     # Control: a source that hands out its metadata is read by anyone who handshook with any grant.
     hashes, secrets = await store(open_source, TENANT_A)
-    addrs = await addresses(fleet, open_source, hashes)
+    addrs = await addresses(fleet, open_source, hashes, serves_reads=True)
     async with as_peer(me, open_source) as peer:
         hs = await peer.exchange_agent_metadata("attacker", agent.get_agent_metadata(), BLOCK,
                                                 grant=fleet.grant(me.public_key, "attacker", "src-open", TENANT_B))
@@ -165,7 +174,7 @@ async def test_a_grant_for_tenant_b_reads_none_of_tenant_as_bytes(fleet, attacke
     # The gated source: the same attacker, the same kind of grant, gets no metadata and no bytes.
     buf[:] = 0
     hashes, secrets = await store(gated, TENANT_A)
-    addrs = await addresses(fleet, gated, hashes)
+    addrs = await addresses(fleet, gated, hashes, serves_reads=False)
     grant_b = fleet.grant(me.public_key, "attacker", "src-gated", TENANT_B)
     async with as_peer(me, gated) as peer:
         hs = await peer.exchange_agent_metadata("attacker", agent.get_agent_metadata(), BLOCK, grant=grant_b)
