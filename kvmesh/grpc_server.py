@@ -300,7 +300,8 @@ async def start_server(
     """
     traced = tracing.server_interceptors(services[0].full_name if services else "kvmesh")
     max_request_bytes = in_flight.max_request_bytes if in_flight is not None else MAX_MESSAGE_BYTES
-    server = grpc.aio.server(interceptors=[*traced, *interceptors, RequestGate(in_flight, max_request_bytes)],
+    gate = RequestGate(in_flight, max_request_bytes)
+    server = grpc.aio.server(interceptors=[*traced, *interceptors, gate],
                              options=server_options(max_request_bytes, fit_connections(max_connections)))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -309,6 +310,7 @@ async def start_server(
         binding.add_to_server(binding.servicer, server)
         names.append(binding.full_name)
     reflection.enable_server_reflection(names, server)
+    gate.health_watches.services.update(["", *names[2:]])  # the server's health, and each service's
     check_can_bind(address)
     try:
         port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())

@@ -216,14 +216,19 @@ class RequestGate(grpc.aio.ServerInterceptor):
     def __init__(self, limit: InFlightLimit | None, max_request_bytes: int) -> None:
         self._limit = limit or _Unlimited(max_request_bytes)
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self.health_watches = HealthWatches()
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None or not details.method.startswith("/kvmesh."):
-            return handler  # health and reflection are grpc's own (and reflection iterates requests synchronously)
+        if handler is None or handler.request_deserializer is None:
+            return handler
         found = self._wrapped.get(details.method)
         if found is not None and found[0] is handler:
             return found[1]
+        if not details.method.startswith("/kvmesh."):  # health and reflection: grpc's own, asked without a key
+            wrapped = _own_service(handler, self.health_watches if details.method == HEALTH_WATCH else None)
+            self._wrapped[details.method] = (handler, wrapped)
+            return wrapped
         decode = _tolerant(handler.request_deserializer)
         many = handler.request_streaming
         if handler.response_streaming:
@@ -287,6 +292,57 @@ class RequestGate(grpc.aio.ServerInterceptor):
                 await _close(requests)
 
         return stream
+
+
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+MAX_HEALTH_WATCHES = 64
+
+
+class HealthWatches:
+    """Health.Watch streams (asked without a key; each holds a stream and the servicer keeps a condition per
+    service name it is asked about): at most :data:`MAX_HEALTH_WATCHES` open, only for the services the server
+    serves (``services``, filled as it starts)."""
+
+    def __init__(self) -> None:
+        self.services: set[str] = set()
+        self.open = 0
+
+    async def enter(self, request, context) -> None:
+        if request.service not in self.services:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {request.service[:100]!r} here")
+        if self.open >= MAX_HEALTH_WATCHES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HEALTH_WATCHES} health watches are "
+                                "open here; ask Health.Check instead")
+        self.open += 1
+
+
+def _own_service(handler: grpc.RpcMethodHandler, watches: HealthWatches | None) -> grpc.RpcMethodHandler:
+    """A handler of grpc's own services (health, reflection) whose undecodable request answers INVALID_ARGUMENT
+    naming the expected type, not UNKNOWN with a traceback logged per call (``watches``: Health.Watch's bound)."""
+    kwargs = dict(request_deserializer=_tolerant(handler.request_deserializer),
+                  response_serializer=handler.response_serializer)
+    if handler.request_streaming:  # reflection: a stream both ways
+        async def each(requests, context):
+            async for request in requests:
+                yield await _decoded(request, context)
+
+        async def stream(requests, context):
+            async for item in handler.stream_stream(each(requests, context), context):
+                yield item
+        return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
+    if handler.response_streaming:  # Health.Watch: writes with context.write
+        async def watch(request, context):
+            request = await _decoded(request, context)
+            await watches.enter(request, context)
+            try:
+                await handler.unary_stream(request, context)
+            finally:
+                watches.open -= 1
+        return grpc.unary_stream_rpc_method_handler(watch, **kwargs)
+
+    async def unary(request, context):
+        return await handler.unary_unary(await _decoded(request, context), context)
+    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
 
 
 def _drop_locals(exc: BaseException) -> None:
