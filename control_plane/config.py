@@ -134,7 +134,7 @@ class ControlPlaneConfig(RoutingSettings, BaseSettings):
 
     def bootstrap_admin_key(self) -> str:
         """The admin key from admin_key or admin_key_file; ValueError when neither gives one."""
-        key = api_keys.from_setting(self.admin_key, self.admin_key_file)
+        key = api_keys.key_from_setting(self.admin_key, self.admin_key_file)
         if key:
             return key
         raise ValueError("no admin key: set KVMESH_CP_ADMIN_KEY or --admin-key-file "

@@ -46,6 +46,7 @@ from kvmesh.namespace import VLLM_DEFAULT_HASH_ALGO, Namespace, engine_namespace
 
 from control_plane.model import Medium, NodeInfo
 from control_plane.publisher import EventPublisher
+from tenancy import api_keys
 from tenancy.auth import auth_metadata
 
 log = logging.getLogger(__name__)
@@ -268,6 +269,7 @@ async def _serve(args: argparse.Namespace, sock: zmq.asyncio.Socket) -> int:
                           hash_seed=args.hash_seed)
     node = NodeInfo(args.node_id, args.data_plane_address).validate()
     key = _read(args.api_key_file, "--api-key-file").decode(errors="replace").strip()
+    api_keys.checked(key, f"--api-key-file {args.api_key_file}")
     if not key:
         raise UsageError(f"--api-key-file {args.api_key_file} is empty; write the node's API key into it")
     tls = None

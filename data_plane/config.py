@@ -149,7 +149,7 @@ class DataPlaneConfig(BaseSettings):
 
     def node_key(self) -> str:
         """The node's API key; ValueError when neither api_key nor api_key_file gives one."""
-        key = api_keys.from_setting(self.api_key, self.api_key_file)
+        key = api_keys.key_from_setting(self.api_key, self.api_key_file)
         if key:
             return key
         raise ValueError("no API key: set KVMESH_DP_API_KEY or --api-key-file (an admin issues node keys: "

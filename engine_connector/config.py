@@ -110,7 +110,7 @@ class ConnectorConfig:
 
     def key(self) -> str:
         """The node's API key (``api_key``, else the contents of ``api_key_file``)."""
-        key = api_keys.from_setting(self.api_key, self.api_key_file)
+        key = api_keys.key_from_setting(self.api_key, self.api_key_file)
         if key:
             return key
         raise ValueError("KvmeshConnector needs the node's API key: set api_key or api_key_file in "

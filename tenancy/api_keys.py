@@ -43,9 +43,33 @@ def matches(secret: str, stored_hash: str) -> bool:
 
 
 def from_setting(key: str | None, key_file: str | None) -> str | None:
-    """A key given inline, else read from a file (settings offer both); None when neither is set."""
+    """A secret given inline, else read from a file (settings offer both); None when neither is set."""
     if key:
         return key.strip()
     if key_file:
         return Path(key_file).read_text().strip()
     return None
+
+
+def key_from_setting(key: str | None, key_file: str | None) -> str | None:
+    """An API key given inline, else read from a file; None when neither is set. ValueError naming the file (or
+    the inline key) when it holds what no key holds: gRPC would refuse to send it, with a log line and an
+    internal error, not a reason."""
+    if key:
+        return checked(key.strip(), "the API key given")
+    if key_file:
+        try:
+            text = Path(key_file).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{key_file} is not text: an API key file holds one key, kvm_<key_id>_<secret>") from None
+        return checked(text.strip(), key_file) or None
+    return None
+
+
+def checked(key: str, where: str) -> str:
+    """``key`` if it is printable ASCII with no space (what any key, well-formed or not, must be to travel in a
+    header); ValueError naming ``where`` otherwise."""
+    if key.isascii() and key.isprintable() and " " not in key:
+        return key
+    raise ValueError(f"{where} holds characters no API key has (one line kvm_<key_id>_<secret>, printable ASCII): "
+                     f"write the key an admin issued into it")

@@ -161,7 +161,8 @@ def main(argv: list[str]) -> int:
     if a.group == "new-key":
         print(api_keys.new_key()[1])
         return 0
-    key = a.key or (Path(a.key_file).read_text().strip() if a.key_file else os.environ.get("KVMESH_ADMIN_KEY"))
+    key = api_keys.key_from_setting(a.key, a.key_file) or api_keys.key_from_setting(
+        os.environ.get("KVMESH_ADMIN_KEY"), None)
     if not key:
         raise UsageError("no API key; give --key-file FILE (or --key, or set $KVMESH_ADMIN_KEY)")
     _tls(a)  # settings checked before anything is sent

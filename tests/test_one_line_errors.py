@@ -122,6 +122,23 @@ def test_data_plane_with_a_missing_or_unreadable_key_file(tmp_path):
     fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "absent.key")
 
 
+def test_a_key_file_holding_what_no_key_holds_is_named_in_one_line(tmp_path):
+    """Non-ASCII, a control character, binary: gRPC refused to send such a key (admin: four lines of gRPC log and
+    an internal error; vllm-events: a 10 s wait blamed on the control plane; data plane: silence)."""
+    for name, content in (("utf8.key", "kvm_abcdefabcdef_s\u00e9cret\n".encode()), ("ctl.key", b"kvm_ab\x01cd\n"),
+                          ("binary.key", b"\xff\xfe\x00\x81" * 8)):
+        path = tmp_path / name
+        path.write_bytes(content)
+        why = "is not text" if name == "binary.key" else "holds characters no API key has"
+        fails_in_one_line(kvmesh("data-plane", *dp_flags(path)), BAD_INPUT, "kvmesh data-plane", str(path), why)
+        fails_in_one_line(kvmesh("admin", "--control-plane", f"127.0.0.1:{free_port()}", "--key-file", str(path),
+                                 "tenants", "list"), BAD_INPUT, "kvmesh admin", str(path), why)
+        fails_in_one_line(kvmesh("vllm-events", "--node-id", "n1", "--api-key-file", str(path), "--control-plane",
+                                 f"127.0.0.1:{free_port()}", "--model", "m", "--data-plane-address", "127.0.0.1:2",
+                                 "--zmq", "tcp://127.0.0.1:5557", "--block-size", "16", "--kv-dtype", "bfloat16"),
+                          BAD_INPUT, "kvmesh vllm-events", str(path), "holds characters no API key has")
+
+
 def test_data_plane_with_its_port_taken(tmp_path, admin_key):
     key = write_secret(tmp_path / "node.key", admin_key)
     with socket.socket() as holder:
