@@ -72,8 +72,14 @@ class SharedRegion:
             elif os.fstat(self._fd).st_size < self.size:
                 raise ValueError(f"{self.path} is smaller than {num_slots} slots of {block_bytes} bytes")
             self._map = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        except BaseException as exc:
             os.close(self._fd)
+            if owner and not isinstance(exc, RegionBusy):
+                self.path.unlink(missing_ok=True)  # no tier file of the size refused is left behind
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC, errno.EINVAL):
+                raise ValueError(f"cannot map a CPU tier of {self.size >> 20} MiB at {self.path} "
+                                 f"({os.strerror(exc.errno)}): lower capacity_bytes (--capacity-bytes) to what the "
+                                 f"host's memory and {self.path.parent} can hold") from None
             raise
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.base_addr = int(self.array.ctypes.data)

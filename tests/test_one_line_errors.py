@@ -139,6 +139,15 @@ def test_a_key_file_holding_what_no_key_holds_is_named_in_one_line(tmp_path):
                           BAD_INPUT, "kvmesh vllm-events", str(path), "holds characters no API key has")
 
 
+def test_a_tier_larger_than_the_host_names_the_setting_and_leaves_no_file(tmp_path):
+    key = tmp_path / "node.key"
+    key.write_text(kvmesh("admin", "new-key").stdout)
+    out = kvmesh("data-plane", "--node-id", "huge", "--listen", "127.0.0.1:0", "--api-key-file", str(key),
+                 "--no-lock-memory", "--shm-dir", str(tmp_path), "--capacity-bytes", "1PiB")
+    fails_in_one_line(out, BAD_INPUT, "kvmesh data-plane", "cannot map a CPU tier", "--capacity-bytes")
+    assert not list(tmp_path.glob("*.tier")), "the refused tier's file was left behind"
+
+
 def test_data_plane_with_its_port_taken(tmp_path, admin_key):
     key = write_secret(tmp_path / "node.key", admin_key)
     with socket.socket() as holder:
