@@ -31,6 +31,8 @@ class WorkdirLock:
     given it), so a new ``up`` cannot start while the last one's processes are still stopping."""
 
     def __init__(self, workdir: Path) -> None:
+        if workdir.exists() and not workdir.is_dir():
+            raise ValueError(f"--workdir {workdir} is a file, not a directory: name a directory (it is made if absent)")
         workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for place in (workdir, workdir / "secrets"):
             _own(place)

@@ -300,6 +300,7 @@ def test_keys_issue_checks_secret_out_before_issuing(control_plane, secrets, tmp
 @pytest.mark.parametrize("prog, args, words", [
     ("kvmesh up", ["up", "--data-planes", "two"], ["--data-planes"]),
     ("kvmesh up", ["up", "--capacity", "ten"], ["--capacity"]),
+    ("kvmesh up", ["up", "--workdir", __file__], ["--workdir", __file__, "is a file"]),
     ("kvmesh demo", ["demo", "--sessions", "0"], ["--sessions", "positive"]),
     ("kvmesh demo", ["demo", "--model", "huge"], ["--model", "huge"]),
     ("kvmesh vllm-events", ["vllm-events", "--zmq", "tcp://127.0.0.1:1"], ["required"]),
