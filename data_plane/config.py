@@ -13,7 +13,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvmesh.addresses import check_address, split_host_port
 from kvmesh.channels import ClientTLS
+from kvmesh.errors import InvalidArgument
 from kvmesh.metrics import METRICS_LISTEN_HELP, MetricsListen
+from kvmesh.namespace import validate_node_id
 from tenancy import api_keys
 
 MIB = 1 << 20
@@ -200,8 +202,10 @@ class DataPlaneConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> "DataPlaneConfig":
-        if not self.node_id or "/" in self.node_id:
-            raise ValueError(f"node_id {self.node_id!r} must be non-empty and contain no '/'")
+        try:
+            validate_node_id(self.node_id)  # as the control plane checks it; it also names the tier's file
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
         if self.tls_ca_file and self.peer_tls_name == "node-id" and ":" in self.node_id:
             raise ValueError(f"node_id {self.node_id!r} cannot be a certificate's DNS name, which peers check "
                              "(peer_tls_name node-id): use a node id without ':'")

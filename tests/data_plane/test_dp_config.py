@@ -31,6 +31,7 @@ def test_defaults_advertise_the_listen_address_with_the_bound_port():
     (dict(capacity_bytes=100), "holds no block"),
     (dict(lease_ms=10, max_lease_ms=5), "lease_ms must not exceed"),
     (dict(node_id="a/b"), "node_id"),
+    (dict(node_id="a b"), "is not valid"),  # the tier file is named after it, and the control plane refuses it
     (dict(disk_dir="/tmp/x"), "disk_capacity_bytes"),
     (dict(node_id="rack:7", tls_ca_file="/ca.crt"), "cannot be a certificate's DNS name"),
 ])
