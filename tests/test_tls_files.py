@@ -139,7 +139,7 @@ async def test_the_checked_files_still_make_a_working_mutual_tls_link(files):
 
 def admin(files: dict[str, str], tmp_path: Path, ca: str, cert: str, key: str) -> subprocess.CompletedProcess:
     key_file = tmp_path / "admin.key"
-    key_file.write_text("any text\n")
+    key_file.write_text("kvm_000000000000_any-text\n")  # any well-formed key: the TLS files are at fault
     return subprocess.run([KVMESH, "admin", "--control-plane", "127.0.0.1:1", "--key-file", str(key_file),
                            "--tls-ca-file", files[ca], "--tls-cert-file", files[cert], "--tls-key-file", files[key],
                            "tenants", "list"], capture_output=True, text=True, timeout=60)
