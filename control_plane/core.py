@@ -138,15 +138,25 @@ class ControlPlane:
 
     async def _claim_namespace(self, batch: EventBatch) -> None:
         """A tenant's namespaces are bounded (policy max_namespaces, else max_namespaces_per_tenant): made-up
-        models would otherwise each add a block map, and take shared tables (the replica's followed namespaces)."""
+        models would otherwise each add a block map, and take shared tables (the replica's followed namespaces).
+        One node opens at most half of them (all of them when ``allowed_nodes`` names it alone, as
+        ``_check_quota``'s share): one node's key opening made-up models up to the limit otherwise left the
+        tenant's other nodes unable to publish a new model (a new weight version). Both are checked in the claim's
+        script (claim_namespace.lua), given ``-limit`` for "with the per-node share"."""
         tenant = await self.authz.tenant(batch.namespace.tenant)
         limit = (tenant.policy.max_namespaces if tenant else 0) or self.config.max_namespaces_per_tenant
-        if not await self.block_map.claim_namespace(batch.node_id, batch.namespace, limit):
-            raise BatchRefused(ResourceExhausted(
-                f"tenant {batch.namespace.tenant!r} already has its limit of {limit} namespaces (model, weights, "
-                "cache config) holding blocks; nothing of this batch was applied (an admin raises it: "
-                "`kvmesh admin tenants policy --max-namespaces N`; a namespace whose blocks are gone stops counting "
-                "after namespace_release_after_s)"))
+        policy = tenant.policy if tenant else None
+        alone = policy is not None and policy.allowed_nodes == (batch.node_id,) and not policy.allowed_pools
+        if await self.block_map.claim_namespace(batch.node_id, batch.namespace, limit if alone else -limit):
+            return
+        share = limit if alone else max(1, limit // 2)
+        raise BatchRefused(ResourceExhausted(
+            f"tenant {batch.namespace.tenant!r} already has its limit of {limit} namespaces (model, weights, "
+            f"cache config) holding blocks, or node {batch.node_id!r} already opened its share of them ({share}: "
+            "one node opens at most half, so that no node fills them for the others); nothing of this batch was "
+            "applied (an admin raises it: `kvmesh admin tenants policy --max-namespaces N`, or allows this node "
+            "alone in allowed_nodes; a namespace whose blocks are gone stops counting after "
+            "namespace_release_after_s)"))
 
     async def _check_node_entries(self, batch: EventBatch) -> None:
         """A node holds at most max_entries_per_node blocks in the map: made-up blocks published with one node
@@ -352,14 +362,17 @@ class ControlPlane:
         tenant (one booker at most doubles another's estimated wait: routing.ledger), and a sharee gets no
         prefetch order (it would run against the tenant's share of the destination's prefetch cap; its engine
         pulls when it runs); a node key's order is for its own node only."""
-        may_read = (await self.authz.tenant(request.namespace.tenant) is not None
-                    and await self.authz.may_read(principal, request.namespace.tenant))
+        tenant = await self.authz.tenant(request.namespace.tenant)
+        may_read = tenant is not None and await self.authz.may_read(principal, request.namespace.tenant)
         node_key = principal.role is Role.NODE
         as_tenant = principal.role is Role.ADMIN or (principal.role is Role.SCHEDULER
                                                      and principal.tenant_id == request.namespace.tenant)
         booker = ("node", principal.node_id) if node_key else None if as_tenant else principal.tenant_id
+        node_allowed = None  # a caller who may not read the tenant learns nothing of it (nor that it exists)
+        if may_read and (tenant.policy.allowed_nodes or tenant.policy.allowed_pools):
+            request, node_allowed = await self._policy_candidates(request, tenant.policy)
         decision = await self.router.route(request, functools.partial(self.lookup_prefix, principal), may_read,
-                                           records=as_tenant, booker=booker)
+                                           records=as_tenant, booker=booker, node_allowed=node_allowed)
         if decision.source is None:
             return decision
         source = decision.source
@@ -368,13 +381,36 @@ class ControlPlane:
         source = dataclasses.replace(source, route_token=token.decode())
         order = None
         if self.config.route_prefetch and (as_tenant or node_key):  # route-time prefetch (control_plane.prefetch)
-            tenant = await self.authz.tenant(request.namespace.tenant)
+            tenant = await self.authz.tenant(request.namespace.tenant) or tenant
             order = await prefetch_order(
                 request, decision.engine_id, source, nodes=self.block_map.list_nodes, signer=self.signer,
                 node_allowed=lambda node_id: self._allows(tenant.policy, node_id),
                 ttl_ms=self.config.route_prefetch_ttl_ms, hashing_turn=self._hashing.turn(principal.key_id),
                 caller_node=principal.node_id if principal.role is Role.NODE else None)
         return dataclasses.replace(decision, source=source, prefetch=order)
+
+    async def _policy_candidates(self, request: RouteRequest, policy):
+        """The request without the candidates on nodes the namespace's tenant policy excludes (``allowed_nodes`` /
+        ``allowed_pools``: where its blocks may be held, its prompts run), and the check the router applies to
+        sources. A scheduler naming such a node (or anyone routing the tenant's namespace) would otherwise have the
+        tenant's prompt, and a pull of its KV, sent to a node the tenant does not trust, whenever the cost model
+        (fed by that node's own reports) favoured it. FailedPrecondition when no candidate is left, naming the nodes
+        and pools the policy allows (the caller may read the tenant: its scheduler, an admin, a sharee, an allowed
+        node; one who may not is answered as for a tenant that does not exist, without the check: it sees no
+        holder and routes no prompt of the tenant's)."""
+        request.validate()  # the candidates' ids, before they are looked up
+        node_allowed = functools.partial(self._allows, policy)
+        kept = tuple([c for c in request.candidates if await node_allowed(c.node_id)])
+        if kept:
+            return dataclasses.replace(request, candidates=kept), node_allowed
+
+        def some(names: tuple[str, ...]) -> str:
+            shown = ", ".join(map(repr, names[:16]))
+            return shown + (f" and {len(names) - 16} more" if len(names) > 16 else "") if names else "none"
+        raise FailedPrecondition(
+            f"none of the {len(request.candidates)} candidates runs on a node tenant {request.namespace.tenant!r}'s "
+            f"policy allows (allowed_nodes: {some(policy.allowed_nodes)}; allowed_pools: "
+            f"{some(policy.allowed_pools)}); name candidates on those nodes, or an admin changes the policy")
 
     async def report_stats(self, principal: Principal, report: StatsReport) -> None:
         if principal.role is Role.SCHEDULER:

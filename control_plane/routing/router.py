@@ -78,12 +78,15 @@ class Router:
         self.ledger = PullLedger(clock, zone_of)
 
     async def route(self, request: RouteRequest, lookup: Lookup, may_read: bool = True,
-                    records: bool = True, booker: Hashable = None) -> RouteDecision:
+                    records: bool = True, booker: Hashable = None,
+                    node_allowed: Callable[[str], Awaitable[bool]] | None = None) -> RouteDecision:
         """``lookup`` is the core's (authorized, validating) prefix lookup for the caller; ``may_read``: may the
         caller learn what is cached in the namespace? If not, routes it has not seen (speculative state, built
         from other callers' decisions) neither inform nor record this one. ``records``: False, this route is
         not recorded as a speculative holding (a caller who is not the tenant's scheduler). ``booker``: whose
-        pulls the ledger counts this route's among (see ledger; None: the namespace's tenant's)."""
+        pulls the ledger counts this route's among (see ledger; None: the namespace's tenant's). ``node_allowed``:
+        does the namespace's tenant policy allow a node (None: every node)? The caller drops the candidates it
+        excludes; a holder it excludes (one speculative entry, a lookup's holder) is never named as the source."""
         request.validate()
         match = await lookup(request.namespace, list(request.block_hashes), list(request.token_ids),
                                    request.extras, ALL_TIERS)
@@ -93,6 +96,9 @@ class Router:
         if may_read:
             match = _with_speculative(
                 match, self.speculative.leading_blocks(scope, [c.node_id for c in request.candidates], hashes))
+        if node_allowed is not None:
+            match = PrefixMatch(match.blocks_queried, [h for h in match.holders if await node_allowed(h.node_id)],
+                                match.block_hashes)
         booker = request.namespace.tenant if booker is None else booker
         cost = CostModel(await self._stats.figures(), s, request.kv_bytes_per_token or s.route_kv_bytes_per_token,
                          functools.partial(self.ledger.wait_s, booker=booker))

@@ -29,6 +29,9 @@ _EWMA_LUA = (Path(__file__).parent.parent / "lua" / "stats_ewma.lua").read_text(
 # Unbounded, a node reporting made-up engine names ("<node>:<anything>") grew both Redis and every route's read.
 # Each node also has a share of it (``max_per_node``, stats_ewma.lua), so one node cannot fill it for the others.
 MAX_FIGURES = 16_384
+# One report moves a figure by at most this factor (stats_ewma.lua), whatever it says and however many samples of the
+# figure it carries: a single made-up sample (within types.MAX_* bounds) no longer takes a node's figure there at once.
+MAX_STEP = 4.0
 
 
 class StatsStore(ABC):
@@ -68,7 +71,7 @@ class RedisStatsStore(StatsStore):
             return
         if not self._sha:
             self._sha = await self._redis.script_load(_EWMA_LUA)
-        args = (2, key, f"{key}:owners", self._alpha, MAX_FIGURES, self._max_per_node, *triples)
+        args = (2, key, f"{key}:owners", self._alpha, MAX_FIGURES, self._max_per_node, MAX_STEP, *triples)
         try:
             await self._redis.evalsha(self._sha, *args)
         except redis.exceptions.NoScriptError:  # the server restarted or was flushed

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
@@ -18,6 +17,11 @@ MAX_CANDIDATES = 1024
 # bytes = 504 KiB). A figure past it is a mistake, or made up to make every pull look costly.
 MAX_KV_BYTES_PER_TOKEN = 16 << 20
 MAX_REPORT_SAMPLES = 10_000
+# The most a reported figure may say (ReportStats). Past these it is a mistake or made up: a node reporting its own
+# engine at 1e300 tokens/s made its queue of 200,000 tokens look free, and took other tenants' routes.
+MAX_PREFILL_TOKENS_PER_S = 1e8   # 100 M tokens/s: ~100x the prefill of any engine (one GPU, or a whole node) today
+MAX_LINK_BYTES_PER_S = 1e12      # 1 TB/s: more than a node's NICs together (8 x 400 Gb/s = 400 GB/s) carry
+MAX_PULL_BLOCKS = 1 << 24        # blocks one routed pull names: far more than a prompt's
 
 
 class Policy(enum.Enum):
@@ -252,14 +256,19 @@ class StatsReport:
         for i, s in enumerate(self.links):
             validate_node_id(s.source_node_id)
             validate_node_id(s.dest_node_id)
-            if not 0 < s.bytes_per_s < math.inf:
-                raise InvalidArgument(f"links[{i}]: bytes_per_s must be > 0")
+            if not 0 < s.bytes_per_s <= MAX_LINK_BYTES_PER_S:  # NaN fails it too
+                raise InvalidArgument(f"links[{i}]: bytes_per_s must be > 0 and at most {MAX_LINK_BYTES_PER_S:g} "
+                                      f"(1 TB/s, more than any link carries), not {s.bytes_per_s!r}")
         for i, e in enumerate(self.engines):
             validate_node_id(e.engine_id)
-            if not 0 < e.prefill_tokens_per_s < math.inf:
-                raise InvalidArgument(f"engines[{i}]: prefill_tokens_per_s must be > 0")
+            if not 0 < e.prefill_tokens_per_s <= MAX_PREFILL_TOKENS_PER_S:
+                raise InvalidArgument(f"engines[{i}]: prefill_tokens_per_s must be > 0 and at most "
+                                      f"{MAX_PREFILL_TOKENS_PER_S:g} (more than any engine prefills), "
+                                      f"not {e.prefill_tokens_per_s!r}")
         for i, p in enumerate(self.pulls):
             validate_node_id(p.source_node_id)
+            if not 0 <= p.blocks_routed <= MAX_PULL_BLOCKS or p.blocks_hit < 0:
+                raise InvalidArgument(f"pulls[{i}]: blocks_routed and blocks_hit must be 0 to {MAX_PULL_BLOCKS}")
             if p.blocks_hit > p.blocks_routed:
                 raise InvalidArgument(f"pulls[{i}]: blocks_hit exceeds blocks_routed")
         return self

@@ -299,9 +299,10 @@ async def test_a_scheduler_of_tenant_b_cannot_prefetch_a_namespace_or_to_a_node_
     stolen = await route(world, NS_A, b_key, a_hashes)
     assert stolen.source is None and stolen.prefetch is None
 
-    # B routing its own prompt to far (excluded by B's policy): a source, but no order
-    b_far = await route(world, NS_B, b_key, b_hashes, engine_node="far")
-    assert b_far.source is not None and b_far.prefetch is None
+    # B routing its own prompt to far (excluded by B's policy): refused, naming the nodes B allows (review F3b)
+    with pytest.raises(grpc.aio.AioRpcError) as excluded:
+        await route(world, NS_B, b_key, b_hashes, engine_node="far")
+    assert excluded.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'src', 'dst'" in excluded.value.details()
     b_dst = await route(world, NS_B, b_key, b_hashes)
     assert b_dst.prefetch_status == "STARTED"
 

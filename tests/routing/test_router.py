@@ -3,6 +3,8 @@ affinity spill and the pull break-even, on a controllable clock."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvmesh.namespace import CacheConfig, Namespace
@@ -12,7 +14,9 @@ from control_plane.routing.config import RoutingSettings
 from control_plane.routing.cost_model import Figures
 from control_plane.routing.router import Router
 from control_plane.routing.stats import StatsStore
-from control_plane.routing.types import Candidate, Policy, RouteRequest, SourceDecision
+from control_plane.routing.types import (
+    Candidate, EngineSample, LinkSample, Policy, PullOutcome, RouteRequest, SourceDecision, StatsReport,
+)
 
 B = 32
 KV = 100_000
@@ -278,3 +282,40 @@ def test_a_ledger_of_many_live_links_is_not_rebuilt_on_every_booking():
     for i in range(ledger._prune_past + 1):
         ledger.add("src", f"later-{i}", seconds=1.0)
     assert not [link for link in ledger._free_at if link[-1].startswith("made-up-")]
+
+
+async def test_a_holder_the_tenants_policy_excludes_is_never_named_as_the_source():
+    """Found in review (F3b): the router named any holder its lookup (or a speculative entry) gave as the pull
+    source. Given the tenant policy's check (``node_allowed``, from ControlPlane.route), a holder on an excluded node
+    is never the source, even when it holds the longest prefix. Control: without the check, it is the source."""
+    clock = Clock()
+    cands = [Candidate("b", "b"), Candidate("c", "c")]
+    holders = lookup_of([held("x", cpu=60), held("a", cpu=40)])
+
+    async def allowed(node_id: str) -> bool:
+        return node_id != "x"
+
+    d = await router(clock).route(request(cands, Policy.LOAD_AWARE), holders, node_allowed=allowed)
+    assert d.source is not None and d.source.node_id == "a", d.explanation  # red before: no node_allowed at all
+    control = await router(clock).route(request(cands, Policy.LOAD_AWARE), holders)
+    assert control.source is not None and control.source.node_id == "x"
+
+
+@pytest.mark.parametrize("report, field", [
+    (StatsReport(engines=(EngineSample("a", 1e300),)), "prefill_tokens_per_s"),
+    (StatsReport(engines=(EngineSample("a", 1.5e8),)), "prefill_tokens_per_s"),
+    (StatsReport(engines=(EngineSample("a", math.nan),)), "prefill_tokens_per_s"),
+    (StatsReport(engines=(EngineSample("a", math.inf),)), "prefill_tokens_per_s"),
+    (StatsReport(links=(LinkSample("a", "b", 1e13),)), "bytes_per_s"),
+    (StatsReport(links=(LinkSample("a", "b", math.nan),)), "bytes_per_s"),
+    (StatsReport(pulls=(PullOutcome("a", 1 << 30, 0),)), "blocks_routed"),
+])
+def test_a_figure_past_anything_measured_is_refused_in_one_line(report, field):
+    """Found in review (F3a): a node reported its own engine at 1e300 tokens/s (finite, so accepted) and took the
+    cost-aware routes of other tenants' schedulers to that engine. Control: the largest plausible figures pass."""
+    from kvmesh.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match=field) as err:
+        report.validate()
+    assert "\n" not in str(err.value)
+    StatsReport(links=(LinkSample("a", "b", 1e12),), engines=(EngineSample("a", 1e8),),
+                pulls=(PullOutcome("a", 1 << 24, 1 << 24),)).validate()

@@ -367,3 +367,128 @@ async def test_a_tenant_limited_to_a_pool_is_held_and_served_by_that_pool_only(f
     await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="tenant-p", policy=tpb.TenantPolicy(
         allowed_pools=["silver"])))
     assert not (await fleet.cp(sched).LookupPrefix(lookup)).holders
+
+
+async def _node_cp(fleet, node_id):
+    _, key = await fleet.key("node", node_id=node_id)
+    cp = fleet.cp(key)
+    await cp.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(node_id=node_id,
+                                                                  data_plane_address="127.0.0.1:7001")))
+    return cp
+
+
+async def test_a_nodes_absurd_figure_for_its_own_engine_does_not_take_another_tenants_routes(fleet, control_plane):
+    """Found by the reviewer (F3a, /tmp/attack/p14_figures.py): node-x's key reported its own engine's prefill as
+    1e300 tokens/s (finite, so accepted); the victim's cost-aware Route, candidates node-x (200,000 running tokens,
+    50 waiting) and node-y (idle), then picked node-x. Now a figure past anything measured is INVALID_ARGUMENT,
+    and a report within bounds moves a figure by at most stats.MAX_STEP (4x). Control: a plausible report moves a
+    route whose candidates are close."""
+    await fleet.tenant("victim")
+    _, scheduler = await fleet.key("scheduler", tenant_id="victim")
+    victim = fleet.cp(scheduler)
+    node_x = await _node_cp(fleet, "node-x")
+
+    async def route(*candidates: tuple[str, str, int, int]) -> str:
+        reply = await victim.Route(pb.RouteRequest(
+            namespace=ns_pb("victim"), token_ids=TOKENS, policy=pb.ROUTE_POLICY_COST_AWARE,
+            candidates=[pb.EngineCandidate(engine_id=e, node_id=n, running_tokens=r, waiting_requests=w)
+                        for e, n, r, w in candidates]))
+        return reply.engine_id
+
+    async def report(engine: str, tps: float):
+        return await node_x.ReportStats(pb.ReportStatsRequest(engines=[pb.EngineSample(engine_id=engine,
+                                                                                       prefill_tokens_per_s=tps)]))
+
+    # control: a plausible report moves a close route (3,000 vs 2,000 queued tokens at the default 10,000/s)
+    close = [("node-x:1", "node-x", 3_000, 0), ("engine-y", "node-y", 2_000, 0)]
+    assert await route(*close) == "engine-y"
+    await report("node-x:1", 10_000.0)
+    await report("node-x:1", 40_000.0)  # the average: 19,000 tokens/s
+    assert await route(*close) == "node-x:1"
+
+    heavy = [("node-x", "node-x", 200_000, 50), ("engine-y", "node-y", 0, 0)]
+    assert await route(*heavy) == "engine-y"
+    await expect(report("node-x", 1e300), grpc.StatusCode.INVALID_ARGUMENT, "prefill_tokens_per_s")
+    assert await route(*heavy) == "engine-y", "a figure of 1e300 tokens/s took the route"  # red before: node-x
+    await report("node-x", 10_000.0)
+    await report("node-x", 1e8)  # within the bound, but 10,000x the figure: one report moves it 4x at most
+    store = control_plane.core.router._stats
+    assert float(await store._redis.hget(store.engine_key, "node-x")) == pytest.approx(40_000.0)
+    assert await route(*heavy) == "engine-y", "one report of 1e8 tokens/s took the route"
+
+
+async def test_a_route_never_picks_a_candidate_on_a_node_the_tenants_policy_excludes(fleet):
+    """Found by the reviewer (F3b): a cost-aware Route of the victim (policy allowed_nodes=[node-y]) picked a
+    candidate on node-x, whose key had reported its engine fast. The candidates the namespace's tenant policy
+    excludes are now dropped before any policy runs, whatever the figures say; with none left the Route is
+    FAILED_PRECONDITION naming the nodes the policy allows. Control: with the policy allowing node-x, it is picked."""
+    await fleet.tenant("victim", allowed_nodes=["node-y"])
+    _, scheduler = await fleet.key("scheduler", tenant_id="victim")
+    victim = fleet.cp(scheduler)
+    cands = [pb.EngineCandidate(engine_id="engine-x", node_id="node-x"),  # idle: the best by every policy
+             pb.EngineCandidate(engine_id="engine-y", node_id="node-y", running_tokens=200_000, waiting_requests=50)]
+
+    async def route(policy, candidates=cands) -> str:
+        return (await victim.Route(pb.RouteRequest(namespace=ns_pb("victim"), token_ids=TOKENS, policy=policy,
+                                                   candidates=candidates))).engine_id
+
+    policies = [pb.ROUTE_POLICY_COST_AWARE, pb.ROUTE_POLICY_LOAD_AWARE, pb.ROUTE_POLICY_TOKEN_AWARE,
+                pb.ROUTE_POLICY_AFFINITY]
+    for policy in policies:
+        assert await route(policy) == "engine-y", f"policy {policy} ran the tenant's prompt on node-x"  # red before
+    await expect(route(pb.ROUTE_POLICY_COST_AWARE, cands[:1]), grpc.StatusCode.FAILED_PRECONDITION,
+                 "allowed_nodes: 'node-y'")
+    # a key that may not read the tenant (node-x's) is answered as for a tenant that does not exist: no oracle
+    _, node_x = await fleet.key("node", node_id="node-x")
+    for tenant in ("victim", "no-such-tenant"):
+        reply = await fleet.cp(node_x).Route(pb.RouteRequest(namespace=ns_pb(tenant), token_ids=TOKENS,
+                                                             candidates=cands[:1]))
+        assert reply.engine_id == "engine-x" and not reply.HasField("kv_source")
+    await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="victim", policy=tpb.TenantPolicy(
+        allowed_nodes=["node-x", "node-y"])))
+    for policy in policies:  # control
+        assert await route(policy) == "engine-x"
+
+
+async def test_one_node_cannot_open_its_tenants_namespace_limit_for_the_others(fleet):
+    """Found by the reviewer (F4, /tmp/attack/p6_namespace_crowd.py): one node key opened made-up namespaces of its
+    tenant up to the tenant's limit, and the tenant's honest node was then refused (RESOURCE_EXHAUSTED) publishing a
+    new model. Now one node opens at most half of the limit (checked in the claim's Lua script); the tenant-wide
+    limit still holds, and a node the policy allows alone may open all of it."""
+    await fleet.tenant("tenant-n", max_namespaces=4)
+
+    async def opener(node_id, tenant="tenant-n"):
+        cp, seq = await _node_cp(fleet, node_id), 0
+        reg = await cp.RegisterNode(pb.RegisterNodeRequest(node=pb.NodeInfo(node_id=node_id,
+                                                                            data_plane_address="127.0.0.1:7001")))
+
+        async def open_(model: str):
+            nonlocal seq
+            seq += 1
+            ns = common_pb2.Namespace(tenant=tenant, model=model, weight_version="v1",
+                                      cache_config=common_pb2.CacheConfig(block_size=32))
+            try:
+                return await cp.PublishEvents(pb.EventBatch(
+                    node_id=node_id, incarnation=reg.incarnation, seq=seq, namespace=ns, events=[pb.KvEvent(
+                        stored=pb.BlockStored(block_hashes=hashes(1), block_size=32, medium=common_pb2.MEDIUM_CPU))]))
+            except grpc.aio.AioRpcError:
+                seq -= 1  # a unary batch refused consumes no seq
+                raise
+        return open_
+
+    attacker, honest, third = await opener("node-x"), await opener("node-a"), await opener("node-b")
+    for i in range(2):
+        assert (await attacker(f"made-up-{i}")).status == pb.ACK_STATUS_APPLIED
+    await expect(attacker("made-up-2"), grpc.StatusCode.RESOURCE_EXHAUSTED, "its share of them (2")  # red: applied
+    for model in ("tiny@rev2", "tiny@rev3"):  # the honest node still opens new models (red before: refused)
+        assert (await honest(model)).status == pb.ACK_STATUS_APPLIED
+    assert (await honest("made-up-0")).status == pb.ACK_STATUS_APPLIED  # at its share: joining one the tenant has
+    # control: the tenant-wide limit (4) still holds, for a node that has opened none
+    await expect(third("tiny@rev4"), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit of 4 namespaces")
+    assert (await third("tiny@rev2")).status == pb.ACK_STATUS_APPLIED  # a namespace the tenant has
+
+    await fleet.tenant("tenant-s", max_namespaces=4, allowed_nodes=["node-s"])  # control: allowed alone
+    alone = await opener("node-s", "tenant-s")
+    for i in range(4):
+        assert (await alone(f"model-{i}")).status == pb.ACK_STATUS_APPLIED
+    await expect(alone("model-4"), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit of 4 namespaces")

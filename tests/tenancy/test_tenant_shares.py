@@ -61,7 +61,7 @@ class Node:
 async def test_a_node_key_opens_no_more_namespaces_than_its_tenants_limit(fleet, control_plane, cp_config):
     limit = cp_config.max_namespaces_per_tenant
     await fleet.tenant("victim")
-    await fleet.tenant("attacker")
+    await fleet.tenant("attacker", allowed_nodes=["node-x"])  # alone: its node may open the whole limit (F4)
     victim, attacker = await Node.start(fleet, "node-v"), await Node.start(fleet, "node-x")
     for i in range(limit):
         assert (await attacker.publish(ns("attacker", f"made-up-{i}"))).status == pb.ACK_STATUS_APPLIED
@@ -90,7 +90,7 @@ async def test_a_node_key_opens_no_more_namespaces_than_its_tenants_limit(fleet,
 
 
 async def test_a_tenants_policy_sets_its_namespace_limit(fleet):
-    await fleet.tenant("small", max_namespaces=2)
+    await fleet.tenant("small", max_namespaces=2, allowed_nodes=["node-s"])  # alone: the whole limit (F4)
     node = await Node.start(fleet, "node-s")
     for model in ("a", "b"):
         assert (await node.publish(ns("small", model))).status == pb.ACK_STATUS_APPLIED
@@ -98,7 +98,8 @@ async def test_a_tenants_policy_sets_its_namespace_limit(fleet):
         await node.publish(ns("small", "c"))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 2 namespaces" in \
         refused.value.details()
-    await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="small", policy=tpb.TenantPolicy(max_namespaces=3)))
+    await fleet.admin.SetPolicy(tpb.SetPolicyRequest(tenant_id="small", policy=tpb.TenantPolicy(
+        max_namespaces=3, allowed_nodes=["node-s"])))
     assert (await node.publish(ns("small", "c"))).status == pb.ACK_STATUS_APPLIED
 
 
@@ -117,16 +118,20 @@ async def test_the_namespaces_a_revoked_node_key_opened_are_given_back_to_its_te
     fleet = Fleet(f"127.0.0.1:{running.port}", admin_key)
     honest = None
     try:
-        await fleet.tenant("victim", max_namespaces=3)
+        await fleet.tenant("victim", max_namespaces=4)  # one node opens at most 2 of them (F4)
         honest, attacker = await Node.start(fleet, "node-v"), await Node.start(fleet, "node-x")
+        second = await Node.start(fleet, "node-w")
 
-        async def heartbeats():  # the honest node stays live; the attacker's lease runs out once its key is revoked
+        async def heartbeats():  # the honest nodes stay live; the attacker's lease runs out once its key is revoked
             while True:
-                await honest.cp.Heartbeat(pb.HeartbeatRequest(node_id="node-v", incarnation=honest.reg.incarnation))
+                for node in (honest, second):
+                    await node.cp.Heartbeat(pb.HeartbeatRequest(node_id=node.node_id,
+                                                                incarnation=node.reg.incarnation))
                 await asyncio.sleep(0.3)
 
         beating = asyncio.create_task(heartbeats())
         assert (await honest.publish(ns("victim", "real-model"))).status == pb.ACK_STATUS_APPLIED
+        assert (await second.publish(ns("victim", "second-model"))).status == pb.ACK_STATUS_APPLIED
         for i in range(2):
             assert (await attacker.publish(ns("victim", f"made-up-{i}"))).status == pb.ACK_STATUS_APPLIED
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -144,13 +149,14 @@ async def test_the_namespaces_a_revoked_node_key_opened_are_given_back_to_its_te
         assert ack is not None and ack.status == pb.ACK_STATUS_APPLIED, "the made-up namespaces still count"
         # Controls: both made-up namespaces went; one holding blocks is kept, however long ago it was claimed;
         # the limit still holds.
-        assert (await honest.publish(ns("victim", "another-model"))).status == pb.ACK_STATUS_APPLIED
+        assert (await second.publish(ns("victim", "another-model"))).status == pb.ACK_STATUS_APPLIED
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await honest.publish(ns("victim", "one-too-many"))
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 3" in refused.value.details()
-        for model in ("real-model", "new-model", "another-model"):
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 4" in refused.value.details()
+        for model, holder in (("real-model", "node-v"), ("new-model", "node-v"), ("another-model", "node-w"),
+                              ("second-model", "node-w")):
             query = pb.LookupPrefixRequest(namespace=ns("victim", model), block_hashes=[BLOCK])
-            assert [h.node_id for h in (await fleet.admin_cp.LookupPrefix(query)).holders] == ["node-v"]
+            assert [h.node_id for h in (await fleet.admin_cp.LookupPrefix(query)).holders] == [holder]
         beating.cancel()
     finally:
         await fleet.close()
@@ -161,7 +167,7 @@ async def test_one_tenant_takes_only_its_share_of_the_followed_namespaces(fleet,
     from control_plane import replica as replica_module
     monkeypatch.setattr(replica_module, "MAX_FOLLOWED_NAMESPACES", 12, raising=False)
     monkeypatch.setattr(replica_module, "MAX_FOLLOWED_PER_TENANT", 4, raising=False)
-    await fleet.tenant("hog")
+    await fleet.tenant("hog", allowed_nodes=["node-h"])  # alone: its node may open the whole limit (F4)
     await fleet.tenant("other")
     hog, other = await Node.start(fleet, "node-h"), await Node.start(fleet, "node-o")
     replica = control_plane.core.block_map.replica
