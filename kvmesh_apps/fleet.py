@@ -310,10 +310,12 @@ class Fleet:
     def node_key_file(self, node: str) -> Path:
         return self.secrets_dir / f"{node}.key"
 
-    def client_tls(self, name: str = ADMIN) -> ClientTLS | None:
+    def client_tls(self, name: str = ADMIN, server: str | None = None) -> ClientTLS | None:
         """How a client reaches the fleet's services: ``name``'s certificate (``admin``, a node id for that data
-        plane's own, ``engine-<node>``), or None (plaintext) for a fleet started with ``tls=False``."""
-        return self.tls.client(name) if self.tls else None
+        plane's own, ``engine-<node>``), checking the server's names ``server`` (FleetTLS.client: an engine's
+        checks its node's by default; a data plane's certificate names its node id alone), or None (plaintext)
+        for a fleet started with ``tls=False``."""
+        return self.tls.client(name, server) if self.tls else None
 
     def control_plane_tls(self, name: str = ADMIN) -> ClientTLS | None:
         """:meth:`client_tls` for the control plane, checking its certificate names it (``control-plane``)."""

@@ -5,8 +5,8 @@ Everything lives in ``<workdir>/tls`` (a 0700 directory, every file 0600):
 | files | what | used by |
 |---|---|---|
 | ``ca.crt``, ``ca.key`` | the fleet's private CA (kvmesh/pki.py) | every party trusts ``ca.crt``; the key signs |
-| ``control-plane.crt/.key`` | server certificate for 127.0.0.1, localhost and the name ``control-plane`` (what the fleet's clients check) | the control plane |
-| ``<node>.crt/.key`` | server certificate for 127.0.0.1, localhost and the name ``<node>`` (what its peers check), also its client certificate | data plane ``<node>``: serves, calls the control plane and peers |
+| ``control-plane.crt/.key`` | server certificate for the name ``control-plane`` (what the fleet's clients check), 127.0.0.1 and localhost | the control plane |
+| ``<node>.crt/.key`` | server certificate for the name ``<node>`` alone (what its peers and its engine check), also its client certificate | data plane ``<node>``: serves, calls the control plane and peers |
 | ``engine-<node>.crt/.key`` | client certificate | the engine attached to ``<node>`` (its connector) |
 | ``admin.crt/.key`` | client certificate | ``kvmesh admin``, schedulers and routers |
 
@@ -31,9 +31,14 @@ ADMIN = "admin"
 
 
 def server_subject(name: str) -> pki.Subject:
-    """A server of the fleet: where it listens (127.0.0.1, localhost) and its own name, which the fleet's clients
-    check, so no other certificate of the CA answers as it at its address (a port freed by a restart)."""
-    return pki.Subject(name, True, (name, "localhost"), ("127.0.0.1",))
+    """A server of the fleet, named by its role: a data plane by its node id alone, which its clients check, so no
+    other certificate of the CA answers as it at its address (a port freed by a restart). The control plane's also
+    names 127.0.0.1 and localhost: a client dialling the fleet's loopback addresses without naming whom it expects
+    (``kvmesh admin`` without ``--tls-server-name``, a raw channel) can only be answered by the control plane's, never
+    by a node's (whose key a compromised node holds: it would get the admin's and schedulers' keys)."""
+    if name == CONTROL_PLANE:
+        return pki.Subject(name, True, (name, "localhost"), ("127.0.0.1",))
+    return pki.Subject(name, True, (name,))
 
 
 def engine_name(node: str) -> str:
@@ -107,10 +112,14 @@ class FleetTLS:
 
     # ---- how each party is configured ----
 
-    def client(self, name: str = ADMIN) -> ClientTLS:
+    def client(self, name: str = ADMIN, server: str | None = None) -> ClientTLS:
         """A client presenting ``name``'s certificate (kvmesh.channels), checking the server's certificate names
-        what the address does (use :meth:`control_plane_client` for the control plane)."""
-        return ClientTLS(str(self.ca_file), self.cert_file(name), self.key_file(name))
+        ``server``: by default an engine's (``engine-<node>``) its own data plane ``<node>``, else what the address
+        does (on loopback only the control plane's certificate names it: give a data plane's node id as
+        ``server`` to reach it; :meth:`control_plane_client` for the control plane)."""
+        if server is None and name.startswith("engine-"):
+            server = name.removeprefix("engine-")
+        return ClientTLS(str(self.ca_file), self.cert_file(name), self.key_file(name), server)
 
     def control_plane_client(self, name: str = ADMIN) -> ClientTLS:
         """A client of the control plane presenting ``name``'s certificate, checking that the server's names the

@@ -172,8 +172,8 @@ async def test_peers_on_one_host_are_bounded_apart_by_their_certificates(local_n
     pending = os.urandom(32)
     p1, p2 = NodeIdentity(), NodeIdentity()
     owner = DataPlaneClient(node.address, key=node.core.config.node_key(), tls=tls.client(engine_name("src")))
-    first = DataPlaneClient(node.address, tls=tls.client("p1"), peer_proof=lambda g, m: p1.proof(g, m, "src"))
-    second = DataPlaneClient(node.address, tls=tls.client("p2"), peer_proof=lambda g, m: p2.proof(g, m, "src"))
+    first = DataPlaneClient(node.address, tls=tls.client("p1", "src"), peer_proof=lambda g, m: p1.proof(g, m, "src"))
+    second = DataPlaneClient(node.address, tls=tls.client("p2", "src"), peer_proof=lambda g, m: p2.proof(g, m, "src"))
     async with owner, first, second:
         await owner.reserve(ns, [pending])
         held, refused = await hold_to_the_limit(first, ns, pending, grant(p1.public_key, "p1", "src", ns))

@@ -32,11 +32,15 @@ def test_made_for_every_party_with_owner_only_files(tmp_path):
     ca = _cert(tls.directory, "ca")
     for name in names[1:]:
         _cert(tls.directory, name).verify_directly_issued_by(ca)
-    for server, dns_names in (("control-plane", ["control-plane", "localhost"]), ("dp1", ["dp1", "localhost"])):
+    # A node's certificate names its node id alone (no address: whatever name a client checks, or none, it cannot
+    # answer as the control plane or another node); the control plane's names itself and the loopback it serves on.
+    loopback = [ipaddress.ip_address("127.0.0.1")]
+    for server, dns_names, ips in (("control-plane", ["control-plane", "localhost"], loopback),
+                                   ("dp1", ["dp1"], []), ("dp2", ["dp2"], [])):
         cert = _cert(tls.directory, server)
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert sans.get_values_for_type(x509.DNSName) == dns_names  # and its own name, which clients check
-        assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+        assert sans.get_values_for_type(x509.IPAddress) == ips
         usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     client = _cert(tls.directory, "engine-dp1")

@@ -25,14 +25,16 @@ from kvmesh.command_line import run_command
 from kvmesh_apps import up
 
 
-def admin_tls(info: dict) -> ClientTLS | None:
-    """The admin's certificate from ``kvmesh up --json`` (None: the fleet runs plaintext)."""
+def admin_tls(info: dict, server: str | None = None) -> ClientTLS | None:
+    """The admin's certificate from ``kvmesh up --json``, checking the server's names ``server`` (a data plane's:
+    its node id; None: the address, which only the control plane's names) (None: the fleet runs plaintext)."""
     tls = info["tls"]
-    return ClientTLS(tls["ca_file"], tls["admin"]["cert_file"], tls["admin"]["key_file"]) if tls else None
+    return ClientTLS(tls["ca_file"], tls["admin"]["cert_file"], tls["admin"]["key_file"], server) if tls else None
 
 
 def serving(address: str, tls: ClientTLS | None) -> bool:
-    channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls.credentials())
+    channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(
+        address, tls.credentials(), options=tls.options([]))
     with channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -50,8 +52,8 @@ def test_up_starts_serves_and_stops(tmp_path):
         for pair in [tls["admin"], tls["control_plane"], tls["data_planes"]["dp1"], tls["engines"]["dp1"]]:
             assert Path(pair["cert_file"]).is_file() and Path(pair["key_file"]).is_file()
         assert serving(info["control_plane"], admin_tls(info))
-        for address in info["data_planes"].values():
-            assert serving(address, admin_tls(info))
+        for node, address in info["data_planes"].items():
+            assert serving(address, admin_tls(info, node))
         assert Path(info["admin_key_file"]).read_text().startswith("kvm_")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
@@ -165,7 +167,7 @@ def test_model_sizes_the_slots_and_the_engine_hint(tmp_path) -> None:
 
         async def describe():
             key = Path(info["node_key_files"][node]).read_text().strip()
-            async with DataPlaneClient(address, key=key, tls=admin_tls(info)) as client:
+            async with DataPlaneClient(address, key=key, tls=admin_tls(info, node)) as client:
                 return await client.describe_tier()
 
         tier = asyncio.run(describe())

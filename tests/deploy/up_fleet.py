@@ -3,6 +3,7 @@ its services as its --json line says (with the admin's TLS files when the fleet 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -92,6 +93,11 @@ def admin_channel(info: dict):
 
 
 async def healthy(info: dict, address: str) -> bool:
-    async with channel(address, None, client_tls(info)) as ch:
+    """``address`` (the control plane's or a data plane's) answers SERVING, its certificate naming its role."""
+    tls = client_tls(info)
+    node = next((n for n, a in info["data_planes"].items() if a == address), None)
+    if tls is not None and node is not None:  # a data plane's certificate names its node id alone
+        tls = dataclasses.replace(tls, server_name=node)
+    async with channel(address, None, tls) as ch:
         reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -80,7 +80,9 @@ def side(small_fleet: Fleet):
     def make(**overrides) -> SchedulerSide:
         extra = {**small_fleet.connector_config("dp2"), **overrides}
         config = ConnectorConfig.from_extra_config(extra)
-        link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address, tls=config.tls())
+        link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address,  # as the connector
+                        tls=config.tls(config.data_plane_tls_name),
+                        control_plane_tls=config.tls(config.control_plane_tls_name))
         links.append(link)
         s = SchedulerSide(link, namespace(small_fleet), config, BS, can_load=True, can_save=True)
         s.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (list(range(100, 200)),)))

@@ -24,6 +24,7 @@ import ssl
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +32,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from data_plane.client import DataPlaneClient, SharedTier
+from data_plane.client import DataPlaneClient as _DataPlaneClient, SharedTier
 from engine_connector.config import KV_LAYOUT
-from kvmesh.channels import ClientTLS, channel
+from kvmesh.channels import ClientTLS, channel as _channel
 from kvmesh.hashing import BlockHasher
 from kvmesh.namespace import CacheConfig, Namespace
 from kvmesh.v1 import (
@@ -42,6 +43,26 @@ from kvmesh.v1 import (
 )
 from tenancy.auth import GRANT_METADATA
 from tenancy.peer_proof import PROOF_METADATA, NodeIdentity, PeerCall
+
+_NODE_AT: dict[str, str] = {}  # a data plane's address -> its node id, the one name its certificate gives
+
+
+def _named(address: str, tls: ClientTLS | None) -> ClientTLS | None:
+    """``tls`` checking the node id of the data plane at ``address`` (a data plane's certificate names nothing
+    else, no address; the probe may name whichever server it dials, as any client may)."""
+    if tls is None or tls.server_name or address not in _NODE_AT:
+        return tls
+    return dataclasses.replace(tls, server_name=_NODE_AT[address])
+
+
+def channel(address: str, key: str | None, tls: ClientTLS | None = None):
+    return _channel(address, key, _named(address, tls))
+
+
+class DataPlaneClient(_DataPlaneClient):
+    def __init__(self, address: str, *args, tls: ClientTLS | None = None, **kwargs) -> None:
+        super().__init__(address, *args, tls=_named(address, tls), **kwargs)
+
 
 BLOCK_TOKENS = 32
 # The HTTP/2 client preface and an empty SETTINGS frame: a connection that has handshaken, then never calls.
@@ -164,6 +185,7 @@ class Judge:
         workdir = Path(info["workdir"])
         self.cp = info["control_plane"]
         self.dps = info["data_planes"]
+        _NODE_AT.update({address: node for node, address in self.dps.items()})
         self.key = {n: Path(f).read_text().strip() for n, f in info["node_key_files"].items()}
         self.admin_key = Path(info["admin_key_file"]).read_text().strip()
         if tls:

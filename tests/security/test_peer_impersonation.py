@@ -91,7 +91,7 @@ async def test_a_node_certificate_does_not_answer_as_another_node(tmp_path):
     consumer = DataPlaneProcess("dp3", _flags(tls, "dp3", shm[2], signer))
     try:
         async with DataPlaneClient(real.address, key=real.api_key, tls=tls.client(engine_name("dp2"))) as rc, \
-                DataPlaneClient(impostor.address, key=impostor.api_key, tls=tls.client("dp1")) as ic, \
+                DataPlaneClient(impostor.address, key=impostor.api_key, tls=tls.client("dp1", "dp1")) as ic, \
                 DataPlaneClient(consumer.address, key=consumer.api_key, tls=tls.client(engine_name("dp3"))) as cc:
             hashes = [os.urandom(32) for _ in range(N)]
             await _store(rc, hashes, 0x11)  # dp2's blocks

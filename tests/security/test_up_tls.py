@@ -228,3 +228,100 @@ def test_tls_files_are_the_owners_alone_and_private_keys_appear_nowhere_else(fle
     for body in (k.split("-----")[2] for k in keys):
         assert body.strip() and body.strip().splitlines()[0] not in printed
         assert not any(body.strip().splitlines()[0] in log for log in logs)
+
+
+class _Recorder(grpc.GenericRpcHandler):
+    """Answers nothing (UNIMPLEMENTED) and keeps every call's ``authorization`` metadata: the keys it was sent."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[str, str]] = []
+
+    def service(self, details):
+        self.received += [(details.method, v) for k, v in details.invocation_metadata if k == "authorization"]
+        return None
+
+
+async def _impostor(fleet, cert_of: str) -> tuple[grpc.aio.Server, _Recorder, str]:
+    """A server on a free loopback port with ``cert_of``'s certificate and key from the fleet's workdir (what a
+    compromised node holds: its own), requiring a client certificate of the fleet's CA, as the real servers do."""
+    tls = fleet["workdir"] / "tls"
+    server, recorder = grpc.aio.server(), _Recorder()
+    server.add_generic_rpc_handlers([recorder])
+    pair = [((tls / f"{cert_of}.key").read_bytes(), (tls / f"{cert_of}.crt").read_bytes())]
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(pair, (tls / "ca.crt").read_bytes(),
+                                                                              True))
+    await server.start()
+    return server, recorder, f"127.0.0.1:{port}"
+
+
+async def _admin_cli(fleet, address: str) -> subprocess.CompletedProcess:
+    """The printed admin line pointed at ``address``, without its ``--tls-server-name`` (what a user who drops it, or
+    a script of their own, runs): asynchronously, so the impostor in this loop keeps answering."""
+    argv = shlex.split(fleet["admin"])
+    at = argv.index("--tls-server-name")
+    del argv[at:at + 2]
+    argv[argv.index("--control-plane") + 1] = address
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvmesh_apps.cli", *argv[1:],
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return subprocess.CompletedProcess(argv, proc.returncode, out.decode(), err.decode())
+
+
+async def _clients_of(fleet, address: str, data_plane_name: str | None) -> list[str]:
+    """What each client of the fleet got from ``address``: a scheduler and `kvmesh admin` that name no server (the
+    documented defaults: ``ClientTLS`` without ``server_name``, the admin line without ``--tls-server-name``) and
+    a data-plane client expecting ``data_plane_name`` (None: naming none): the outcome of each, in that order."""
+    tls = fleet["workdir"] / "tls"
+    admin_key = (fleet["workdir"] / "secrets" / "admin.key").read_text().strip()
+    ns = Namespace("demo", "tiny", "rev3", CacheConfig(block_size=BLOCK_TOKENS, kv_dtype="float32",
+                                                       kv_layout=KV_LAYOUT)).validate()
+    outcomes = []
+    nameless = ClientTLS(str(tls / "ca.crt"), str(tls / "admin.crt"), str(tls / "admin.key"))
+    async with SchedulerClient(address, ns, api_key=admin_key, tls=nameless, timeout_s=5) as scheduler:
+        try:
+            await scheduler.lookup_prefix(token_ids=list(range(2 * BLOCK_TOKENS)))
+        except grpc.aio.AioRpcError as error:
+            outcomes.append(error.code().name)
+    admin = await _admin_cli(fleet, address)
+    outcomes.append("UNAVAILABLE" if "UNAVAILABLE" in admin.stderr else f"rc={admin.returncode} {admin.stderr[-300:]}")
+    e1 = fleet["engine"]["dp1"]
+    key1 = Path(e1["api_key_file"]).read_text().strip()
+    async with DataPlaneClient(address, key=key1, tls=ClientTLS(e1["tls_ca_file"], e1["tls_cert_file"],
+                                                                e1["tls_key_file"], data_plane_name)) as dp:
+        try:
+            await dp.describe_tier()
+        except grpc.aio.AioRpcError as error:
+            outcomes.append(error.code().name)
+    return outcomes
+
+
+async def test_a_nodes_certificate_answers_as_no_other_server_whatever_the_client_names(fleet):
+    """dp1's certificate and key (a compromised node's) on a loopback port: a scheduler and `kvmesh admin` dialling
+    it as the control plane without naming the server, and a data-plane client expecting dp2, fail the handshake
+    and send no key (before: every certificate of the fleet named 127.0.0.1, and the fake control plane got the
+    admin's and the scheduler's keys). Positive controls: the control plane's own certificate at such a port gets
+    the scheduler's and the admin CLI's calls; a data-plane client expecting dp1 gets through to dp1's."""
+    server, recorder, address = await _impostor(fleet, "dp1")
+    try:
+        assert await _clients_of(fleet, address, "dp2") == ["UNAVAILABLE"] * 3
+        assert await _clients_of(fleet, address, None) == ["UNAVAILABLE"] * 3  # a node's names no address
+        assert recorder.received == []
+        # positive control, the same server: the client expecting dp1 completes the handshake and sends its key
+        e1 = fleet["engine"]["dp1"]
+        async with DataPlaneClient(address, key="probe-key", tls=_engine_tls(e1)) as dp:
+            with pytest.raises(grpc.aio.AioRpcError) as answered:
+                await dp.describe_tier()
+        assert answered.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert recorder.received and {v for _, v in recorder.received} == {"Bearer probe-key"}
+    finally:
+        await server.stop(0)
+    server, recorder, address = await _impostor(fleet, "control-plane")
+    try:  # positive control: the control plane's certificate is what the nameless clients accept
+        outcomes = await _clients_of(fleet, address, "dp2")
+        assert outcomes[0] == "UNIMPLEMENTED" and outcomes[1].startswith("rc=1 ") and "UNIMPLEMENTED" in outcomes[1], \
+            outcomes
+        assert outcomes[2] == "UNAVAILABLE"  # expecting dp2: the control plane's certificate does not name it
+        methods = {m.rsplit("/", 2)[1] for m, _ in recorder.received}
+        assert methods == {"kvmesh.v1.ControlPlane", "kvmesh.v1.TenantAdmin"}, recorder.received
+    finally:
+        await server.stop(0)

@@ -60,7 +60,9 @@ def main(args: dict) -> None:
         out["prefetch_status"], params = decision.prefetch_status, decision.kv_transfer_params()
     else:
         params = args["kv_transfer_params"]
-    link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address, tls=config.tls())
+    link = NodeLink(config.data_plane_address, config.key(), config.control_plane_address,  # as the connector does
+                    tls=config.tls(config.data_plane_tls_name),
+                    control_plane_tls=config.tls(config.control_plane_tls_name))
     side = SchedulerSide(link, ns, config, BS, can_load=True, can_save=True)
     side.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (list(range(1000)),)))
     request = Request(args["request_id"], hashes, params)

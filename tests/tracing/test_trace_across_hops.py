@@ -16,8 +16,10 @@ from tests.tracing.traced_fleet import BLOCK_BYTES, BS, traced_fleet
 def traced_pull(tmp_path_factory, admin_key):
     with traced_fleet(tmp_path_factory, admin_key) as traced:
         fleet = traced.fleet
-        for address in [fleet.control_plane.address, *(p.address for p in fleet.data_planes.values())]:
-            with grpc.secure_channel(address, fleet.client_tls().credentials()) as ch:  # health probes: never traced
+        for name, address in [("control-plane", fleet.control_plane.address),
+                              *((n, p.address) for n, p in fleet.data_planes.items())]:
+            tls = fleet.client_tls(server=name)  # each certificate names its role: a data plane's its node id
+            with grpc.secure_channel(address, tls.credentials(), options=tls.options([])) as ch:  # never traced
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         host, port = fleet.data_planes["dp1"].address.rsplit(":", 1)
         source = {"kv_request_id": "r1", "remote_host": host, "remote_port": int(port), "remote_node_id": "dp1"}
