@@ -26,6 +26,7 @@ from kvmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied,
 from kvmesh.namespace import Namespace
 
 from data_plane.epochs import Epoch
+from data_plane.metadata_vetting import ONLY_WITH_A_SPARE, HandshakeGate, StuckCheck
 from data_plane.peer_agents import PeerAgents
 from data_plane.tier import Block
 from data_plane.transfer import TransferFailed, Transport
@@ -50,6 +51,7 @@ class Sends:
         self.block_bytes = node.block_bytes
         self.tier, self.region = node.tier, node.region
         self.agents = PeerAgents(node.transport)  # the consumers' NIXL agents sends WRITE to (handshakes)
+        self.handshakes = HandshakeGate()  # per consumer node: one metadata check at a time, cooldown after failures
         # lease id -> holder, of sends whose WRITE may still land: from the moment the send takes the lease
         # until the WRITE ends or NIXL releases it (never, for one NIXL could not release)
         self.writing: dict[str, str] = {}
@@ -73,7 +75,12 @@ class Sends:
         NIXL notification holding a random nonce. The second answers with that nonce (``challenge_answer``):
         only then does the agent become the endpoint sends to ``node_id`` use. Metadata that names the node's
         agent around another process's worker address cannot be answered: the nonce reaches that process.
-        Until the answer, and after any refusal, the endpoint the node had stays in place."""
+        Until the answer, and after any refusal, the endpoint the node had stays in place.
+
+        The metadata is checked first by a throwaway agent (:meth:`Transport.vet_peer`), which costs this node a
+        new checking process whenever the metadata fails the check: one check at a time per ``node_id`` (the node
+        the caller's grant names), and after a failure that node's handshakes are refused for a cooldown that
+        doubles with each failure (ResourceExhausted; :class:`~data_plane.metadata_vetting.HandshakeGate`)."""
         if not node_id:
             raise InvalidArgument("node_id must be set")
         if block_bytes != self.block_bytes:
@@ -88,13 +95,39 @@ class Sends:
             if agent.node_id != node_id or agent.name == self.transport.agent_name:
                 raise PermissionDenied(f"the agent metadata describes agent {agent.name!r}, not one of node "
                                        f"{node_id!r}: a node hands over its own agent's metadata only")
-            await self.transport.vet_peer(metadata, timeout_s)
+            await self._vet(node_id, metadata, timeout_s)
             digest = self.agents.challenge(node_id, metadata, agent)
         elif challenge_answer:
             self.agents.answer(node_id, challenge_answer)
         # Without serve_peer_reads the caller gets no rkey of this node: bytes leave only by send().
         return (self.transport.agent_name, self.transport.metadata() if self.config.serve_peer_reads else b"",
                 digest)
+
+    async def _vet(self, node_id: str, metadata: bytes, timeout_s: float) -> None:
+        """:meth:`Transport.vet_peer` under :attr:`handshakes`. The check runs in a task of its own: a caller that
+        goes away leaves it running (its thread cannot be stopped), and the node's check counts as in flight, and
+        its outcome as the node's, until it ends. A node whose metadata failed before is checked only with a spare
+        checking process up (ResourceExhausted otherwise)."""
+        failed_before = self.handshakes.enter(node_id)
+
+        async def check() -> None:
+            ONLY_WITH_A_SPARE.set(failed_before)  # this task's own context, carried into the check's thread
+            failed = False
+            try:
+                await self.transport.vet_peer(metadata, timeout_s)
+            except (InvalidArgument, StuckCheck):
+                failed = True
+                raise
+            finally:
+                self.handshakes.leave(node_id, failed)
+
+        try:
+            task = asyncio.get_running_loop().create_task(check())
+        except BaseException:
+            self.handshakes.leave(node_id, False)
+            raise
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its caller may be gone
+        await asyncio.shield(task)
 
     async def send(self, ns: Namespace, lease_id: str, hashes: list[bytes], landing_addrs: list[int],
                    consumer_node_id: str, holder: str, *, timeout_s: float, grant_epoch: str = "") -> int:
