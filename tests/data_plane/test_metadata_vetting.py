@@ -88,7 +88,8 @@ def test_a_stopped_vetter_bounds_every_check_a_large_metadata_and_those_queued_b
         for thread in (large, behind):
             thread.join(10.0)
         assert outcomes.get("behind", (None, 0))[0] is Unavailable and outcomes["behind"][1] < 2.0, outcomes
-        assert issubclass(outcomes.get("large", (type(None), 0))[0], Unavailable) and outcomes["large"][1] < 4.0, outcomes
+        large_outcome = outcomes.get("large", (type(None), 0))
+        assert issubclass(large_outcome[0], Unavailable) and large_outcome[1] < 4.0, outcomes
         with pytest.raises(InvalidArgument, match="NIXL cannot load it"):
             vetter.vet(b"not an agent's metadata", 60.0)
     finally:
