@@ -181,13 +181,19 @@ def test_one_window_has_no_confidence_interval_and_the_sweep_gets_distinct_windo
     assert all(p["policies"]["cost-aware+p2p"]["goodput_rps_ci95"] is not None for p in result["sweep"])
 
 
-def test_sim_to_real_checks_its_input_before_starting_anything(tmp_path, capsys, monkeypatch):
-    class Started(Exception):
-        pass
+class Started(Exception):
+    """sim-to-real got past its input checks (it went on to build the model)."""
 
+
+def stop_before_engines(monkeypatch) -> None:
+    """sim-to-real raises :class:`Started` where it would start building engines."""
     def build_tiny_llama(*_):
         raise Started
     monkeypatch.setattr(sim_to_real, "build_tiny_llama", build_tiny_llama)
+
+
+def test_sim_to_real_checks_its_input_before_starting_anything(tmp_path, capsys, monkeypatch):
+    stop_before_engines(monkeypatch)
     trace = trace_of(tmp_path / "t.jsonl", 10)
     bad = write(tmp_path / "bad.jsonl", [GOOD, {**GOOD, "hash_ids": [1, -2]}])
     prog = "kvmesh bench sim-to-real"

@@ -19,7 +19,7 @@ from kvmesh_apps.replay import bench
 from kvmesh_apps.replay.profile import Profile
 from kvmesh_apps.replay.trace import TraceError, TraceFormat, load_window, scan
 from tests.doc_blocks import doc_block
-from tests.replay.test_trace import TINY, one_line_error, trace_of, write
+from tests.replay.test_trace import TINY, Started, one_line_error, stop_before_engines, trace_of, write
 
 QWEN = ["--trace-block-tokens", "16", "--trace-time-unit", "s"]
 
@@ -136,12 +136,7 @@ def test_kv_memory_is_the_same_whatever_the_block_size(tmp_path, capsys):
 
 
 def test_sim_to_real_reads_the_trace_with_the_same_flags(tmp_path, capsys, monkeypatch):
-    class Started(Exception):
-        pass
-
-    def build_tiny_llama(*_):
-        raise Started
-    monkeypatch.setattr(sim_to_real, "build_tiny_llama", build_tiny_llama)
+    stop_before_engines(monkeypatch)
     trace = qwen_trace(tmp_path / "qwen.jsonl", 40)
     err = one_line_error(sim_to_real.main, ["--trace", str(trace)], capsys, "kvmesh bench sim-to-real")
     assert "its ids imply 16-token blocks; replay with --trace-block-tokens 16" in err
