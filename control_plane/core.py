@@ -381,7 +381,6 @@ class ControlPlane:
         source = dataclasses.replace(source, route_token=token.decode())
         order = None
         if self.config.route_prefetch and (as_tenant or node_key):  # route-time prefetch (control_plane.prefetch)
-            tenant = await self.authz.tenant(request.namespace.tenant) or tenant
             order = await prefetch_order(
                 request, decision.engine_id, source, nodes=self.block_map.list_nodes, signer=self.signer,
                 node_allowed=lambda node_id: self._allows(tenant.policy, node_id),

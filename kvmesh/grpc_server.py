@@ -310,7 +310,7 @@ async def start_server(
         binding.add_to_server(binding.servicer, server)
         names.append(binding.full_name)
     reflection.enable_server_reflection(names, server)
-    gate.health_watches.services.update(["", *names[2:]])  # the server's health, and each service's
+    gate.health_watches.services.update(["", *(binding.full_name for binding in services)])  # what health.set names
     check_can_bind(address)
     try:
         port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
